@@ -1,0 +1,1 @@
+"""capstan.chunkmem: not implemented yet (skeleton package; see docs/architecture.md)."""

@@ -1,0 +1,33 @@
+"""capstan.comm: bootstrap, dp x pp x tp topology, collectives and point-to-point.
+
+Example (runs as one process, or under ``mpirun -np 4`` / ``torchrun --nproc_per_node 4``)::
+
+    import torch
+    from capstan import comm
+
+    world = comm.init()                              # reads the launcher's variables
+    groups = comm.build_groups(comm.Topology(dp=world.size))
+    x = torch.ones(8)
+    comm.all_reduce(x, group=groups.dp)              # x == dp size everywhere
+    comm.shutdown()
+"""
+
+from .bootstrap import BACKENDS, CPU_DEFAULT_BACKEND, init, is_initialized, shutdown
+from .bucketing import all_reduce_coalesced, flatten, plan_buckets, unflatten
+from .collectives import REDUCE_OPS, all_gather, all_reduce, barrier, broadcast, reduce_scatter, shard_bounds
+from .errors import CommError
+from .groups import Group, Groups, build_groups, single_process_groups
+from .launch_env import LaunchError, LaunchInfo, detect_launch
+from .log import get_logger, log_rank0, warn_once
+from .p2p import P2PHandle, P2POp, exchange, irecv, isend, recv, send
+from .state import backend, launch, world
+from .topology import AXES, Coord, Topology, TopologyError
+
+__all__ = [
+    "AXES", "BACKENDS", "CPU_DEFAULT_BACKEND", "CommError", "Coord", "Group", "Groups", "LaunchError",
+    "LaunchInfo", "P2PHandle", "P2POp", "REDUCE_OPS", "Topology", "TopologyError", "all_gather",
+    "all_reduce", "all_reduce_coalesced", "backend", "barrier", "broadcast", "build_groups",
+    "detect_launch", "exchange", "flatten", "get_logger", "init", "irecv", "is_initialized", "isend",
+    "launch", "log_rank0", "plan_buckets", "recv", "reduce_scatter", "send", "shard_bounds",
+    "shutdown", "single_process_groups", "unflatten", "warn_once", "world",
+]

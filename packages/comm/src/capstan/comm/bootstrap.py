@@ -1,0 +1,185 @@
+"""`init()`: from launcher variables to an initialized torch.distributed world.
+
+Rendezvous, by what the launcher gives us:
+
+* test harness: a `FileStore` on the file in ``CAPSTAN_RENDEZVOUS_FILE``;
+* torchrun: ``env://`` (torchrun's own store at MASTER_ADDR:MASTER_PORT);
+* MASTER_ADDR and MASTER_PORT set (SLURM, or by hand): rank 0 hosts a TCPStore there;
+* mpirun with mpi4py and no MASTER_ADDR: rank 0 opens a TCPStore on a free
+  port chosen by the kernel and sends its address to the others over MPI, so
+  ``mpirun -np 4 python train.py`` needs no extra environment;
+* a single process: an in-memory store and a world of one.
+
+Whatever the path, `torch.distributed` ends up initialized with the world
+group, so plain PyTorch code keeps working next to capstan.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import state
+from .errors import DirLiveness, Liveness, StoreLiveness
+from .groups import Group
+from .launch_env import LaunchError, LaunchInfo, detect_launch
+from .log import get_logger, set_rank_context
+
+__all__ = ["init", "shutdown", "is_initialized", "BACKENDS", "CPU_DEFAULT_BACKEND"]
+
+BACKENDS = ("gloo", "nccl", "mpi")
+# The faster CPU path measured by tools/bench_comm.py (docs/benchmarks.md): MPI's
+# shared-memory collectives beat gloo's TCP loopback at every size. Used when the
+# job was launched by mpirun and mpi4py imports; gloo otherwise.
+CPU_DEFAULT_BACKEND = "mpi"
+
+log = get_logger(__name__)
+
+
+def is_initialized() -> bool:
+    return state.is_initialized()
+
+
+def init(backend: str | None = None, timeout: float | timedelta = 300.0, environ: dict[str, str] | None = None) -> Group:
+    """Discover the launch, rendezvous, and initialize torch.distributed. Returns the world group.
+
+    backend: None picks nccl with CUDA, else the measured CPU default (mpi under
+        mpirun when mpi4py is present, gloo otherwise); "gloo", "nccl" or "mpi"
+        force one. "mpi" reroutes only capstan's own CPU collectives through
+        mpi4py; torch.distributed still gets a gloo world group.
+    timeout: seconds (or a timedelta) after which a collective or the
+        rendezvous fails with an error instead of waiting for a dead peer.
+    """
+    if state.is_initialized():
+        return state.world()
+    backend = backend or os.environ.get("CAPSTAN_COMM_BACKEND") or None
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown comm backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if td.total_seconds() <= 0:
+        raise ValueError(f"comm timeout must be positive, got {td.total_seconds()} s")
+    info = detect_launch(environ)
+    cuda = torch.cuda.is_available()
+    if backend == "nccl" and not cuda:
+        raise ValueError("comm backend 'nccl' needs CUDA, and torch.cuda.is_available() is False")
+    torch_backend = "nccl" if cuda else "gloo"
+
+    mpi_comm = _mpi_world(info, required=backend == "mpi")
+    store, liveness = _rendezvous(info, td, mpi_comm)
+    dist.init_process_group(torch_backend, store=store, rank=info.rank, world_size=info.world_size, timeout=td)
+    if backend is None:
+        use_mpi = not cuda and mpi_comm is not None and CPU_DEFAULT_BACKEND == "mpi" and info.world_size > 1
+        backend = "mpi" if use_mpi else torch_backend
+    world = Group(
+        name="world",
+        ranks=tuple(range(info.world_size)),
+        rank=info.rank,
+        pg=dist.group.WORLD if info.world_size > 1 else None,
+        mpi_comm=mpi_comm if backend == "mpi" else None,
+    )
+    if liveness is not None:
+        liveness.start()
+    state.set_state(info, world, backend, td, liveness)
+    set_rank_context(info.rank)
+    log.debug("initialized: %s, %s, backend %s", info.describe("rank"), info.describe("world_size"), backend)
+    return world
+
+
+def shutdown() -> None:
+    """Tear down the process group (safe to call when nothing was initialized)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    state.clear()
+    set_rank_context(None)
+
+
+def _mpi_world(info: LaunchInfo, required: bool) -> object | None:
+    """mpi4py's COMM_WORLD when this job was launched by MPI (None if mpi4py is absent)."""
+    if not (info.is_mpi or (required and info.launcher == "slurm")):
+        if required and info.world_size > 1:
+            raise LaunchError(f"comm backend 'mpi' needs an MPI launch (mpirun/mpiexec); this is a {info.launcher} launch")
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        if required:
+            raise LaunchError("comm backend 'mpi' needs mpi4py: pip install 'capstan-comm[mpi]'") from None
+        return None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != info.world_size or comm.Get_rank() != info.rank:
+        raise LaunchError(
+            f"MPI reports rank {comm.Get_rank()} of {comm.Get_size()} but {info.describe('rank')} and "
+            f"{info.describe('world_size')}: the launcher and the MPI library disagree"
+        )
+    return comm
+
+
+def _tcp_store(addr: str, port: int, info: LaunchInfo, td: timedelta, master: bool) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(addr, port, info.world_size, master, timeout=td, wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        where = f"{addr}:{port}" + (f" ({info.describe('master_port')})" if info.master_port else "")
+        if master and "in use" in str(exc).lower():
+            raise LaunchError(f"rendezvous port {where} is already in use; choose another MASTER_PORT") from None
+        raise LaunchError(f"rendezvous with {where} failed: {exc}") from None
+
+
+def _rendezvous(info: LaunchInfo, td: timedelta, mpi_comm: object | None) -> tuple[object, Liveness | None]:
+    if info.world_size == 1:
+        return dist.HashStore(), None
+    if info.rendezvous_file:
+        store = dist.FileStore(info.rendezvous_file, info.world_size)
+        return store, DirLiveness(info.rank, info.rendezvous_file + ".alive")
+    addr, port = info.master_addr, info.master_port
+    if info.launcher == "torchrun" or (addr and port):
+        if not (addr and port):
+            raise LaunchError("torchrun-style launch without MASTER_ADDR and MASTER_PORT")
+        if info.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = _tcp_store(addr, port, info, td, master=False)
+        else:
+            store = _tcp_store(addr, port, info, td, master=info.rank == 0)
+    elif mpi_comm is not None:
+        store, addr, port = _mpi_rendezvous(info, td, mpi_comm)
+    elif info.local_world_size < info.world_size:
+        raise LaunchError(
+            f"multi-node {info.launcher} launch ({info.describe('world_size')}, "
+            f"{info.describe('local_world_size')}) but no rendezvous address: set MASTER_ADDR and "
+            "MASTER_PORT, or install mpi4py so rank 0 can share its address over MPI"
+        )
+    else:
+        raise LaunchError(
+            f"{info.launcher} launch of {info.world_size} ranks without MASTER_ADDR/MASTER_PORT and without "
+            "mpi4py: set both variables or pip install 'capstan-comm[mpi]'"
+        )
+    liveness = StoreLiveness(info.rank, lambda: dist.TCPStore(addr, port, None, False, timeout=td, wait_for_workers=False))
+    return store, liveness
+
+
+def _mpi_rendezvous(info: LaunchInfo, td: timedelta, comm: object) -> tuple[object, str, int]:
+    """Rank 0 opens a store on a kernel-chosen port and broadcasts where it is."""
+    hosts = comm.allgather(socket.gethostname())  # type: ignore[attr-defined]
+    payload: tuple[str, int, str] | None = None
+    store = None
+    if info.rank == 0:
+        single_host = len(set(hosts)) == 1
+        addr = "127.0.0.1" if single_host else _routable_address()
+        try:
+            store = dist.TCPStore(addr, 0, info.world_size, True, timeout=td, wait_for_workers=False)
+            payload = (addr, store.port, "")
+        except (RuntimeError, OSError) as exc:
+            payload = ("", 0, f"rank 0 could not open a rendezvous store: {exc}")
+    addr, port, err = comm.bcast(payload, root=0)  # type: ignore[attr-defined]
+    if err:
+        raise LaunchError(err)
+    if store is None:
+        store = _tcp_store(addr, port, info, td, master=False)
+    return store, addr, port
+
+
+def _routable_address() -> str:
+    """This host's address as other hosts resolve it; set MASTER_ADDR where that is wrong."""
+    return socket.gethostbyname(socket.getfqdn())

@@ -1,0 +1,223 @@
+"""Collectives on flat buffers with an explicit group.
+
+Every function takes a contiguous tensor (treated as flat), works in place or
+into a caller-provided output, and is an identity on a group of one. The
+group defaults to the world group. Positions inside a group (`src` of
+`broadcast`) are indices in the group, not global ranks.
+
+Uneven sizes follow ceil chunking (`shard_bounds`): with N elements over n
+ranks each rank owns ceil(N/n) elements, the last ones fewer or none, which
+is also how torch.chunk splits.
+
+A failure (a peer died, or nothing came within the timeout) raises
+`CommError` naming the operation, group and lost peer.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from . import mpi_backend, state
+from .errors import CommError
+from .groups import Group
+from .log import debug_comm, get_logger
+
+__all__ = [
+    "shard_bounds", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "REDUCE_OPS",
+]
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+log = get_logger(__name__)
+
+
+def shard_bounds(numel: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of shard `index` when `numel` elements are split over `parts` (ceil chunking)."""
+    if parts < 1 or not 0 <= index < parts or numel < 0:
+        raise ValueError(f"bad shard request: numel={numel}, parts={parts}, index={index}")
+    per = -(-numel // parts)
+    return min(index * per, numel), min((index + 1) * per, numel)
+
+
+def _group(group: Group | None) -> Group:
+    return state.world() if group is None else group
+
+
+def _check(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (a flat buffer); call .contiguous() first")
+
+
+def _check_op(op: str, t: torch.Tensor) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; expected one of {', '.join(REDUCE_OPS)}")
+    if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+        raise TypeError(f"reduce op 'avg' needs a floating-point tensor, got {t.dtype}")
+
+
+@contextmanager
+def guard(op: str, group: Group, nbytes: int = 0, peer: int | None = None) -> Iterator[None]:
+    """Turn a backend failure into CommError (naming the lost peer); time it when debugging."""
+    start = time.perf_counter()
+    try:
+        yield
+    except CommError:
+        raise
+    except RuntimeError as exc:
+        liveness = state.liveness()
+        suspects = list(group.ranks) if peer is None else [peer]
+        lost = liveness.find_lost(suspects) if liveness is not None else []
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CommError(op, str(group), first_line[:300], lost) from exc
+    if debug_comm():
+        ms = (time.perf_counter() - start) * 1e3
+        log.debug("%s on %s: %d bytes in %.3f ms", op, group, nbytes, ms)
+
+
+def _div_avg(t: torch.Tensor, n: int) -> None:
+    t.div_(n)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
+    """Reduce `tensor` in place over the group (sum, avg, max or min)."""
+    _check("tensor", tensor)
+    _check_op(op, tensor)
+    g = _group(group)
+    if g.size == 1 or tensor.numel() == 0:
+        return tensor
+    with guard("all_reduce", g, tensor.numel() * tensor.element_size()):
+        if mpi_backend.supports(tensor, g):
+            mpi_backend.all_reduce(tensor, op, g)
+        else:
+            dist.all_reduce(tensor, op=_TORCH_OPS.get(op, dist.ReduceOp.SUM), group=g.pg)
+            if op == "avg":
+                _div_avg(tensor, g.size)
+    return tensor
+
+
+def all_gather(
+    output: torch.Tensor, tensor: torch.Tensor, group: Group | None = None, counts: list[int] | None = None
+) -> torch.Tensor:
+    """Concatenate every rank's `tensor` into `output` in group order.
+
+    counts: elements contributed by each rank when they differ (default: all
+    equal to tensor.numel()); output.numel() must equal sum(counts).
+    """
+    _check("output", output)
+    _check("tensor", tensor)
+    g = _group(group)
+    counts = [tensor.numel()] * g.size if counts is None else list(counts)
+    if len(counts) != g.size:
+        raise ValueError(f"counts has {len(counts)} entries but group {g} has {g.size} ranks")
+    if counts[g.rank] != tensor.numel():
+        raise ValueError(f"counts[{g.rank}] = {counts[g.rank]} but this rank's tensor has {tensor.numel()} elements")
+    if output.numel() != sum(counts):
+        raise ValueError(f"output has {output.numel()} elements, expected sum(counts) = {sum(counts)}")
+    if output.dtype != tensor.dtype:
+        raise TypeError(f"output dtype {output.dtype} differs from tensor dtype {tensor.dtype}")
+    if g.size == 1:
+        output.view(-1).copy_(tensor.view(-1))
+        return output
+    if sum(counts) == 0:
+        return output
+    with guard("all_gather", g, output.numel() * output.element_size()):
+        if mpi_backend.supports(tensor, g):
+            mpi_backend.all_gather(output, tensor, counts, g)
+        elif len(set(counts)) == 1:
+            dist.all_gather_into_tensor(output.view(-1), tensor.view(-1), group=g.pg)
+        else:
+            width = max(counts)
+            padded = torch.zeros(width, dtype=tensor.dtype, device=tensor.device)
+            padded[: tensor.numel()] = tensor.view(-1)
+            gathered = torch.empty(width * g.size, dtype=tensor.dtype, device=tensor.device)
+            dist.all_gather_into_tensor(gathered, padded, group=g.pg)
+            flat, pos = output.view(-1), 0
+            for i, c in enumerate(counts):
+                flat[pos : pos + c] = gathered[i * width : i * width + c]
+                pos += c
+    return output
+
+
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
+    """Reduce `tensor` over the group; this rank keeps its shard (`shard_bounds`) in `output`."""
+    _check("output", output)
+    _check("tensor", tensor)
+    _check_op(op, tensor)
+    g = _group(group)
+    start, end = shard_bounds(tensor.numel(), g.size, g.rank)
+    if output.numel() != end - start:
+        raise ValueError(
+            f"output has {output.numel()} elements but shard {g.rank} of {tensor.numel()} over {g.size} ranks "
+            f"has {end - start}"
+        )
+    if output.dtype != tensor.dtype:
+        raise TypeError(f"output dtype {output.dtype} differs from tensor dtype {tensor.dtype}")
+    if g.size == 1:
+        output.view(-1).copy_(tensor.view(-1))
+        return output
+    if tensor.numel() == 0:
+        return output
+    with guard("reduce_scatter", g, tensor.numel() * tensor.element_size()):
+        if mpi_backend.supports(tensor, g):
+            counts = [b - a for a, b in (shard_bounds(tensor.numel(), g.size, i) for i in range(g.size))]
+            mpi_backend.reduce_scatter(output, tensor, counts, op, g)
+            return output
+        per = -(-tensor.numel() // g.size)
+        src = tensor.view(-1)
+        if per * g.size != tensor.numel():
+            src = torch.zeros(per * g.size, dtype=tensor.dtype, device=tensor.device)
+            src[: tensor.numel()] = tensor.view(-1)
+        dst = output.view(-1) if output.numel() == per else torch.empty(per, dtype=tensor.dtype, device=tensor.device)
+        _torch_reduce_scatter(dst, src, _TORCH_OPS.get(op, dist.ReduceOp.SUM), g.pg)
+        if dst.data_ptr() != output.data_ptr() or output.numel() != per:
+            output.view(-1).copy_(dst[: end - start])
+        if op == "avg":
+            _div_avg(output, g.size)
+    return output
+
+
+def _torch_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, op: object, pg: object) -> None:
+    single = getattr(dist, "reduce_scatter_single", None)
+    if single is not None:
+        single(dst, src, op=op, group=pg)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.reduce_scatter_tensor(dst, src, op=op, group=pg)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | None = None) -> torch.Tensor:
+    """Copy the tensor of the member at index `src` of the group to every member, in place."""
+    _check("tensor", tensor)
+    g = _group(group)
+    if not 0 <= src < g.size:
+        raise ValueError(f"broadcast src index {src} outside group {g} of {g.size} ranks")
+    if g.size == 1 or tensor.numel() == 0:
+        return tensor
+    with guard("broadcast", g, tensor.numel() * tensor.element_size()):
+        if mpi_backend.supports(tensor, g):
+            mpi_backend.broadcast(tensor, src, g)
+        else:
+            dist.broadcast(tensor, src=g.ranks[src], group=g.pg)
+    return tensor
+
+
+def barrier(group: Group | None = None) -> None:
+    """Wait until every member of the group has arrived."""
+    g = _group(group)
+    if g.size == 1:
+        return
+    with guard("barrier", g):
+        if g.mpi_comm is not None:
+            mpi_backend.barrier(g)
+        else:
+            # gloo's barrier ignores the group timeout on some versions; an all-reduce honours it.
+            dist.all_reduce(torch.zeros(1), group=g.pg)

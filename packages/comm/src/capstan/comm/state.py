@@ -1,0 +1,65 @@
+"""The process-wide communication state that `init()` sets up (one per process).
+
+Only bootstrap writes it; collectives read the backend, timeout and liveness
+from it. Groups themselves are passed explicitly (see `groups.py`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .errors import Liveness
+    from .groups import Group
+    from .launch_env import LaunchInfo
+
+_launch: LaunchInfo | None = None
+_world: Group | None = None
+_backend: str = "none"
+_timeout: timedelta = timedelta(seconds=300)
+_liveness: Liveness | None = None
+
+
+def set_state(launch: LaunchInfo, world: Group, backend: str, timeout: timedelta, liveness: Liveness | None) -> None:
+    global _launch, _world, _backend, _timeout, _liveness
+    _launch, _world, _backend, _timeout, _liveness = launch, world, backend, timeout, liveness
+
+
+def clear() -> None:
+    global _launch, _world, _backend, _liveness
+    if _liveness is not None:
+        _liveness.stop()
+    _launch, _world, _backend, _liveness = None, None, "none", None
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def _require() -> None:
+    if _world is None:
+        raise RuntimeError("capstan.comm is not initialized: call capstan.comm.init() first")
+
+
+def launch() -> LaunchInfo:
+    _require()
+    return _launch  # type: ignore[return-value]
+
+
+def world() -> Group:
+    _require()
+    return _world  # type: ignore[return-value]
+
+
+def backend() -> str:
+    """'gloo', 'nccl' or 'mpi' (capstan's CPU collectives through mpi4py); 'none' before init."""
+    return _backend
+
+
+def timeout() -> timedelta:
+    return _timeout
+
+
+def liveness() -> Liveness | None:
+    return _liveness

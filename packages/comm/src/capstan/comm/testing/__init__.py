@@ -1,0 +1,25 @@
+"""capstan.comm.testing: run a test function on N real processes.
+
+`run_ranks(fn, n)` starts n fresh interpreters with a file rendezvous (no
+fixed ports, so tests can run concurrently), each calling ``fn(*args)``
+after `capstan.comm.init()`, and returns the n results in rank order.
+`run_mpirun(fn, n)` does the same under a real ``mpirun``. Either one fails
+the test, with every rank's traceback and output tail in the message, when a
+rank raises or exits non-zero, and kills everything at `timeout` instead of
+hanging. `fn` must be a module-level function; its arguments and result must
+pickle.
+
+Example::
+
+    def _sum(x):
+        from capstan import comm
+        t = torch.full((3,), float(x + comm.world().rank))
+        return comm.all_reduce(t).tolist()
+
+    def test_sum():
+        assert run_ranks(_sum, 2, 1) == [[3.0] * 3] * 2
+"""
+
+from .harness import RankFailure, find_mpirun, mpirun_flavor, requires_mpirun, run_mpirun, run_ranks
+
+__all__ = ["RankFailure", "find_mpirun", "mpirun_flavor", "requires_mpirun", "run_mpirun", "run_ranks"]

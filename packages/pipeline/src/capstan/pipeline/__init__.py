@@ -1,0 +1,1 @@
+"""capstan.pipeline: not implemented yet (skeleton package; see docs/architecture.md)."""

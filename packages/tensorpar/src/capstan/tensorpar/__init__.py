@@ -1,0 +1,1 @@
+"""capstan.tensorpar: not implemented yet (skeleton package; see docs/architecture.md)."""
