@@ -20,6 +20,8 @@ Example::
         assert run_ranks(_sum, 2, 1) == [[3.0] * 3] * 2
 """
 
-from .harness import RankFailure, find_mpirun, mpirun_flavor, requires_mpirun, run_mpirun, run_ranks
+from .harness import (
+    RankFailure, find_mpirun, mpirun_args, mpirun_flavor, requires_mpirun, run_mpirun, run_ranks,
+)
 
-__all__ = ["RankFailure", "find_mpirun", "mpirun_flavor", "requires_mpirun", "run_mpirun", "run_ranks"]
+__all__ = ["RankFailure", "find_mpirun", "mpirun_args", "mpirun_flavor", "requires_mpirun", "run_mpirun", "run_ranks"]

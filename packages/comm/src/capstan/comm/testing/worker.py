@@ -65,6 +65,12 @@ def main(spec_path: str) -> int:
     sys.stderr.flush()
     if code == 0 and spec["init"]:
         comm.shutdown()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        if code == 0:
+            mpi.Finalize()  # mpirun treats an exit without finalize as a crash
+        else:
+            mpi.COMM_WORLD.Abort(code)  # peers may be blocked in MPI: end the whole job now
     # Skip interpreter teardown: a failed rank must not wait on peers in atexit hooks.
     os._exit(code)
 
