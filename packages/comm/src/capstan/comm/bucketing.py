@@ -21,7 +21,7 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[int]]:
-    """Indices of `tensors` per bucket, preserving order within each (dtype, device)."""
+    """Indices of `tensors` per bucket (same dtype and device), buckets ordered by first index."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
@@ -36,7 +36,7 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int = DEFAULT_BU
         members.append(i)
         open_buckets[key] = (members, size + nbytes)
     done.extend(m for m, _ in open_buckets.values() if m)
-    return done
+    return sorted(done, key=lambda members: members[0])
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

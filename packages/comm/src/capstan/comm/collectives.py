@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 
 from . import mpi_backend, state
 from .errors import CommError
 from .groups import Group
-from .log import debug_comm, get_logger
+from .log import get_logger
 
 __all__ = [
     "shard_bounds", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "REDUCE_OPS",
@@ -63,23 +60,35 @@ def _check_op(op: str, t: torch.Tensor) -> None:
         raise TypeError(f"reduce op 'avg' needs a floating-point tensor, got {t.dtype}")
 
 
-@contextmanager
-def guard(op: str, group: Group, nbytes: int = 0, peer: int | None = None) -> Iterator[None]:
-    """Turn a backend failure into CommError (naming the lost peer); time it when debugging."""
-    start = time.perf_counter()
-    try:
-        yield
-    except CommError:
-        raise
-    except RuntimeError as exc:
-        liveness = state.liveness()
-        suspects = list(group.ranks) if peer is None else [peer]
-        lost = liveness.find_lost(suspects) if liveness is not None else []
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CommError(op, str(group), first_line[:300], lost) from exc
-    if debug_comm():
-        ms = (time.perf_counter() - start) * 1e3
-        log.debug("%s on %s: %d bytes in %.3f ms", op, group, nbytes, ms)
+class guard:  # noqa: N801 - used like a function: `with guard("all_reduce", g):`
+    """Turn a backend failure into CommError (naming the lost peer); time it when debugging.
+
+    A plain class rather than @contextmanager: it sits on every collective, and
+    a generator-based context manager costs a few microseconds per call.
+    """
+
+    __slots__ = ("op", "group", "nbytes", "peer", "start")
+
+    def __init__(self, op: str, group: Group, nbytes: int = 0, peer: int | None = None) -> None:
+        self.op, self.group, self.nbytes, self.peer = op, group, nbytes, peer
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter() if state.debug() else 0.0
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: object) -> bool:
+        if kind is None:
+            if self.start:
+                ms = (time.perf_counter() - self.start) * 1e3
+                log.debug("%s on %s: %d bytes in %.3f ms", self.op, self.group, self.nbytes, ms)
+            return False
+        if isinstance(exc, RuntimeError) and not isinstance(exc, CommError):
+            liveness = state.liveness()
+            suspects = list(self.group.ranks) if self.peer is None else [self.peer]
+            lost = liveness.find_lost(suspects) if liveness is not None else []
+            text = str(exc).strip()
+            first_line = text.splitlines()[0] if text else type(exc).__name__
+            raise CommError(self.op, str(self.group), first_line[:300], lost) from exc
+        return False
 
 
 def _div_avg(t: torch.Tensor, n: int) -> None:
@@ -114,26 +123,33 @@ def all_gather(
     _check("output", output)
     _check("tensor", tensor)
     g = _group(group)
-    counts = [tensor.numel()] * g.size if counts is None else list(counts)
-    if len(counts) != g.size:
-        raise ValueError(f"counts has {len(counts)} entries but group {g} has {g.size} ranks")
-    if counts[g.rank] != tensor.numel():
-        raise ValueError(f"counts[{g.rank}] = {counts[g.rank]} but this rank's tensor has {tensor.numel()} elements")
-    if output.numel() != sum(counts):
-        raise ValueError(f"output has {output.numel()} elements, expected sum(counts) = {sum(counts)}")
     if output.dtype != tensor.dtype:
         raise TypeError(f"output dtype {output.dtype} differs from tensor dtype {tensor.dtype}")
+    if counts is None:  # the common, even case: validated without building lists
+        if output.numel() != tensor.numel() * g.size:
+            raise ValueError(f"output has {output.numel()} elements, expected {g.size} x {tensor.numel()}")
+        even = True
+    else:
+        counts = list(counts)
+        if len(counts) != g.size:
+            raise ValueError(f"counts has {len(counts)} entries but group {g} has {g.size} ranks")
+        if counts[g.rank] != tensor.numel():
+            raise ValueError(f"counts[{g.rank}] = {counts[g.rank]} but this rank's tensor has {tensor.numel()} elements")
+        if output.numel() != sum(counts):
+            raise ValueError(f"output has {output.numel()} elements, expected sum(counts) = {sum(counts)}")
+        even = len(set(counts)) == 1
     if g.size == 1:
         output.view(-1).copy_(tensor.view(-1))
         return output
-    if sum(counts) == 0:
+    if output.numel() == 0:
         return output
     with guard("all_gather", g, output.numel() * output.element_size()):
         if mpi_backend.supports(tensor, g):
-            mpi_backend.all_gather(output, tensor, counts, g)
-        elif len(set(counts)) == 1:
+            mpi_backend.all_gather(output, tensor, None if even else counts, g)
+        elif even:
             dist.all_gather_into_tensor(output.view(-1), tensor.view(-1), group=g.pg)
         else:
+            assert counts is not None
             width = max(counts)
             padded = torch.zeros(width, dtype=tensor.dtype, device=tensor.device)
             padded[: tensor.numel()] = tensor.view(-1)
@@ -167,7 +183,9 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
         return output
     with guard("reduce_scatter", g, tensor.numel() * tensor.element_size()):
         if mpi_backend.supports(tensor, g):
-            counts = [b - a for a, b in (shard_bounds(tensor.numel(), g.size, i) for i in range(g.size))]
+            counts = None
+            if tensor.numel() % g.size:
+                counts = [b - a for a, b in (shard_bounds(tensor.numel(), g.size, i) for i in range(g.size))]
             mpi_backend.reduce_scatter(output, tensor, counts, op, g)
             return output
         per = -(-tensor.numel() // g.size)

@@ -14,69 +14,86 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-import numpy as np
 import torch
 
 from . import state
 
 __all__ = ["supports", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"]
 
-_NUMPY_OK = {torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8, torch.int8}
+_TYPES: dict[torch.dtype, object] = {}
+_OPS: dict[str, object] = {}
+_IN_PLACE: list[object] = []
+_fromaddress: list = []
+
+
+def _load() -> None:
+    from mpi4py import MPI
+
+    _TYPES.update({
+        torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int64: MPI.INT64_T,
+        torch.int32: MPI.INT32_T, torch.uint8: MPI.UINT8_T, torch.int8: MPI.INT8_T,
+    })
+    _OPS.update({"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN})
+    _IN_PLACE.append(MPI.IN_PLACE)
+    _fromaddress.append(MPI.buffer.fromaddress)
 
 
 def supports(tensor: torch.Tensor, group: object) -> bool:
     """True when this tensor's collective can run through MPI on this group."""
-    return (
-        getattr(group, "mpi_comm", None) is not None
-        and tensor.device.type == "cpu"
-        and tensor.dtype in _NUMPY_OK
-    )
+    if getattr(group, "mpi_comm", None) is None or not tensor.is_cpu:
+        return False
+    if not _TYPES:
+        _load()
+    return tensor.dtype in _TYPES
 
 
-def _view(t: torch.Tensor) -> np.ndarray:
-    return t.detach().view(-1).numpy()  # shares memory: no copy
+def _view(t: torch.Tensor) -> list[object]:
+    """An MPI buffer over the tensor's own memory (zero copy; cheaper than a numpy view)."""
+    return [_fromaddress[0](t.data_ptr(), t.numel() * t.element_size()), _TYPES[t.dtype]]
+
+
+def _counts_view(t: torch.Tensor, counts: list[int]) -> list[object]:
+    buf, mpi_type = _view(t)
+    return [buf, counts, mpi_type]
 
 
 def _op(name: str) -> object:
-    from mpi4py import MPI
-
-    return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[name]
+    return _OPS[name]
 
 
 class _Watchdog:
-    """One daemon thread that aborts the job when a blocking MPI call overruns its deadline."""
+    """One daemon thread that aborts the job when a blocking MPI call overruns its deadline.
+
+    Callers bracket each MPI call with `arm(op, group)` / `disarm()`. The armed
+    state is one attribute replaced whole (atomic under the GIL), so the hot
+    path takes no lock and builds no strings: the message is formatted only on
+    a timeout.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._current: tuple[str, float] | None = None
+        self.current: tuple[str, object, float] | None = None
         self._thread: threading.Thread | None = None
 
-    @contextmanager
-    def guard(self, what: str) -> Iterator[None]:
+    def arm(self, op: str, group: object) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="capstan-mpi-watchdog", daemon=True)
             self._thread.start()
-        with self._lock:
-            self._current = (what, time.monotonic() + state.timeout().total_seconds())
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._current = None
+        self.current = (op, group, time.monotonic() + state.timeout_s())
+
+    def disarm(self) -> None:
+        self.current = None
 
     def _run(self) -> None:
         while True:
             time.sleep(0.5)
-            with self._lock:
-                current = self._current
-            if current is not None and time.monotonic() > current[1]:
+            current = self.current
+            if current is not None and time.monotonic() > current[2]:
                 from mpi4py import MPI
 
-                secs = state.timeout().total_seconds()
-                sys.stderr.write(f"CommError: {current[0]} timed out after {secs:.0f} s; aborting the MPI job\n")
+                secs = state.timeout_s()
+                sys.stderr.write(
+                    f"CommError: {current[0]} on group {current[1]} timed out after {secs:.0f} s; aborting the MPI job\n"
+                )
                 sys.stderr.flush()
                 MPI.COMM_WORLD.Abort(1)
 
@@ -85,40 +102,59 @@ _watchdog = _Watchdog()
 
 
 def all_reduce(tensor: torch.Tensor, op: str, group: object) -> None:
-    from mpi4py import MPI
-
     comm = group.mpi_comm  # type: ignore[attr-defined]
     buf = _view(tensor)
-    with _watchdog.guard(f"all_reduce on group {group}"):
-        comm.Allreduce(MPI.IN_PLACE, buf, op=_op(op))
+    _watchdog.arm("all_reduce", group)
+    try:
+        comm.Allreduce(_IN_PLACE[0], buf, op=_op(op))
+    finally:
+        _watchdog.disarm()
     if op == "avg":
         tensor.div_(comm.Get_size())
 
 
-def all_gather(output: torch.Tensor, tensor: torch.Tensor, counts: list[int], group: object) -> None:
+def all_gather(output: torch.Tensor, tensor: torch.Tensor, counts: list[int] | None, group: object) -> None:
+    """counts None: every rank contributes tensor.numel() elements."""
     comm = group.mpi_comm  # type: ignore[attr-defined]
-    with _watchdog.guard(f"all_gather on group {group}"):
-        if len(set(counts)) == 1:
+    _watchdog.arm("all_gather", group)
+    try:
+        if counts is None:
             comm.Allgather(_view(tensor), _view(output))
         else:
-            comm.Allgatherv(_view(tensor), [_view(output), counts])
+            comm.Allgatherv(_view(tensor), _counts_view(output, counts))
+    finally:
+        _watchdog.disarm()
 
 
-def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, counts: list[int], op: str, group: object) -> None:
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, counts: list[int] | None, op: str,
+                   group: object) -> None:
+    """counts None: the input divides evenly over the group."""
     comm = group.mpi_comm  # type: ignore[attr-defined]
-    with _watchdog.guard(f"reduce_scatter on group {group}"):
-        comm.Reduce_scatter(_view(tensor), _view(output), recvcounts=counts, op=_op(op))
+    _watchdog.arm("reduce_scatter", group)
+    try:
+        if counts is None:
+            comm.Reduce_scatter_block(_view(tensor), _view(output), op=_op(op))
+        else:
+            comm.Reduce_scatter(_view(tensor), _view(output), recvcounts=counts, op=_op(op))
+    finally:
+        _watchdog.disarm()
     if op == "avg":
         output.div_(comm.Get_size())
 
 
 def broadcast(tensor: torch.Tensor, src_index: int, group: object) -> None:
     comm = group.mpi_comm  # type: ignore[attr-defined]
-    with _watchdog.guard(f"broadcast on group {group}"):
+    _watchdog.arm("broadcast", group)
+    try:
         comm.Bcast(_view(tensor), root=src_index)
+    finally:
+        _watchdog.disarm()
 
 
 def barrier(group: object) -> None:
     comm = group.mpi_comm  # type: ignore[attr-defined]
-    with _watchdog.guard(f"barrier on group {group}"):
+    _watchdog.arm("barrier", group)
+    try:
         comm.Barrier()
+    finally:
+        _watchdog.disarm()

@@ -19,11 +19,17 @@ _world: Group | None = None
 _backend: str = "none"
 _timeout: timedelta = timedelta(seconds=300)
 _liveness: Liveness | None = None
+_debug: bool = False
+_timeout_s: float = 300.0
 
 
 def set_state(launch: LaunchInfo, world: Group, backend: str, timeout: timedelta, liveness: Liveness | None) -> None:
-    global _launch, _world, _backend, _timeout, _liveness
+    global _launch, _world, _backend, _timeout, _liveness, _debug, _timeout_s
+    from .log import debug_comm
+
     _launch, _world, _backend, _timeout, _liveness = launch, world, backend, timeout, liveness
+    _debug = debug_comm()
+    _timeout_s = timeout.total_seconds()
 
 
 def clear() -> None:
@@ -63,3 +69,13 @@ def timeout() -> timedelta:
 
 def liveness() -> Liveness | None:
     return _liveness
+
+
+def debug() -> bool:
+    """CAPSTAN_DEBUG_COMM as read at init (read once: it is checked on every collective)."""
+    return _debug
+
+
+def timeout_s() -> float:
+    """The comm timeout in seconds (cached: read on every MPI call)."""
+    return _timeout_s

@@ -80,33 +80,22 @@ class Topology:
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along `axis`: lists of global ranks that differ only in that axis.
 
-        The groups partition the world; each list is ordered by the axis coordinate,
-        so a rank's index in its group is its coordinate on that axis.
+        The groups partition the world and are listed in order of their lowest
+        rank; each list is ordered by the axis coordinate, so a rank's index in
+        its group is its coordinate on that axis.
         """
-        axis = _check_axis(axis)
-        others = [a for a in AXES if a != axis]
-        result: list[list[int]] = []
-        # Enumerate the fixed coordinates of the other two axes in rank order.
-        seen: set[tuple[int, int]] = set()
-        for rank in range(self.world_size):
-            c = self.coord_of(rank)
-            key = (getattr(c, others[0]), getattr(c, others[1]))
-            if key in seen:
-                continue
-            seen.add(key)
-            members = []
-            for i in range(self.size(axis)):
-                fields = {others[0]: key[0], others[1]: key[1], axis: i}
-                members.append(self.rank_of(Coord(**fields)))
-            result.append(members)
-        return result
+        _check_axis(axis)
+        firsts = [r for r in range(self.world_size) if getattr(self.coord_of(r), axis) == 0]
+        return [self.group_of(r, axis) for r in firsts]
 
     def group_of(self, rank: int, axis: str) -> list[int]:
         """The ranks of `rank`'s group along `axis`."""
-        for members in self.groups(axis):
-            if rank in members:
-                return members
-        raise TopologyError(f"rank {rank} outside 0..{self.world_size - 1}")  # pragma: no cover
+        c = self.coord_of(rank)
+        members = []
+        for i in range(self.size(_check_axis(axis))):
+            fields = {a: (i if a == axis else getattr(c, a)) for a in AXES}
+            members.append(self.rank_of(Coord(**fields)))
+        return members
 
     def check_world(self, world_size: int, source: str = "the launcher") -> None:
         """Raise unless dp*pp*tp equals the world size (naming where each number came from)."""

@@ -1,0 +1,122 @@
+"""Bootstrap paths: single process, torchrun, and the errors a user can hit."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from capstan.comm import LaunchError
+from capstan.comm.testing import run_ranks
+from capstan.comm.testing.harness import _clean_env
+
+
+def _python(code: str, env: dict[str, str] | None = None, args: list[str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run((args or [sys.executable, "-c"]) + [code], env=_clean_env(env), capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_single_process_init_leaves_torch_distributed_initialized() -> None:
+    out = _python(
+        "import torch, torch.distributed as dist; from capstan import comm; w = comm.init(); "
+        "t = torch.ones(3); comm.all_reduce(t); g = comm.build_groups(comm.Topology()); "
+        "print(w.size, dist.is_initialized(), dist.get_world_size(), t.tolist(), comm.backend(), g.tp.size)"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "1 True 1 [1.0, 1.0, 1.0] gloo 1"
+
+
+def test_torchrun_standalone_two_ranks(tmp_path) -> None:
+    script = (
+        "import torch, torch.distributed as dist; from capstan import comm; w = comm.init(); "
+        "t = torch.tensor([float(w.rank + 1)]); comm.all_reduce(t); "
+        "print('OK', w.rank, comm.launch().launcher, dist.get_rank(), t.item())"
+    )
+    path = tmp_path / "job.py"
+    path.write_text(script)
+    out = _python(str(path), args=[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   "--nproc_per_node", "2"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("OK"))
+    assert lines == ["OK 0 torchrun 0 3.0", "OK 1 torchrun 1 3.0"]
+
+
+def test_port_already_in_use_is_a_clear_error() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = _python("from capstan import comm; comm.init(timeout=5)",
+                      env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SLURM_PROCID": "0",
+                           "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2"})
+    assert out.returncode != 0
+    assert f"rendezvous port 127.0.0.1:{port} (master port {port} from MASTER_PORT) is already in use" in out.stderr
+
+
+def test_multi_node_launch_without_an_address_is_a_clear_error() -> None:
+    from capstan import comm
+
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "2(x2)"}
+    with pytest.raises(LaunchError, match="multi-node slurm launch .* but no rendezvous address: set MASTER_ADDR"):
+        comm.init(environ=env)
+    assert not comm.is_initialized()
+
+
+def test_mpi_world_size_disagreeing_with_the_launcher_is_named() -> None:
+    out = _python("from capstan import comm; comm.init()",
+                  env={"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"})
+    assert out.returncode != 0
+    assert "MPI reports rank 0 of 1 but rank 0 from OMPI_COMM_WORLD_RANK and world size 4" in out.stderr
+
+
+def test_bad_backend_and_timeout_are_rejected() -> None:
+    from capstan import comm
+
+    with pytest.raises(ValueError, match="unknown comm backend 'ucc'"):
+        comm.init(backend="ucc", environ={})
+    with pytest.raises(ValueError, match="comm timeout must be positive"):
+        comm.init(timeout=0, environ={})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where CUDA is absent")
+def test_nccl_without_cuda_is_rejected() -> None:
+    from capstan import comm
+
+    with pytest.raises(ValueError, match="'nccl' needs CUDA"):
+        comm.init(backend="nccl", environ={})
+
+
+def _log_line() -> str:
+    import io
+    import logging
+
+    from capstan import comm
+
+    groups = comm.build_groups(comm.Topology(dp=2, tp=2))
+    buf = io.StringIO()
+    handler = logging.getLogger("capstan").handlers[0]
+    old = handler.stream  # type: ignore[attr-defined]
+    handler.stream = buf  # type: ignore[attr-defined]
+    try:
+        log = comm.get_logger("test")
+        log.info("hello")
+        comm.log_rank0(log, "only on rank 0")
+        comm.warn_once(log, "once")
+        comm.warn_once(log, "once")
+    finally:
+        handler.stream = old  # type: ignore[attr-defined]
+    assert groups.tp.size == 2
+    return buf.getvalue()
+
+
+def test_log_lines_carry_rank_and_coordinates() -> None:
+    out = run_ranks(_log_line, 4)
+    assert out[0].splitlines() == [
+        "[rank 0 0/0/0] INFO capstan.test: hello",
+        "[rank 0 0/0/0] INFO capstan.test: only on rank 0",
+        "[rank 0 0/0/0] WARNING capstan.test: once",
+    ]
+    assert out[3].splitlines() == ["[rank 3 1/0/1] INFO capstan.test: hello", "[rank 3 1/0/1] WARNING capstan.test: once"]

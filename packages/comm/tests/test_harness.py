@@ -1,0 +1,54 @@
+"""The shared harness itself: failures are reported with every rank's traceback, hangs are killed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from capstan.comm.testing import RankFailure, run_ranks
+
+
+def _fail_on_rank_one() -> int:
+    from capstan import comm
+
+    if comm.world().rank == 1:
+        raise ValueError("rank one is unhappy")
+    return comm.world().rank
+
+
+def test_a_raising_rank_fails_the_run_with_its_traceback() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_fail_on_rank_one, 2, comm_timeout=5)
+    text = str(info.value)
+    assert "--- rank 1 raised:" in text and "ValueError: rank one is unhappy" in text
+    assert "_fail_on_rank_one" in text
+
+
+def _hang() -> None:
+    time.sleep(600)
+
+
+def test_a_hanging_run_is_killed_at_the_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="timed out after 8 s"):
+        run_ranks(_hang, 2, timeout=8)
+    assert time.monotonic() - start < 30
+
+
+def _rank_and_args(a: int, b: str = "") -> tuple[int, int, str]:
+    from capstan import comm
+
+    return comm.world().rank, a, b
+
+
+def test_results_come_back_in_rank_order_with_arguments() -> None:
+    assert run_ranks(_rank_and_args, 3, 7, b="x") == [(0, 7, "x"), (1, 7, "x"), (2, 7, "x")]
+
+
+def test_local_functions_are_refused() -> None:
+    def local() -> None:
+        pass
+
+    with pytest.raises(TypeError, match="must be a module-level function"):
+        run_ranks(local, 2)

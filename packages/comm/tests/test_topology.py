@@ -1,0 +1,84 @@
+"""Topology math without processes: bijection, partitions, tp fastest, errors."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from capstan.comm import AXES, Coord, Topology, TopologyError
+
+sizes = st.integers(min_value=1, max_value=6)
+
+
+@settings(deadline=None)
+@given(dp=sizes, pp=sizes, tp=sizes)
+def test_coordinates_are_a_bijection(dp: int, pp: int, tp: int) -> None:
+    topo = Topology(dp=dp, pp=pp, tp=tp)
+    coords = [topo.coord_of(r) for r in range(topo.world_size)]
+    assert len(set(coords)) == topo.world_size
+    assert all(topo.rank_of(c) == r for r, c in enumerate(coords))
+
+
+@settings(deadline=None)
+@given(dp=sizes, pp=sizes, tp=sizes)
+def test_each_axis_partitions_the_world(dp: int, pp: int, tp: int) -> None:
+    topo = Topology(dp=dp, pp=pp, tp=tp)
+    for axis in AXES:
+        groups = topo.groups(axis)
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(topo.world_size))
+        assert all(len(g) == topo.size(axis) for g in groups)
+        assert len(groups) == topo.world_size // topo.size(axis)
+        for g in groups:
+            # Members differ only along `axis`, and are ordered by that coordinate.
+            cs = [topo.coord_of(r) for r in g]
+            assert [getattr(c, axis) for c in cs] == list(range(len(g)))
+            for other in AXES:
+                if other != axis:
+                    assert len({getattr(c, other) for c in cs}) == 1
+            assert all(topo.group_of(r, axis) == g for r in g)
+
+
+@settings(deadline=None)
+@given(dp=sizes, pp=sizes, tp=sizes)
+def test_tp_varies_fastest_then_dp_then_pp(dp: int, pp: int, tp: int) -> None:
+    topo = Topology(dp=dp, pp=pp, tp=tp)
+    for r in range(topo.world_size):
+        c = topo.coord_of(r)
+        assert r == (c.pp * dp + c.dp) * tp + c.tp
+    for g in topo.groups("tp"):
+        assert g == list(range(g[0], g[0] + tp))  # consecutive ranks: one node
+
+
+def test_megatron_example_layout() -> None:
+    topo = Topology(dp=2, pp=2, tp=2)
+    assert topo.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topo.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topo.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert topo.coord_of(5) == Coord(dp=0, pp=1, tp=1)
+
+
+def test_world_mismatch_names_the_numbers_and_their_source() -> None:
+    with pytest.raises(TopologyError, match=r"2\*2\*2 = 8 but the world size is 6 \(from world size 6 from OMPI"):
+        Topology(dp=2, pp=2, tp=2).check_world(6, "world size 6 from OMPI_COMM_WORLD_SIZE")
+
+
+def test_tp_group_spanning_nodes_is_detected() -> None:
+    assert not Topology(dp=2, tp=4).tp_spans_nodes(local_world_size=4)
+    assert Topology(dp=2, tp=4).tp_spans_nodes(local_world_size=2)
+    assert Topology(pp=3, tp=2).tp_spans_nodes(local_world_size=3)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_sizes_are_rejected(bad: object) -> None:
+    with pytest.raises(TopologyError, match="dp must be a positive integer"):
+        Topology(dp=bad)  # type: ignore[arg-type]
+
+
+def test_out_of_range_rank_and_axis() -> None:
+    topo = Topology(dp=2)
+    with pytest.raises(TopologyError, match="rank 2 outside 0..1"):
+        topo.coord_of(2)
+    with pytest.raises(TopologyError, match="unknown axis 'ep'"):
+        topo.groups("ep")
