@@ -120,3 +120,25 @@ def test_log_lines_carry_rank_and_coordinates() -> None:
         "[rank 0 0/0/0] WARNING capstan.test: once",
     ]
     assert out[3].splitlines() == ["[rank 3 1/0/1] INFO capstan.test: hello", "[rank 3 1/0/1] WARNING capstan.test: once"]
+
+
+def _debug_lines() -> list[str]:
+    import io
+    import logging
+
+    from capstan import comm
+
+    buf = io.StringIO()
+    handler = logging.getLogger("capstan").handlers[0]
+    handler.stream = buf  # type: ignore[attr-defined]
+    comm.all_reduce(torch.ones(10))
+    comm.broadcast(torch.ones(3), src=1)
+    return [line.split(" in ")[0] for line in buf.getvalue().splitlines() if "bytes in" in line]
+
+
+def test_debug_switch_times_every_collective_with_its_size() -> None:
+    out = run_ranks(_debug_lines, 2, env={"CAPSTAN_DEBUG_COMM": "1", "CAPSTAN_LOG_LEVEL": "DEBUG"})
+    assert out[1] == [
+        "[rank 1] DEBUG capstan.comm.collectives: all_reduce on world[0, 1]: 40 bytes",
+        "[rank 1] DEBUG capstan.comm.collectives: broadcast on world[0, 1]: 12 bytes",
+    ]

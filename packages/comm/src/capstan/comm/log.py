@@ -58,7 +58,7 @@ def _configure_root() -> logging.Logger:
 def get_logger(name: str) -> logging.Logger:
     """A logger under the `capstan` hierarchy whose lines carry the rank prefix."""
     _configure_root()
-    if not name.startswith("capstan"):
+    if name != "capstan" and not name.startswith("capstan."):
         name = f"capstan.{name}"
     return logging.getLogger(name)
 
