@@ -65,7 +65,7 @@ class Divide:
 def _convert(name: str, module: nn.Module, style: str, group: Group) -> nn.Module:
     kind = nn.Embedding if style == "embedding" else nn.Linear
     if not isinstance(module, kind):
-        raise TypeError(f"plan style {style!r} needs an {kind.__name__} but module {name!r} is "
+        raise TypeError(f"plan style {style!r} needs an nn.{kind.__name__} but module {name!r} is "
                         f"{type(module).__name__}")
     w = module.weight.detach()
     common = dict(dtype=w.dtype, device=w.device, full_weight=w)
