@@ -61,11 +61,17 @@ class ParallelSelfAttention(nn.Module):
         qkv = self.qkv(x)  # [b, s, 3 * local_heads * head_dim]
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [b, h, s, hd]
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # [b, h, s, s]
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu_(1)
-        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
-        probs = dropout(probs, self.dropout, self.training, self.rng.tensor_parallel(x.device))
-        y = (probs @ v).transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, d/tp]
+        if self.training and self.dropout > 0.0:
+            # Explicit attention so the probability mask comes from this rank's own stream
+            # (SDPA's internal dropout only draws from the global RNG).
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # [b, h, s, s]
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu_(1)
+            probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+            probs = dropout(probs, self.dropout, True, self.rng.tensor_parallel(x.device))
+            y = probs @ v  # [b, h, s, hd]
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # fused kernel, no dropout
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, d/tp]
         return self.proj(y)
 
 
