@@ -127,7 +127,9 @@ def test_parallelize_on_a_group_of_one_is_exact() -> None:
 
     torch.manual_seed(0)
     dense = TinyGPT2()
+    dense.blocks[0].mlp.fc.bias.requires_grad_(False)
     sliced = parallelize(copy.deepcopy(dense), _plan(), comm.single_process_groups().tp)
+    assert not sliced.blocks[0].mlp.fc.bias.requires_grad and sliced.blocks[0].mlp.fc.weight.requires_grad
     assert isinstance(sliced.blocks[1].attn.qkv, ColumnParallelLinear)
     ids = torch.randint(0, VOCAB, (2, SEQ))
     assert torch.equal(sliced(ids), dense(ids))

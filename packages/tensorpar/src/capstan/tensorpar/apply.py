@@ -128,6 +128,8 @@ def parallelize(model: nn.Module, plan: dict[str, str | Divide], group: Group) -
             new.weight = sliced[key]
         else:
             sliced[key] = new.weight
+        for pname, p in new.named_parameters(recurse=False):  # keep frozen parameters frozen
+            p.requires_grad_(getattr(module, pname).requires_grad)
         new.train(module.training)
         _set_child(model, name, new)
     return model
