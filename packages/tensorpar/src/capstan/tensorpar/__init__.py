@@ -1,1 +1,43 @@
-"""capstan.tensorpar: not implemented yet (skeleton package; see docs/architecture.md)."""
+"""capstan.tensorpar: Megatron-style tensor slicing on an explicit tp `Group`.
+
+Layers (`layers`, `blocks`), the autograd collectives they are made of
+(`mappings`), vocabulary-parallel cross-entropy (`cross_entropy`), dropout
+streams (`rng`), `parallelize` for existing dense models (`apply`) and a
+reference GPT (`gpt`). See docs/tensorpar.md.
+
+Example (one process; under torchrun use ``comm.build_groups(...).tp``)::
+
+    import torch
+    from capstan import comm
+    from capstan.tensorpar import GPTConfig, build_gpt
+
+    tp = comm.single_process_groups().tp
+    model = build_gpt(GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2, dropout=0.0), tp, seed=0)
+    ids = torch.randint(0, 64, (2, 8))
+    model.loss(model(ids), ids).backward()
+"""
+
+from .apply import STYLES, Divide, parallelize
+from .blocks import ParallelBlock, ParallelMLP, ParallelSelfAttention, check_attention_sizes
+from .cross_entropy import gather_vocab_logits, vocab_parallel_cross_entropy
+from .gpt import GPT, GPTConfig, GPTEmbedding, GPTFinalNorm, GPTHead, build_gpt
+from .layers import ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, VocabParallelEmbedding
+from .mappings import (
+    CommCounter, copy_to_tensor_parallel_region, count_comm, gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from .partition import divide, tp_dim_of
+from .rng import TensorParallelRNG, dropout
+
+__all__ = [
+    "STYLES", "ColumnParallelLinear", "CommCounter", "Divide", "GPT", "GPTConfig", "GPTEmbedding",
+    "GPTFinalNorm", "GPTHead", "ParallelBlock", "ParallelLayerNorm", "ParallelMLP", "ParallelSelfAttention",
+    "RowParallelLinear", "TensorParallelRNG", "VocabParallelEmbedding", "build_gpt", "check_attention_sizes",
+    "copy_to_tensor_parallel_region", "count_comm", "divide", "dropout", "gather_from_sequence_parallel_region",
+    "gather_from_tensor_parallel_region", "gather_vocab_logits", "parallelize",
+    "reduce_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region", "scatter_to_tensor_parallel_region", "tp_dim_of",
+    "vocab_parallel_cross_entropy",
+]

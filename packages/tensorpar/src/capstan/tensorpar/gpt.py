@@ -1,0 +1,151 @@
+"""A small reference GPT built from the tensor-parallel layers, as a flat list of layers.
+
+``model.layers`` is [GPTEmbedding, ParallelBlock x n_layers, GPTFinalNorm, GPTHead];
+each layer maps one tensor to one tensor, so a pipeline can cut the list
+anywhere. The LM head is *untied* from the token embedding: every layer owns
+its parameters, so pipeline stages never need the cross-stage gradient sync a
+tied embedding would (cost: one more vocab x d_model matrix).
+
+Outputs are vocabulary-split logits [b, s, vocab_padded/tp]; `model.loss`
+applies `vocab_parallel_cross_entropy` without gathering them, and
+`gather_vocab_logits` assembles full logits when really needed.
+
+Example (one process; the same call on every tp rank with ``groups.tp``)::
+
+    from capstan import comm
+    from capstan.tensorpar import GPTConfig, build_gpt
+    cfg = GPTConfig(vocab_size=100, seq_len=16, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
+    model = build_gpt(cfg, comm.single_process_groups().tp, seed=0)
+    ids = torch.randint(0, 100, (2, 16))
+    loss = model.loss(model(ids), ids)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from capstan.comm import Group
+
+from .blocks import ParallelBlock, check_attention_sizes
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import ColumnParallelLinear, ParallelLayerNorm, VocabParallelEmbedding
+from .mappings import copy_to_tensor_parallel_region
+from .partition import divide, full_normal, mark
+from .rng import TensorParallelRNG, dropout
+
+__all__ = ["GPTConfig", "GPT", "GPTEmbedding", "GPTFinalNorm", "GPTHead", "build_gpt"]
+
+WPE_STD = 0.01  # GPT-2's position-embedding init
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the reference GPT."""
+
+    vocab_size: int
+    """Number of token ids; need not divide by tp (the vocabulary is padded)."""
+    seq_len: int
+    """Maximum sequence length (rows of the position embedding)."""
+    d_model: int
+    """Hidden size; must divide by n_heads."""
+    n_heads: int
+    """Attention heads; must divide by the tp size."""
+    n_layers: int
+    """Transformer blocks."""
+    dropout: float
+    """Dropout on embeddings, attention probabilities and residual branches."""
+    ffn_mult: int = 4
+    """MLP hidden size = ffn_mult * d_model."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "ffn_mult"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+
+class GPTEmbedding(nn.Module):
+    """Token ids [b, s] -> hidden [b, s, d] (or this rank's tokens [b, s/tp, d] with sequence parallelism)."""
+
+    def __init__(self, config: GPTConfig, group: Group, rng: TensorParallelRNG, *, sequence_parallel: bool,
+                 seed: int) -> None:
+        super().__init__()
+        self.group, self.rng, self.dropout, self.sequence_parallel = group, rng, config.dropout, sequence_parallel
+        self.seq_len = config.seq_len
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.d_model, group,
+                                          sequence_parallel=sequence_parallel, seed=seed)
+        self.wpe = mark(nn.Parameter(full_normal((config.seq_len, config.d_model), WPE_STD, seed + 1)), None)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        s = ids.shape[1]
+        if s > self.seq_len:
+            raise ValueError(f"sequence of {s} tokens exceeds GPTConfig.seq_len={self.seq_len}")
+        x = self.wte(ids)  # [b, s, d], or [b, s/tp, d] reduce-scattered
+        if self.sequence_parallel:
+            local = divide(s, self.group, "sequence length (sequence parallelism)")
+            start = self.group.rank * local
+            # Each rank adds only its positions: the replicated table's gradient is partial, so `f`.
+            wpe = copy_to_tensor_parallel_region(self.wpe, self.group)
+            x = x + wpe[start : start + local]
+            gen = self.rng.tensor_parallel(x.device)
+        else:
+            x = x + self.wpe[:s]
+            gen = self.rng.replicated(x.device)
+        return dropout(x, self.dropout, self.training, gen)
+
+
+class GPTFinalNorm(ParallelLayerNorm):
+    """The last LayerNorm, a layer of its own so a pipeline can place it."""
+
+
+class GPTHead(ColumnParallelLinear):
+    """hidden [b, s(/tp), d] -> vocabulary-split logits [b, s, vocab_padded/tp] (no bias, untied)."""
+
+
+class GPT(nn.Module):
+    """The layers in order, plus the loss. Build with `build_gpt`."""
+
+    def __init__(self, config: GPTConfig, layers: list[nn.Module], group: Group, rng: TensorParallelRNG,
+                 sequence_parallel: bool) -> None:
+        super().__init__()
+        self.config, self.tp_group, self.rng, self.sequence_parallel = config, group, rng, sequence_parallel
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = ids
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss from vocabulary-split logits; the same value on every tp rank."""
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.config.vocab_size).mean()
+
+
+def build_gpt(config: GPTConfig, tp_group: Group, seed: int, *, sequence_parallel: bool = False) -> GPT:
+    """The reference GPT sliced over `tp_group`; equal to the tp=1 model of the same seed, sliced.
+
+    Each parameter draws from its own seed (derived from `seed` and its layer
+    index), so the result does not depend on the tp size. Dropout streams are
+    seeded from `seed` too (see `TensorParallelRNG`).
+    """
+    check_attention_sizes(config.d_model, config.n_heads, tp_group.size)
+    divide(config.ffn_mult * config.d_model, tp_group, "FFN hidden size (ffn_mult * d_model)")
+    if sequence_parallel:
+        divide(config.seq_len, tp_group, "seq_len (sequence parallelism)")
+    base = seed * 10_007  # per-layer seeds: base + 4 * index + k, k < 4
+    rng = TensorParallelRNG(tp_group, seed)
+    sp = sequence_parallel
+    layers: list[nn.Module] = [GPTEmbedding(config, tp_group, rng, sequence_parallel=sp, seed=base)]
+    for i in range(config.n_layers):
+        layers.append(ParallelBlock(config.d_model, config.n_heads, tp_group, rng, ffn_mult=config.ffn_mult,
+                                    dropout=config.dropout, sequence_parallel=sp, seed=base + 4 * (i + 1),
+                                    n_layers=config.n_layers))
+    layers.append(GPTFinalNorm(config.d_model, tp_group, sequence_parallel=sp))
+    layers.append(GPTHead(config.d_model, config.vocab_size, tp_group, bias=False, pad_output=True,
+                          sequence_parallel=sp, seed=base + 4 * (config.n_layers + 1)))
+    return GPT(config, layers, tp_group, rng, sp)
