@@ -1,1 +1,36 @@
-"""capstan.chunkmem: not implemented yet (skeleton package; see docs/architecture.md)."""
+"""capstan.chunkmem: chunk-based heterogeneous memory (PatrickStar-style) with a disk tier.
+
+Parameters, gradients and Adam moments live in fixed-size chunks that move
+between the cpu tier (an exact byte budget) and a disk tier, driven by the
+access trace of a warm-up step (furthest-next-use eviction, prefetch).
+
+    manager = ChunkManager(cpu_budget=64 << 20, disk=DiskStore("/tmp/chunks"))
+    model = ChunkedModel(net, manager, chunk_size=1 << 20)
+    opt = ChunkAdam(model, lr=1e-3)
+    for x, y in data:
+        manager.begin_step()
+        loss = loss_fn(model(x), y)
+        model.backward(loss)
+        opt.step()
+        manager.end_step()
+
+Not yet built (see docs/chunkmem.md): mixed precision with gradient reuse of
+16-bit slots, the cuda tier, ZeRO sharding of chunks across ranks.
+"""
+
+from .chunk import Chunk, TensorSlot
+from .disk import DiskStore, DiskTierError
+from .eviction import LRU, Belady, EvictionPolicy, make_policy
+from .layout import LayoutError, ModuleSpec, ParamSpec, plan_layout, search_chunk_size, utilization
+from .manager import BudgetError, ChunkManager
+from .model import ChunkedModel
+from .optim import AdamGroup, ChunkAdam
+from .states import ChunkKind, ChunkState, StateError, TensorState
+from .tiers import Tier
+
+__all__ = [
+    "AdamGroup", "Belady", "BudgetError", "Chunk", "ChunkAdam", "ChunkKind", "ChunkManager", "ChunkState",
+    "ChunkedModel", "DiskStore", "DiskTierError", "EvictionPolicy", "LRU", "LayoutError", "ModuleSpec",
+    "ParamSpec", "StateError", "TensorSlot", "TensorState", "Tier", "make_policy", "plan_layout",
+    "search_chunk_size", "utilization",
+]

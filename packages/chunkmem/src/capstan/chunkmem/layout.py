@@ -1,0 +1,100 @@
+"""Packing parameters into chunks: execution order, whole modules together, size search.
+
+`plan_layout` takes the parameters module by module in the order the model
+uses them and fills chunks front to back, starting a fresh chunk when the
+next module does not fit the current one, so that one module's parameters
+usually share a chunk and a forward touches chunks in sequence. A module
+larger than a chunk is split between tensors; a single tensor larger than
+a chunk is an error that states the minimum chunk size.
+
+`search_chunk_size` picks the chunk size that wastes the fewest bytes for a
+model (PatrickStar's chunk-size search), and `utilization` reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ParamSpec", "ModuleSpec", "plan_layout", "search_chunk_size", "utilization", "LayoutError"]
+
+
+class LayoutError(ValueError):
+    """The parameters cannot be packed with this chunk size."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One module's own parameters, in registration order."""
+
+    name: str
+    params: tuple[ParamSpec, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+def plan_layout(modules: Sequence[ModuleSpec], chunk_size: int) -> list[list[tuple[ParamSpec, int]]]:
+    """Chunks as lists of (parameter, offset) in execution order."""
+    if chunk_size < 1:
+        raise LayoutError(f"chunk size must be positive, got {chunk_size}")
+    largest = max((p for m in modules for p in m.params), key=lambda p: p.numel, default=None)
+    if largest is not None and largest.numel > chunk_size:
+        raise LayoutError(
+            f"parameter {largest.name} has {largest.numel} elements but the chunk size is {chunk_size}: "
+            f"the minimum chunk size for this model is {largest.numel}"
+        )
+    chunks: list[list[tuple[ParamSpec, int]]] = []
+    used = chunk_size  # forces a first chunk
+    for module in modules:
+        if module.numel == 0:
+            continue
+        if used + module.numel > chunk_size and module.numel <= chunk_size:
+            chunks.append([])
+            used = 0
+        for p in module.params:
+            if used + p.numel > chunk_size:
+                chunks.append([])
+                used = 0
+            chunks[-1].append((p, used))
+            used += p.numel
+    return chunks
+
+
+def utilization(modules: Sequence[ModuleSpec], chunk_size: int) -> float:
+    """Fraction of allocated chunk elements that hold parameters."""
+    chunks = plan_layout(modules, chunk_size)
+    total = sum(m.numel for m in modules)
+    return total / (len(chunks) * chunk_size) if chunks else 1.0
+
+
+def search_chunk_size(
+    modules: Sequence[ModuleSpec], min_size: int | None = None, max_size: int | None = None, step: int = 1024
+) -> tuple[int, float]:
+    """The chunk size (a multiple of `step`) in [min_size, max_size] with the least waste.
+
+    Defaults: from the largest tensor up to max(4x that, a quarter of the model), which
+    keeps at least a handful of chunks so there is something to move between tiers.
+    Ties go to the smaller size (finer-grained movement).
+    """
+    largest = max((p.numel for m in modules for p in m.params), default=1)
+    total = sum(m.numel for m in modules)
+    lo = max(min_size or largest, largest)
+    hi = max(max_size or max(4 * largest, total // 4), lo)
+    lo = -(-lo // step) * step
+    best: tuple[int, float] | None = None
+    size = lo
+    while size <= max(hi, lo):
+        u = utilization(modules, size)
+        if best is None or u > best[1] + 1e-12:
+            best = (size, u)
+        size += step
+    assert best is not None
+    return best

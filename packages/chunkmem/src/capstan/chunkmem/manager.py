@@ -1,0 +1,311 @@
+"""`ChunkManager`: keeps each chunk's payload in the compute tier while it is used, and moves the rest.
+
+Tiers on a CPU machine: `cpu` (the compute tier, with a budget) above `disk`
+(unbounded by default). Every access is a *moment*. The first step is the
+warm-up: the manager records which chunk each moment touches (and the
+non-model memory, sampled from RSS) and evicts LRU. From then on the trace
+drives placement: the policy (Belady by default) evicts the chunk used
+furthest in the future, and the next chunks of the trace are read ahead on
+I/O threads into free budget while compute goes on.
+
+Exactness: a chunk's full size is reserved in the cpu tier before its
+buffer exists and released only after the buffer is gone (for an evicted
+dirty chunk, after its write-back finished), so `Tier.resident` is the
+bytes the chunk system holds in RAM, never more than the budget; `audit()`
+recomputes it from the chunks and is run at every move when `audit=True`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from .chunk import Chunk
+from .disk import DiskStore
+from .eviction import EvictionPolicy, make_policy
+from .tiers import BudgetError, Tier
+
+__all__ = ["ChunkManager", "BudgetError"]
+
+
+@dataclass
+class _Entry:
+    chunk: Chunk
+    where: str | None = None  # "cpu", "disk", or None (no data yet: reads as zeros)
+    disk_valid: bool = False  # the disk slot holds the current data
+    pins: int = 0  # accesses not yet released
+    write: Future[None] | None = None  # write-back in flight (holds the buffer, and its budget)
+    write_buf: torch.Tensor | None = None
+    read: Future[None] | None = None  # prefetch in flight into chunk.payload
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class ChunkManager:
+    """Places chunks between the cpu tier (budget `cpu_budget` bytes) and an optional disk tier."""
+
+    def __init__(self, cpu_budget: int | None, disk: DiskStore | None = None, eviction: str = "belady",
+                 prefetch: int = 2, audit: bool = False) -> None:
+        if cpu_budget is not None and cpu_budget <= 0:
+            raise ValueError(f"cpu budget must be positive, got {cpu_budget}")
+        self.cpu = Tier("cpu", cpu_budget)
+        self.disk_tier = Tier("disk", None)
+        self.disk = disk
+        self.policy: EvictionPolicy = make_policy(eviction)
+        self.prefetch_depth = prefetch
+        self.audit_moves = audit
+        self.entries: dict[int, _Entry] = {}
+        self.on_resident: list[Callable[[Chunk], None]] = []
+        self.on_evict: list[Callable[[Chunk], None]] = []
+        self.moment = 0
+        self.step = 0
+        self.trace: list[int] | None = None  # chunk id per moment, from the warm-up step
+        self.nonmodel: list[int] = []  # warm-up: RSS beyond the chunk system's bytes, per moment
+        self._recording: list[int] = []
+        self._rss_base = _rss_bytes()
+        self.counters = {"prefetch_hits": 0, "prefetch_misses": 0, "stall_s": 0.0, "reads": 0, "writes": 0}
+
+    # ---- registration -------------------------------------------------------------------------
+    def add(self, chunk: Chunk, init: torch.Tensor | None = None) -> None:
+        """Register a chunk; with `init` (capacity elements) its data starts there, else as zeros."""
+        if chunk.chunk_id in self.entries:
+            raise ValueError(f"chunk {chunk.chunk_id} registered twice")
+        entry = _Entry(chunk)
+        self.entries[chunk.chunk_id] = entry
+        if init is None:
+            return
+        self._make_room(chunk.nbytes, protect=chunk.chunk_id)
+        self.cpu.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
+        chunk.payload = init.to(chunk.dtype).reshape(-1).clone()
+        entry.where = "cpu"
+        self._after_move()
+
+    # ---- access ---------------------------------------------------------------------------------
+    def access(self, chunk_id: int, write: bool = False) -> Chunk:
+        """Make the chunk resident in the compute tier and pin it (until `release`)."""
+        entry = self.entries[chunk_id]
+        chunk = entry.chunk
+        self._record(chunk_id)
+        if entry.read is not None:  # prefetched: wait for the read to land
+            waited = entry.read.done()
+            self._finish_read(entry)
+            self.counters["prefetch_hits" if waited else "prefetch_misses"] += 1
+        elif entry.where != "cpu":
+            self._load(entry)
+        entry.pins += 1
+        if write:
+            entry.disk_valid = False
+        self._prefetch()
+        self._after_move()
+        return chunk
+
+    def release(self, chunk_id: int) -> None:
+        entry = self.entries[chunk_id]
+        if entry.pins <= 0:
+            raise RuntimeError(f"chunk {chunk_id} released more often than accessed")
+        entry.pins -= 1
+
+    def free(self, chunk_id: int) -> None:
+        """Drop the chunk's data (it next reads as zeros): gradients after the optimizer step."""
+        entry = self.entries[chunk_id]
+        if entry.pins:
+            raise RuntimeError(f"cannot free chunk {chunk_id}: it is in use")
+        if entry.read is not None:
+            self._finish_read(entry)
+        self._wait_write(entry)
+        if entry.where == "cpu":
+            self._drop_payload(entry)
+            self.cpu.release(entry.chunk.nbytes)
+        entry.where, entry.disk_valid = None, False
+        self._after_move()
+
+    # ---- moving ---------------------------------------------------------------------------------
+    def _load(self, entry: _Entry) -> None:
+        chunk = entry.chunk
+        if entry.write is not None:  # evicted, write still in flight: take the buffer back
+            entry.write.result()
+            chunk.payload, entry.write, entry.write_buf = entry.write_buf, None, None
+            entry.where = "cpu"
+            self._resident(chunk)
+            return
+        self._make_room(chunk.nbytes, protect=chunk.chunk_id)
+        self.cpu.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
+        if entry.where == "disk":
+            chunk.payload = torch.empty(chunk.capacity, dtype=chunk.dtype)
+            start = time.perf_counter()
+            self._disk().read_async(chunk.chunk_id, chunk.payload).result()
+            self.counters["stall_s"] += time.perf_counter() - start
+            self._count_read(chunk)
+        else:
+            chunk.payload = torch.zeros(chunk.capacity, dtype=chunk.dtype)
+        entry.where = "cpu"
+        self._resident(chunk)
+
+    def _finish_read(self, entry: _Entry) -> None:
+        assert entry.read is not None
+        start = time.perf_counter()
+        entry.read.result()
+        self.counters["stall_s"] += time.perf_counter() - start
+        entry.read = None
+        entry.where = "cpu"
+        self._count_read(entry.chunk)
+        self._resident(entry.chunk)
+
+    def _count_read(self, chunk: Chunk) -> None:
+        self.counters["reads"] += 1
+        self.cpu.stats.bytes_in += chunk.nbytes
+        self.disk_tier.stats.bytes_out += chunk.nbytes
+
+    def _make_room(self, nbytes: int, protect: int) -> None:
+        self._reap_writes()
+        while not self.cpu.fits(nbytes):
+            movable = [cid for cid, e in self.entries.items()
+                       if e.where == "cpu" and e.pins == 0 and e.read is None and cid != protect]
+            if movable:
+                self._evict(self.entries[self.policy.victim(movable, self.moment)])
+                self._reap_writes()
+                continue
+            writing = [e for e in self.entries.values() if e.write is not None]
+            if writing:
+                self._wait_write(writing[0])
+                continue
+            pinned = sum(e.chunk.nbytes for e in self.entries.values() if e.where == "cpu")
+            raise BudgetError(
+                f"cpu budget of {self.cpu.capacity} bytes is too small: {pinned} bytes of chunks are in use "
+                f"and {nbytes} more are needed now; the minimum for this model is {pinned + nbytes} bytes"
+            )
+
+    def _evict(self, entry: _Entry) -> None:
+        chunk = entry.chunk
+        if self.disk is None:
+            raise BudgetError(f"cpu budget of {self.cpu.capacity} bytes is full and there is no disk tier")
+        for cb in self.on_evict:
+            cb(chunk)
+        self.cpu.stats.evictions += 1
+        if entry.disk_valid:  # clean: the disk copy is current, just drop the buffer
+            self._drop_payload(entry)
+            self.cpu.release(chunk.nbytes)
+        else:
+            entry.write_buf, chunk.payload = chunk.payload, None
+            entry.write = self._disk().write_async(chunk.chunk_id, entry.write_buf)
+            entry.disk_valid = True
+            self.counters["writes"] += 1
+            self.cpu.stats.bytes_out += chunk.nbytes
+            self.disk_tier.stats.bytes_in += chunk.nbytes
+        entry.where = "disk"
+
+    def _wait_write(self, entry: _Entry) -> None:
+        if entry.write is None:
+            return
+        start = time.perf_counter()
+        entry.write.result()
+        self.counters["stall_s"] += time.perf_counter() - start
+        entry.write, entry.write_buf = None, None
+        self.cpu.release(entry.chunk.nbytes)
+
+    def _reap_writes(self) -> None:
+        for e in self.entries.values():
+            if e.write is not None and e.write.done():
+                self._wait_write(e)
+
+    def _drop_payload(self, entry: _Entry) -> None:
+        entry.chunk.payload = None
+
+    def _resident(self, chunk: Chunk) -> None:
+        for cb in self.on_resident:
+            cb(chunk)
+
+    def _prefetch(self) -> None:
+        """Read the next chunks of the trace ahead into free budget (never evicting for it)."""
+        if self.trace is None or self.disk is None or self.prefetch_depth <= 0:
+            return
+        issued, m = 0, self.moment
+        seen: set[int] = set()
+        while issued < self.prefetch_depth and m < len(self.trace) and len(seen) < 4 * self.prefetch_depth:
+            cid = self.trace[m]
+            m += 1
+            if cid in seen:
+                continue
+            seen.add(cid)
+            e = self.entries[cid]
+            if e.where != "disk" or e.read is not None or e.write is not None:
+                continue
+            if not self.cpu.fits(e.chunk.nbytes):
+                return
+            self.cpu.reserve(e.chunk.nbytes, f"prefetch of chunk {cid}")
+            e.chunk.payload = torch.empty(e.chunk.capacity, dtype=e.chunk.dtype)
+            e.read = self._disk().read_async(cid, e.chunk.payload)
+            issued += 1
+
+    def _disk(self) -> DiskStore:
+        if self.disk is None:
+            raise BudgetError("a chunk is on disk but the manager has no disk tier")
+        return self.disk
+
+    # ---- moments, trace, accounting ---------------------------------------------------------------
+    def _record(self, chunk_id: int) -> None:
+        self.policy.on_access(chunk_id, self.moment)
+        if self.trace is None:
+            self._recording.append(chunk_id)
+            self.nonmodel.append(max(0, _rss_bytes() - self._rss_base - self.cpu.resident))
+        self.cpu.stats.timeline.append(self.cpu.resident)
+        self.moment += 1
+
+    def end_step(self) -> None:
+        """Close a training step: the first one becomes the trace that drives the following ones."""
+        if self.trace is None:
+            self.trace = list(self._recording)
+            self.policy.set_trace(self.trace)
+        self.step += 1
+        self.moment = 0
+
+    def begin_step(self) -> None:
+        self.cpu.stats.timeline = []
+
+    def _after_move(self) -> None:
+        if self.audit_moves:
+            self.audit()
+
+    def audit(self) -> None:
+        """Recompute the cpu tier's bytes from the chunks and check them against the counter and budget."""
+        held = 0
+        for e in self.entries.values():
+            if e.chunk.payload is not None:
+                held += e.chunk.nbytes
+            if e.write_buf is not None:
+                held += e.chunk.nbytes
+        if held != self.cpu.resident:
+            raise AssertionError(f"cpu tier counter says {self.cpu.resident} bytes but chunks hold {held}")
+        if self.cpu.capacity is not None and held > self.cpu.capacity:
+            raise AssertionError(f"cpu tier holds {held} bytes over its budget of {self.cpu.capacity}")
+
+    def stats(self) -> dict[str, object]:
+        """Per-tier bytes and counters (the `mem.*` metrics of the trainer)."""
+        disk_resident = sum(e.chunk.nbytes for e in self.entries.values() if e.disk_valid)
+        return {
+            "cpu": {"budget_bytes": self.cpu.capacity, "resident_bytes": self.cpu.resident,
+                    "peak_bytes": self.cpu.stats.peak_bytes, "bytes_in": self.cpu.stats.bytes_in,
+                    "bytes_out": self.cpu.stats.bytes_out, "evictions": self.cpu.stats.evictions},
+            "disk": {"resident_bytes": disk_resident, "bytes_in": self.disk_tier.stats.bytes_in,
+                     "bytes_out": self.disk_tier.stats.bytes_out},
+            "moved_bytes": self.cpu.stats.bytes_in + self.cpu.stats.bytes_out,
+            "nonmodel_peak_bytes": max(self.nonmodel, default=0),
+            **self.counters,
+        }
+
+    def close(self) -> None:
+        for e in self.entries.values():
+            if e.read is not None:
+                e.read.result()
+            if e.write is not None:
+                e.write.result()
+        if self.disk is not None:
+            self.disk.close()

@@ -1,0 +1,267 @@
+"""`ChunkedModel`: a module whose parameters, gradients and Adam moments live in chunks.
+
+Registration packs the parameters (module by module, in module order, which
+is execution order for sequential models) into PARAM chunks, with sibling
+GRAD, EXP_AVG and EXP_AVG_SQ chunks at the same offsets so the optimizer
+works chunk by chunk. Pure-fp32 mode: the PARAM chunk is the master copy.
+
+Hooks move the data (PatrickStar's scheme):
+
+* forward pre-hook of a module: its parameters' chunks are accessed (made
+  resident and pinned) and `param.data` becomes a view into the chunk;
+* forward hook: released (HOLD_AFTER_FWD) — the chunk may be evicted, and
+  `param.data` then points at an empty tensor; the module's outputs are
+  wrapped so that their backward re-accesses the parameters first;
+* after a parameter's gradient is accumulated: it is added into the GRAD
+  chunk, `param.grad` is dropped, and the parameter is released
+  (HOLD_AFTER_BWD). A parameter used by several modules (tied weights) is
+  pinned once per use and released after its single gradient hook.
+
+Activation checkpointing works because recomputation simply runs the
+forward hooks again inside backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .chunk import Chunk, TensorSlot
+from .layout import ModuleSpec, ParamSpec, plan_layout
+from .manager import ChunkManager
+from .states import ChunkKind, TensorState
+
+__all__ = ["ChunkedModel", "ParamHome"]
+
+_EMPTY = torch.empty(0)
+
+
+@dataclass(eq=False)
+class ParamHome:
+    """Where one parameter lives: its chunk index, slot, and current pin count."""
+
+    param: nn.Parameter
+    name: str
+    index: int  # position in the chunk list (same for all kinds)
+    slot: TensorSlot
+    group: int = 0
+    pins: int = 0
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity whose backward calls `hook` first: re-access a module's parameters before its backward."""
+
+    @staticmethod
+    def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.hook = hook
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.hook()
+        return (None, *grads)
+
+
+class ChunkedModel(nn.Module):
+    """Wraps `module` so its parameters live in chunks managed by `manager`.
+
+    chunk_size: elements per chunk. param_groups: optional list of lists of
+    parameter names, one chunk list per group (so each chunk has one set of
+    optimizer hyper-parameters); parameters not listed go to group 0.
+    """
+
+    def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int,
+                 param_groups: list[list[str]] | None = None,
+                 atomic_types: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)) -> None:
+        super().__init__()
+        # Modules whose forward reads submodules' parameters directly (MultiheadAttention uses
+        # out_proj.weight without calling out_proj): their whole subtree is accessed at once.
+        self.atomic_types = atomic_types
+        self.module = module
+        self.manager = manager
+        self.chunk_size = chunk_size
+        self.homes: dict[int, ParamHome] = {}  # id(param) -> home
+        self._by_chunk: dict[int, list[ParamHome]] = {}  # PARAM chunk id -> its parameters
+        self.chunks: dict[ChunkKind, list[list[Chunk]]] = {}
+        # Callbacks first: registering later chunks may already evict earlier ones.
+        manager.on_resident.append(self._bind)
+        manager.on_evict.append(self._unbind)
+        self._register(param_groups)
+        self._install_hooks()
+
+    # ---- registration -------------------------------------------------------------------------
+    def _register(self, param_groups: list[list[str]] | None) -> None:
+        named = dict(self.module.named_parameters())
+        group_of = {n: g for g, names in enumerate(param_groups or []) for n in names}
+        unknown = sorted(set(group_of) - set(named))
+        if unknown:
+            raise ValueError(f"param_groups name parameters the model does not have: {unknown}")
+        n_groups = max(1, len(param_groups or []))
+        specs: list[list[ModuleSpec]] = [[] for _ in range(n_groups)]
+        names_by_id = {id(p): n for n, p in named.items()}
+        seen: set[int] = set()
+        for mod_name, mod in self.module.named_modules():
+            own: list[list[ParamSpec]] = [[] for _ in range(n_groups)]
+            for p in mod.parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                name = names_by_id[id(p)]
+                own[group_of.get(name, 0)].append(ParamSpec(name, p.numel()))
+            for g in range(n_groups):
+                if own[g]:
+                    specs[g].append(ModuleSpec(mod_name, tuple(own[g])))
+        next_id = 0
+        for kind in (ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ):
+            self.chunks[kind] = [[] for _ in range(n_groups)]
+        for g in range(n_groups):
+            for index, members in enumerate(plan_layout(specs[g], self.chunk_size)):
+                init = torch.zeros(self.chunk_size)
+                for kind in self.chunks:
+                    chunk = Chunk(next_id, kind, torch.float32, self.chunk_size)
+                    next_id += 1
+                    for spec, offset in members:
+                        p = named[spec.name]
+                        slot = chunk.add(spec.name, p.shape, offset)
+                        if kind is ChunkKind.PARAM:
+                            init.narrow(0, offset, p.numel()).copy_(p.detach().reshape(-1))
+                            home = ParamHome(p, spec.name, index, slot, g)
+                            self.homes[id(p)] = home
+                            self._by_chunk.setdefault(chunk.chunk_id, []).append(home)
+                    self.chunks[kind][g].append(chunk)
+                # Parameters start resident as far as the budget allows; Adam moments and
+                # gradients start as zeros that take memory only once touched.
+                param_chunk = self.chunks[ChunkKind.PARAM][g][index]
+                for spec, _ in members:
+                    named[spec.name].data = _EMPTY  # the chunk is the only copy from now on
+                self.manager.add(param_chunk, init)
+                for kind in (ChunkKind.GRAD, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ):
+                    self.manager.add(self.chunks[kind][g][index])
+                if param_chunk.payload is not None:
+                    self._bind(param_chunk)
+
+    def chunk_of(self, home: ParamHome, kind: ChunkKind) -> Chunk:
+        return self.chunks[kind][home.group][home.index]
+
+    def _bind(self, chunk: Chunk) -> None:
+        if chunk.kind is not ChunkKind.PARAM:
+            return
+        for home in self._homes_in(chunk):
+            home.param.data = chunk.view(home.slot)
+
+    def _unbind(self, chunk: Chunk) -> None:
+        if chunk.kind is not ChunkKind.PARAM:
+            return
+        for home in self._homes_in(chunk):
+            home.param.data = _EMPTY
+
+    def _homes_in(self, chunk: Chunk) -> list[ParamHome]:
+        return self._by_chunk.get(chunk.chunk_id, [])
+
+    # ---- access and release -------------------------------------------------------------------
+    def _access(self, home: ParamHome) -> None:
+        chunk = self.chunk_of(home, ChunkKind.PARAM)
+        self.manager.access(chunk.chunk_id)
+        chunk.set_state(home.slot, TensorState.COMPUTE)
+        home.pins += 1
+
+    def _release(self, home: ParamHome, state: TensorState, all_pins: bool = False) -> None:
+        chunk = self.chunk_of(home, ChunkKind.PARAM)
+        count = home.pins if all_pins else min(home.pins, 1)
+        for _ in range(count):
+            self.manager.release(chunk.chunk_id)
+        home.pins -= count
+        if home.pins == 0 and home.slot.state is TensorState.COMPUTE:
+            chunk.set_state(home.slot, state)
+
+    def _module_homes(self, module: nn.Module) -> list[ParamHome]:
+        recurse = isinstance(module, self.atomic_types)
+        return [self.homes[id(p)] for p in module.parameters(recurse=recurse) if id(p) in self.homes]
+
+    def _hooked_modules(self) -> Iterator[nn.Module]:
+        """Modules that get hooks: all, except those inside an atomic module."""
+        inside: set[int] = set()
+        for module in self.module.modules():
+            if id(module) in inside:
+                continue
+            if isinstance(module, self.atomic_types):
+                inside.update(id(m) for m in module.modules() if m is not module)
+            yield module
+
+    def _install_hooks(self) -> None:
+        for module in self._hooked_modules():
+            homes = self._module_homes(module)
+            if not homes:
+                continue
+            module.register_forward_pre_hook(self._make_pre_forward(homes))
+            module.register_forward_hook(self._make_post_forward(homes))
+        for home in self.homes.values():
+            if home.param.requires_grad:
+                home.param.register_post_accumulate_grad_hook(self._make_grad_hook(home))
+
+    def _make_pre_forward(self, homes: list[ParamHome]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object) -> None:
+            for home in homes:
+                self._access(home)
+        return hook
+
+    def _make_post_forward(self, homes: list[ParamHome]) -> Callable[..., object]:
+        def pre_backward() -> None:
+            for home in homes:
+                self._access(home)
+
+        def hook(module: nn.Module, args: object, output: object) -> object:
+            for home in homes:
+                self._release(home, TensorState.HOLD_AFTER_FWD)
+            if not torch.is_grad_enabled():
+                return output
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                return _PreBackward.apply(pre_backward, output)
+            if isinstance(output, tuple):
+                idx = [i for i, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if idx:
+                    wrapped = _PreBackward.apply(pre_backward, *(output[i] for i in idx))
+                    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+                    out = list(output)
+                    for i, t in zip(idx, wrapped):
+                        out[i] = t
+                    return type(output)(out) if type(output) is tuple else out
+            return output
+        return hook
+
+    def _make_grad_hook(self, home: ParamHome) -> Callable[[nn.Parameter], None]:
+        def hook(param: nn.Parameter) -> None:
+            grad_chunk = self.chunk_of(home, ChunkKind.GRAD)
+            self.manager.access(grad_chunk.chunk_id, write=True)
+            grad_chunk.view(home.slot).add_(param.grad)
+            self.manager.release(grad_chunk.chunk_id)
+            param.grad = None
+            self._release(home, TensorState.HOLD_AFTER_BWD, all_pins=True)
+        return hook
+
+    # ---- training-step API ----------------------------------------------------------------------
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward through the chunked model; every parameter ends released, its gradient in chunks."""
+        loss.backward()
+        for home in self.homes.values():  # parameters that received no gradient this time
+            if home.pins:
+                self._release(home, TensorState.HOLD, all_pins=True)
+
+    def named_chunk_params(self) -> Iterator[tuple[str, ParamHome]]:
+        for home in self.homes.values():
+            yield home.name, home
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """A copy of every parameter (loading chunks one at a time): for checks and export."""
+        out: dict[str, torch.Tensor] = {}
+        for home in self.homes.values():
+            chunk = self.manager.access(self.chunk_of(home, ChunkKind.PARAM).chunk_id)
+            out[home.name] = chunk.view(home.slot).clone()
+            self.manager.release(chunk.chunk_id)
+        return out
