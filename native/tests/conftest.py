@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+# native/build_native.py (the build logic, used by the CUDA compile test and the
+# sanitizer test) is not part of the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from capstan import native
 from capstan.native import _lib, kernels

@@ -83,5 +83,7 @@ class CPUAdam(torch.optim.Optimizer):
                     p.view(-1), grad.view(-1), state["exp_avg"].view(-1),
                     state["exp_avg_sq"].view(-1), step=int(state["step"].item()),
                     lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw=group["adamw_mode"])
+                    weight_decay=group["weight_decay"],
+                    # a group loaded from torch.optim's state_dict has no adamw_mode
+                    adamw=group.get("adamw_mode", self.defaults["adamw_mode"]))
         return loss
