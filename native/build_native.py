@@ -1,0 +1,162 @@
+"""Compile libcapstan (and libcapstan_cuda when nvcc exists) with the system compiler.
+
+Used by the hatch build hook (hatch_build.py) for wheels and editable installs,
+and directly for development and sanitizer builds:
+
+    python native/build_native.py                 # rebuild into src/capstan/native/lib/
+    CAPSTAN_NATIVE_SANITIZE=1 python native/build_native.py --out build/asan
+                                                  # ASan+UBSan build for tools/check_native_sanitize.sh
+
+No dependency beyond the standard library, so it runs in hatchling's isolated
+build environment. One translation unit per instruction set: only
+kernels_avx2.cc gets -mavx2 -mfma -mf16c and only kernels_avx512.cc gets the
+AVX-512 flags; never -march=native, so the library runs on any x86-64 and the
+dispatcher (csrc/dispatch.cc) picks the kernels at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CSRC = HERE / "csrc"
+CUDA_SRC = HERE / "cuda"
+DEFAULT_OUT = HERE / "src" / "capstan" / "native" / "lib"
+
+COMMON = ["api.cc", "dispatch.cc", "threadpool.cc", "aio.cc", "kernels_scalar.cc"]
+ISA_UNITS = {
+    "avx2": ("kernels_avx2.cc", ["-mavx2", "-mfma", "-mf16c"]),
+    "avx512": ("kernels_avx512.cc", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]),
+}
+# -ffp-contract=off: no implicit FMA, so scalar, AVX2 and AVX-512 kernels run
+# the same IEEE operations and agree bit for bit. -fno-math-errno lets sqrt
+# compile to the instruction. Never -ffast-math (changes results vs torch).
+BASE_FLAGS = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off",
+              "-fno-math-errno", "-Wall", "-Wextra", "-Wno-unused-parameter", "-pthread"]
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("capstan-native: no C++ compiler found (set CXX or install g++)")
+    return cxx
+
+
+def _is_x86_64() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n"
+                           f"{proc.stdout}{proc.stderr}")
+
+
+def build_cpu(out_dir: Path, sanitize: bool = False, jobs: int = 2) -> Path:
+    """Compile and link libcapstan.so into out_dir; returns its path."""
+    cxx = _compiler()
+    flags = list(BASE_FLAGS)
+    if sanitize:
+        flags += ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+                  "-fno-sanitize-recover=undefined"]
+    else:
+        flags += ["-O3"]
+    units: list[tuple[str, list[str]]] = [(u, []) for u in COMMON]
+    defines: list[str] = []
+    if _is_x86_64():
+        for isa, (unit, isa_flags) in ISA_UNITS.items():
+            units.append((unit, isa_flags))
+            defines.append(f"-DCAPSTAN_HAVE_{isa.upper()}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="capstan-build-") as tmp:
+        def compile_one(item: tuple[str, list[str]]) -> str:
+            unit, extra = item
+            obj = str(Path(tmp) / (unit + ".o"))
+            _run([cxx, *flags, *defines, *extra, "-I", str(CSRC), "-c", str(CSRC / unit),
+                  "-o", obj])
+            return obj
+
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            objs = list(pool.map(compile_one, units))
+        lib = out_dir / "libcapstan.so"
+        tmp_lib = Path(tmp) / "libcapstan.so"
+        _run([cxx, "-shared", *flags, *objs, "-o", str(tmp_lib), "-pthread"])
+        # Replace atomically: a running process may have the old file mapped.
+        shutil.copy2(tmp_lib, out_dir / ".libcapstan.so.tmp")
+        os.replace(out_dir / ".libcapstan.so.tmp", lib)
+    return lib
+
+
+def find_nvcc() -> str | None:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def build_cuda(out_dir: Path) -> dict[str, object]:
+    """Compile libcapstan_cuda.so if nvcc exists; never raises (the CPU build must not fail)."""
+    if os.environ.get("CAPSTAN_NATIVE_CUDA", "1") == "0":
+        return {"built": False, "reason": "disabled by CAPSTAN_NATIVE_CUDA=0"}
+    nvcc = find_nvcc()
+    if not nvcc:
+        return {"built": False, "reason": "nvcc not found"}
+    lib = out_dir / "libcapstan_cuda.so"
+    # SASS for Ampere and Hopper plus PTX for sm_75 so any newer GPU can JIT it.
+    archs = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+             "-gencode=arch=compute_75,code=compute_75"]
+    cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-cudart", "static",
+           *archs, "-I", str(CSRC), str(CUDA_SRC / "capstan_cuda.cu"), "-o", str(lib)]
+    try:
+        _run(cmd)
+    except Exception as exc:  # report, never fail the CPU build
+        return {"built": False, "reason": f"nvcc failed: {str(exc)[-2000:]}"}
+    return {"built": True, "nvcc": nvcc, "path": lib.name}
+
+
+def build_all(out_dir: Path = DEFAULT_OUT, sanitize: bool | None = None,
+              cuda: bool = True, jobs: int = 2) -> dict[str, object]:
+    """Build everything into out_dir and write build_info.json beside the libraries."""
+    if sanitize is None:
+        sanitize = os.environ.get("CAPSTAN_NATIVE_SANITIZE", "0") == "1"
+    lib = build_cpu(out_dir, sanitize=sanitize, jobs=jobs)
+    info: dict[str, object] = {
+        "compiler": _compiler(),
+        "machine": platform.machine(),
+        "isas": ["scalar", *ISA_UNITS] if _is_x86_64() else ["scalar"],
+        "sanitize": sanitize,
+        "library": lib.name,
+        "cuda": build_cuda(out_dir) if cuda else {"built": False, "reason": "not requested"},
+    }
+    (out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    ap.add_argument("--sanitize", action="store_true", help="ASan + UBSan build")
+    ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA library")
+    ap.add_argument("-j", "--jobs", type=int, default=2)
+    args = ap.parse_args(argv)
+    info = build_all(args.out, sanitize=args.sanitize or None, cuda=not args.no_cuda,
+                     jobs=args.jobs)
+    cuda = info["cuda"]
+    if isinstance(cuda, dict) and not cuda.get("built"):
+        print(f"capstan-native: CUDA library not built: {cuda.get('reason')}", file=sys.stderr)
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

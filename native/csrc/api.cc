@@ -1,0 +1,213 @@
+// The kernel entry points of the C ABI: argument checks, then the active ISA's
+// kernel run over the thread pool. The Python binding validates first and
+// names the bad argument; these checks only make a bad call from C (or a
+// binding bug) return an error code instead of crashing.
+#include <math.h>
+#include <string.h>
+
+#include <atomic>
+
+#include "internal.h"
+
+using namespace capstan;
+
+namespace {
+
+// Below this many elements a call runs on the calling thread: waking the pool
+// costs more than the work.
+constexpr int64_t kGrain = 32768;
+constexpr int kMaxChunks = 1024;
+
+bool valid_dtype(int dt) { return dt == CAPSTAN_F32 || dt == CAPSTAN_BF16 || dt == CAPSTAN_F16; }
+int64_t dtype_size(int dt) { return dt == CAPSTAN_F32 ? 4 : 2; }
+
+struct NonfiniteCtx {
+  const KernelTable* k;
+  const void* src;
+  int dt;
+  float scale;
+  std::atomic<int> found{0};
+};
+
+void nonfinite_chunk(void* p, int64_t b, int64_t e, int) {
+  auto* c = (NonfiniteCtx*)p;
+  // Sub-blocks so one chunk stops soon after another found a NaN.
+  constexpr int64_t kStep = 1 << 16;
+  for (int64_t s = b; s < e; s += kStep) {
+    if (c->found.load(std::memory_order_relaxed)) return;
+    if (c->k->nonfinite(c->src, c->dt, c->scale, s, s + kStep < e ? s + kStep : e)) {
+      c->found.store(1, std::memory_order_relaxed);
+      return;
+    }
+  }
+}
+
+int any_nonfinite(const KernelTable* k, const void* src, int dt, float scale, int64_t n) {
+  NonfiniteCtx c;
+  c.k = k;
+  c.src = src;
+  c.dt = dt;
+  c.scale = scale;
+  parallel_for(n, kGrain, nonfinite_chunk, &c);
+  return c.found.load();
+}
+
+struct AdamCtx {
+  const KernelTable* k;
+  AdamArgs a;
+};
+
+void adam_chunk(void* p, int64_t b, int64_t e, int) {
+  auto* c = (AdamCtx*)p;
+  c->k->adam(&c->a, b, e);
+}
+
+struct CastCtx {
+  const KernelTable* k;
+  const void* src;
+  void* dst;
+  int sdt, ddt;
+};
+
+void cast_chunk(void* p, int64_t b, int64_t e, int) {
+  auto* c = (CastCtx*)p;
+  c->k->cast(c->src, c->sdt, c->dst, c->ddt, b, e);
+}
+
+struct CopyCtx {
+  void* dst;
+  const void* src;
+};
+
+void copy_chunk(void* p, int64_t b, int64_t e, int) {
+  auto* c = (CopyCtx*)p;
+  memcpy((char*)c->dst + b, (const char*)c->src + b, (size_t)(e - b));
+}
+
+struct SumCtx {
+  const KernelTable* k;
+  void* dst;
+  const void* const* srcs;
+  int ddt, nsrc, sdt;
+};
+
+void sum_chunk(void* p, int64_t b, int64_t e, int) {
+  auto* c = (SumCtx*)p;
+  c->k->sum(c->dst, c->ddt, c->srcs, c->nsrc, c->sdt, b, e);
+}
+
+struct SumsqCtx {
+  const KernelTable* k;
+  const void* src;
+  int dt;
+  double partial[kMaxChunks];
+};
+
+void sumsq_chunk(void* p, int64_t b, int64_t e, int chunk) {
+  auto* c = (SumsqCtx*)p;
+  c->partial[chunk] = c->k->sumsq(c->src, c->dt, b, e);
+}
+
+}  // namespace
+
+extern "C" {
+
+int capstan_adam_step(float* param, const void* grad, int grad_dtype, float* exp_avg,
+                      float* exp_avg_sq, int64_t n, int64_t step, double lr, double beta1,
+                      double beta2, double eps, double weight_decay, int adamw,
+                      double grad_scale, int check_overflow, void* out, int out_dtype,
+                      int* overflow) {
+  if (!param || !grad || !exp_avg || !exp_avg_sq || !overflow || n < 0 || step < 1)
+    return CAPSTAN_EINVAL;
+  if (!valid_dtype(grad_dtype)) return CAPSTAN_EDTYPE;
+  if (out ? !valid_dtype(out_dtype) : out_dtype != CAPSTAN_NONE) return CAPSTAN_EDTYPE;
+  *overflow = 0;
+  if (n == 0) return CAPSTAN_OK;
+  const KernelTable* k = active_kernels();
+  const float scale = (float)grad_scale;
+  // Check every grad before writing anything: an overflowed step must leave
+  // params, moments and the 16-bit copy exactly as they were.
+  if (check_overflow && any_nonfinite(k, grad, grad_dtype, scale, n)) {
+    *overflow = 1;
+    return CAPSTAN_OK;
+  }
+  AdamCtx c;
+  c.k = k;
+  AdamArgs& a = c.a;
+  a.p = param;
+  a.g = grad;
+  a.m = exp_avg;
+  a.v = exp_avg_sq;
+  a.out = out;
+  a.gdt = grad_dtype;
+  a.odt = out ? out_dtype : CAPSTAN_NONE;
+  a.grad_scale = scale;
+  a.unscale = grad_scale != 1.0;
+  a.adamw = adamw != 0;
+  a.has_wd = weight_decay != 0.0;
+  a.decay = (float)(1.0 - lr * weight_decay);
+  a.wd = (float)weight_decay;
+  a.w1 = (float)(1.0 - beta1);
+  a.lerp_hi = !(fabsf(a.w1) < 0.5f);
+  a.w1m1 = a.w1 - 1.0f;
+  a.b2 = (float)beta2;
+  a.c2 = (float)(1.0 - beta2);
+  // pow(x, 0.5), not sqrt: torch.optim computes bias_correction2**0.5, and the
+  // two may differ in the last bit of the double.
+  a.bc2_sqrt = (float)pow(1.0 - pow(beta2, (double)step), 0.5);
+  a.eps = (float)eps;
+  a.neg_step = (float)(-(lr / (1.0 - pow(beta1, (double)step))));
+  parallel_for(n, kGrain, adam_chunk, &c);
+  return CAPSTAN_OK;
+}
+
+int capstan_cast(const void* src, int src_dtype, void* dst, int dst_dtype, int64_t n) {
+  if (!src || !dst || n < 0) return CAPSTAN_EINVAL;
+  if (!valid_dtype(src_dtype) || !valid_dtype(dst_dtype)) return CAPSTAN_EDTYPE;
+  if (src_dtype == dst_dtype) return capstan_copy(dst, src, n * dtype_size(src_dtype));
+  CastCtx c{active_kernels(), src, dst, src_dtype, dst_dtype};
+  parallel_for(n, kGrain, cast_chunk, &c);
+  return CAPSTAN_OK;
+}
+
+int capstan_copy(void* dst, const void* src, int64_t nbytes) {
+  if (!src || !dst || nbytes < 0) return CAPSTAN_EINVAL;
+  CopyCtx c{dst, src};
+  // Grain in bytes: a 4-byte element grain keeps the same per-thread work.
+  parallel_for(nbytes, kGrain * 4, copy_chunk, &c);
+  return CAPSTAN_OK;
+}
+
+int capstan_sum(void* dst, int dst_dtype, const void* const* srcs, int nsrc, int src_dtype,
+                int64_t n) {
+  if (!dst || !srcs || nsrc < 1 || n < 0) return CAPSTAN_EINVAL;
+  for (int i = 0; i < nsrc; ++i)
+    if (!srcs[i]) return CAPSTAN_EINVAL;
+  if (!valid_dtype(dst_dtype) || !valid_dtype(src_dtype)) return CAPSTAN_EDTYPE;
+  SumCtx c{active_kernels(), dst, srcs, dst_dtype, nsrc, src_dtype};
+  parallel_for(n, kGrain, sum_chunk, &c);
+  return CAPSTAN_OK;
+}
+
+int capstan_sumsq(const void* src, int dtype, int64_t n, double* out) {
+  if (!src || !out || n < 0) return CAPSTAN_EINVAL;
+  if (!valid_dtype(dtype)) return CAPSTAN_EDTYPE;
+  SumsqCtx c;
+  c.k = active_kernels();
+  c.src = src;
+  c.dt = dtype;
+  int used = parallel_for(n, kGrain, sumsq_chunk, &c);
+  double total = 0.0;
+  for (int i = 0; i < used; ++i) total += c.partial[i];  // fixed order: deterministic
+  *out = total;
+  return CAPSTAN_OK;
+}
+
+int capstan_nonfinite(const void* src, int dtype, int64_t n, int* out) {
+  if (!src || !out || n < 0) return CAPSTAN_EINVAL;
+  if (!valid_dtype(dtype)) return CAPSTAN_EDTYPE;
+  *out = any_nonfinite(active_kernels(), src, dtype, 1.0f, n);
+  return CAPSTAN_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,121 @@
+// Internal declarations shared by the translation units of libcapstan.
+//
+// Everything here is either a plain struct or a `static inline` function:
+// the per-ISA translation units are compiled with different -m flags, and a
+// non-static inline function would be an ODR-merged symbol that the linker
+// may pick from the AVX-512 unit for every caller (SIGILL on older CPUs).
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include "capstan.h"
+
+namespace capstan {
+
+// Scalars of one Adam step, precomputed once per call in double and rounded
+// to float exactly where torch.optim's single-tensor AdamW rounds them (a
+// Python float becomes a float32 scalar inside the ATen kernel).
+struct AdamArgs {
+  float* p;
+  const void* g;
+  float* m;
+  float* v;
+  void* out;
+  int gdt, odt;
+  float grad_scale;   // multiply grads by this (1/loss_scale)
+  int unscale;        // grad_scale != 1
+  int adamw;          // decoupled weight decay
+  int has_wd;
+  float decay;        // AdamW: 1 - lr*wd
+  float wd;           // Adam: L2 coefficient added to the grad
+  float w1;           // lerp weight 1 - beta1
+  int lerp_hi;        // ATen lerp takes its second formula when weight >= 0.5
+  float w1m1;         // w1 - 1, only for lerp_hi
+  float b2, c2;       // beta2, 1 - beta2
+  float bc2_sqrt;     // sqrt(1 - beta2^step)
+  float eps;
+  float neg_step;     // -lr / (1 - beta1^step)
+};
+
+// One instruction set's kernels, each over the element range [begin, end).
+// The thread pool (threadpool.cc) splits a call into ranges; api.cc validates.
+struct KernelTable {
+  const char* name;
+  void (*adam)(const AdamArgs* a, int64_t begin, int64_t end);
+  void (*cast)(const void* src, int sdt, void* dst, int ddt, int64_t begin, int64_t end);
+  void (*sum)(void* dst, int ddt, const void* const* srcs, int nsrc, int sdt, int64_t begin,
+              int64_t end);
+  double (*sumsq)(const void* src, int dt, int64_t begin, int64_t end);
+  // 1 if any element * scale is inf or NaN.
+  int (*nonfinite)(const void* src, int dt, float scale, int64_t begin, int64_t end);
+};
+
+const KernelTable* kernels_scalar();
+const KernelTable* kernels_avx2();
+const KernelTable* kernels_avx512();
+const KernelTable* active_kernels();
+
+// ---- thread pool (threadpool.cc) ----
+// fn(ctx, begin, end, chunk) runs on every chunk of [0, n); chunk < num_chunks.
+using RangeFn = void (*)(void* ctx, int64_t begin, int64_t end, int chunk);
+// Splits [0, n) into at most pool_size() chunks of at least `grain` elements,
+// chunk boundaries multiple of 64 elements (whole cache lines, whole vectors).
+// Returns the number of chunks used.
+int parallel_for(int64_t n, int64_t grain, RangeFn fn, void* ctx);
+int pool_size();
+void pool_resize(int n);
+
+// ---- scalar conversions, bit-identical to c10::BFloat16 / c10::Half ----
+static inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+static inline float bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+// Round to nearest even on the bit pattern. Every NaN becomes 0xFFFF: that is
+// what torch's AVX2/AVX-512 conversion (ATen cvtfp32_bf16) writes, so the
+// result is bit-identical to x.to(torch.bfloat16) on every CPU our SIMD paths
+// run on. (torch's scalar c10::BFloat16 path writes 0x7FC0 instead.)
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xFFFFu;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+// IEEE half <-> float by the FP16 library's bit tricks (the code c10::Half
+// uses), exact for every input; needs strict IEEE float ops (-ffp-contract=off).
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t w = (uint32_t)h << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const uint32_t exp_offset = 0xE0u << 23;
+  const float normalized = bits_f32((two_w >> 4) + exp_offset) * 0x1.0p-112f;
+  const uint32_t magic_mask = 126u << 23;
+  const float denormalized = bits_f32((two_w >> 17) | magic_mask) - 0.5f;
+  const uint32_t cutoff = 1u << 27;
+  return bits_f32(sign | (two_w < cutoff ? f32_bits(denormalized) : f32_bits(normalized)));
+}
+static inline uint16_t f32_to_f16(float f) {
+  float base = (__builtin_fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = f32_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bits_f32((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = f32_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  // NaN: keep the top payload bits and make it quiet, like vcvtps2ph.
+  const uint32_t nan = 0x7E00u | ((w & 0x007fffffu) >> 13);
+  return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? nan : nonsign));
+}
+
+}  // namespace capstan

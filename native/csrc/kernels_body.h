@@ -1,0 +1,157 @@
+// Kernel bodies, written once over a vector type V (SVec, or an ISA's VVec).
+//
+// Included inside an anonymous namespace by each kernels_<isa>.cc, so every
+// instantiation has internal linkage and carries its own unit's ISA flags.
+// Each kernel runs the main loop with KV lanes, then the tail with SVec: the
+// same IEEE operations in the same order (explicit fma only; the build uses
+// -ffp-contract=off),
+// so every element-wise kernel gives bit-identical results on every ISA
+// (sumsq differs in summation order only).
+
+using capstan::AdamArgs;
+
+template <class V>
+static inline V load_as_f32(const void* base, int dt, int64_t i) {
+  if (dt == CAPSTAN_F32) return V::load((const float*)base + i);
+  if (dt == CAPSTAN_BF16) return V::load_bf16((const uint16_t*)base + i);
+  return V::load_f16((const uint16_t*)base + i);
+}
+
+template <class V>
+static inline void store_from_f32(void* base, int dt, int64_t i, V x) {
+  if (dt == CAPSTAN_F32) V::store((float*)base + i, x);
+  else if (dt == CAPSTAN_BF16) V::store_bf16((uint16_t*)base + i, x);
+  else V::store_f16((uint16_t*)base + i, x);
+}
+
+// One Adam step on W elements at i, with exactly the roundings of torch.optim's
+// single-tensor AdamW (torch/optim/adam.py, _single_tensor_adam) on ATen's
+// vectorized CPU kernels, where lerp, addcmul and add(alpha=) use one fused
+// multiply-add each (checked op by op against torch 2.13):
+//   AdamW: p = p * (1 - lr*wd)             Adam: g = fma(wd, p, g)
+//   m = fma(1 - beta1, g - m, m)            (lerp_; weight >= 0.5: fma(w - 1, g - m, g))
+//   v = fma((1 - beta2) * g, g, v * beta2)  (mul_ then addcmul_)
+//   p = p + (-step_size * m) / (sqrt(v) / sqrt(1 - beta2^t) + eps)   (addcdiv_)
+// Kingma & Ba 2015, Algorithm 1, bias corrections folded into step_size and
+// the denominator; Loshchilov & Hutter 2019 for the decoupled decay.
+template <class V, int GD, int OD>
+static inline void adam_one(const AdamArgs& a, int64_t i) {
+  V p = V::load(a.p + i);
+  V g = load_as_f32<V>(a.g, GD, i);
+  if (a.unscale) g = g * V::set1(a.grad_scale);
+  if (a.has_wd) {
+    if (a.adamw) p = p * V::set1(a.decay);
+    else g = V::fma(V::set1(a.wd), p, g);
+  }
+  V m = V::load(a.m + i);
+  if (a.lerp_hi) m = V::fma(V::set1(a.w1m1), g - m, g);
+  else m = V::fma(V::set1(a.w1), g - m, m);
+  V v = V::load(a.v + i) * V::set1(a.b2);
+  v = V::fma(V::set1(a.c2) * g, g, v);
+  V denom = V::sqrt(v) / V::set1(a.bc2_sqrt) + V::set1(a.eps);
+  p = p + (V::set1(a.neg_step) * m) / denom;
+  V::store(a.p + i, p);
+  V::store(a.m + i, m);
+  V::store(a.v + i, v);
+  if (OD != CAPSTAN_NONE) store_from_f32<V>(a.out, OD, i, p);
+}
+
+template <int GD, int OD>
+static void adam_range_t(const AdamArgs* a, int64_t begin, int64_t end) {
+  int64_t i = begin;
+  for (; i + KV::W <= end; i += KV::W) adam_one<KV, GD, OD>(*a, i);
+  for (; i < end; ++i) adam_one<SVec, GD, OD>(*a, i);
+}
+
+template <int GD>
+static void adam_range_g(const AdamArgs* a, int64_t begin, int64_t end) {
+  switch (a->odt) {
+    case CAPSTAN_NONE: return adam_range_t<GD, CAPSTAN_NONE>(a, begin, end);
+    case CAPSTAN_BF16: return adam_range_t<GD, CAPSTAN_BF16>(a, begin, end);
+    case CAPSTAN_F16: return adam_range_t<GD, CAPSTAN_F16>(a, begin, end);
+    default: return adam_range_t<GD, CAPSTAN_F32>(a, begin, end);
+  }
+}
+
+static void adam_range(const AdamArgs* a, int64_t begin, int64_t end) {
+  switch (a->gdt) {
+    case CAPSTAN_BF16: return adam_range_g<CAPSTAN_BF16>(a, begin, end);
+    case CAPSTAN_F16: return adam_range_g<CAPSTAN_F16>(a, begin, end);
+    default: return adam_range_g<CAPSTAN_F32>(a, begin, end);
+  }
+}
+
+template <int SD, int DD>
+static void cast_t(const void* src, void* dst, int64_t begin, int64_t end) {
+  int64_t i = begin;
+  for (; i + KV::W <= end; i += KV::W) store_from_f32<KV>(dst, DD, i, load_as_f32<KV>(src, SD, i));
+  for (; i < end; ++i) store_from_f32<SVec>(dst, DD, i, load_as_f32<SVec>(src, SD, i));
+}
+
+// api.cc routes same-dtype casts to memcpy; here one side is always fp32.
+static void cast_range(const void* src, int sdt, void* dst, int ddt, int64_t begin, int64_t end) {
+  if (sdt == CAPSTAN_F32 && ddt == CAPSTAN_BF16) return cast_t<CAPSTAN_F32, CAPSTAN_BF16>(src, dst, begin, end);
+  if (sdt == CAPSTAN_F32 && ddt == CAPSTAN_F16) return cast_t<CAPSTAN_F32, CAPSTAN_F16>(src, dst, begin, end);
+  if (sdt == CAPSTAN_BF16 && ddt == CAPSTAN_F32) return cast_t<CAPSTAN_BF16, CAPSTAN_F32>(src, dst, begin, end);
+  if (sdt == CAPSTAN_F16 && ddt == CAPSTAN_F32) return cast_t<CAPSTAN_F16, CAPSTAN_F32>(src, dst, begin, end);
+  if (sdt == CAPSTAN_BF16 && ddt == CAPSTAN_F16) return cast_t<CAPSTAN_BF16, CAPSTAN_F16>(src, dst, begin, end);
+  if (sdt == CAPSTAN_F16 && ddt == CAPSTAN_BF16) return cast_t<CAPSTAN_F16, CAPSTAN_BF16>(src, dst, begin, end);
+}
+
+// dst = ((src0 + src1) + src2) + ... in fp32, element-wise.
+template <class V>
+static inline void sum_one(void* dst, int ddt, const void* const* srcs, int nsrc, int sdt, int64_t i) {
+  V acc = load_as_f32<V>(srcs[0], sdt, i);
+  for (int k = 1; k < nsrc; ++k) acc = acc + load_as_f32<V>(srcs[k], sdt, i);
+  store_from_f32<V>(dst, ddt, i, acc);
+}
+
+static void sum_range(void* dst, int ddt, const void* const* srcs, int nsrc, int sdt, int64_t begin,
+                      int64_t end) {
+  int64_t i = begin;
+  for (; i + KV::W <= end; i += KV::W) sum_one<KV>(dst, ddt, srcs, nsrc, sdt, i);
+  for (; i < end; ++i) sum_one<SVec>(dst, ddt, srcs, nsrc, sdt, i);
+}
+
+// Sum of squares: fp32 lane accumulators over blocks of 4096 elements (error
+// grows with the block, not the buffer), block sums added in double.
+static double sumsq_range(const void* src, int dt, int64_t begin, int64_t end) {
+  constexpr int64_t kBlock = 4096;
+  double total = 0.0;
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t e = b + kBlock < end ? b + kBlock : end;
+    KV acc = KV::set1(0.0f);
+    int64_t i = b;
+    for (; i + KV::W <= e; i += KV::W) {
+      KV x = load_as_f32<KV>(src, dt, i);
+      acc = acc + x * x;
+    }
+    float s = KV::hsum(acc);
+    for (; i < e; ++i) {
+      SVec x = load_as_f32<SVec>(src, dt, i);
+      s += x.v * x.v;
+    }
+    total += (double)s;
+  }
+  return total;
+}
+
+static int nonfinite_range(const void* src, int dt, float scale, int64_t begin, int64_t end) {
+  const bool scaled = scale != 1.0f;
+  int64_t i = begin;
+  for (; i + KV::W <= end; i += KV::W) {
+    KV x = load_as_f32<KV>(src, dt, i);
+    if (scaled) x = x * KV::set1(scale);
+    if (KV::any_nonfinite(x)) return 1;
+  }
+  for (; i < end; ++i) {
+    SVec x = load_as_f32<SVec>(src, dt, i);
+    if (scaled) x = x * SVec::set1(scale);
+    if (SVec::any_nonfinite(x)) return 1;
+  }
+  return 0;
+}
+
+static const capstan::KernelTable kTable = {
+    KERNEL_TABLE_NAME, adam_range, cast_range, sum_range, sumsq_range, nonfinite_range,
+};

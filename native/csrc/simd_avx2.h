@@ -1,0 +1,55 @@
+// 8-lane float vector for AVX2 + FMA + F16C. Compiled only into
+// kernels_avx2.cc (the only unit built with -mavx2 -mfma -mf16c).
+#pragma once
+
+#include <immintrin.h>
+
+#include "internal.h"
+
+struct VVec {
+  __m256 v;
+  static constexpr int W = 8;
+  static VVec set1(float x) { return {_mm256_set1_ps(x)}; }
+  static VVec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static VVec load_bf16(const uint16_t* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+  }
+  static VVec load_f16(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))};
+  }
+  static void store(float* p, VVec a) { _mm256_storeu_ps(p, a.v); }
+  // Integer round-to-nearest-even, same bits as capstan::f32_to_bf16.
+  static void store_bf16(uint16_t* p, VVec a) {
+    __m256i u = _mm256_castps_si256(a.v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    __m256i nan = _mm256_set1_epi32(0xFFFF);  // see capstan::f32_to_bf16
+    __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                       _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, nan, isnan);
+    // packus works per 128-bit lane: [r0..3 r0..3 | r4..7 r4..7]; gather lanes 0 and 2.
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+  }
+  static void store_f16(uint16_t* p, VVec a) {
+    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static VVec fma(VVec a, VVec b, VVec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static VVec sqrt(VVec a) { return {_mm256_sqrt_ps(a.v)}; }
+  static float hsum(VVec a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+  static bool any_nonfinite(VVec a) {
+    __m256i e = _mm256_and_si256(_mm256_castps_si256(a.v), _mm256_set1_epi32(0x7f800000));
+    __m256i m = _mm256_cmpeq_epi32(e, _mm256_set1_epi32(0x7f800000));
+    return !_mm256_testz_si256(m, m);
+  }
+};
+static inline VVec operator+(VVec a, VVec b) { return {_mm256_add_ps(a.v, b.v)}; }
+static inline VVec operator-(VVec a, VVec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+static inline VVec operator*(VVec a, VVec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+static inline VVec operator/(VVec a, VVec b) { return {_mm256_div_ps(a.v, b.v)}; }

@@ -1,0 +1,58 @@
+// 16-lane float vector for AVX-512 F/BW/VL (+F16C for the half conversions).
+// Compiled only into kernels_avx512.cc.
+//
+// bf16 stores use integer round-to-nearest-even rather than AVX512_BF16's
+// vcvtneps2bf16: that instruction flushes denormal inputs to zero, which
+// would break bit-identity with torch's .to(torch.bfloat16).
+#pragma once
+
+#include <immintrin.h>
+
+#include "internal.h"
+
+struct VVec {
+  __m512 v;
+  static constexpr int W = 16;
+  static VVec set1(float x) { return {_mm512_set1_ps(x)}; }
+  static VVec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static VVec load_bf16(const uint16_t* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  static VVec load_f16(const uint16_t* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))};
+  }
+  static void store(float* p, VVec a) { _mm512_storeu_ps(p, a.v); }
+  static void store_bf16(uint16_t* p, VVec a) {
+    __m512i u = _mm512_castps_si512(a.v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    __m512i nan = _mm512_set1_epi32(0xFFFF);  // see capstan::f32_to_bf16
+    __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                              _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_blend_epi32(isnan, r, nan);
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+  }
+  static void store_f16(uint16_t* p, VVec a) {
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static VVec fma(VVec a, VVec b, VVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static VVec sqrt(VVec a) { return {_mm512_sqrt_ps(a.v)}; }
+  static float hsum(VVec a) {
+    // Fixed pairwise order (not _mm512_reduce_add_ps, whose order is unspecified).
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+  static bool any_nonfinite(VVec a) {
+    __m512i e = _mm512_and_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(0x7f800000));
+    return _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(0x7f800000)) != 0;
+  }
+};
+static inline VVec operator+(VVec a, VVec b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline VVec operator-(VVec a, VVec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+static inline VVec operator*(VVec a, VVec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline VVec operator/(VVec a, VVec b) { return {_mm512_div_ps(a.v, b.v)}; }

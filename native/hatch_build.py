@@ -1,0 +1,39 @@
+"""Hatch build hook: compile libcapstan (and libcapstan_cuda when nvcc exists).
+
+Runs for wheels and editable installs alike. The libraries are written into
+src/capstan/native/lib/ in the source tree: an editable install imports from
+src/ through a .pth file, so that is where the import finds them; a wheel
+ships them via `force_include`. The wheel is tagged py3-none-<platform>
+because the library is native code but uses no Python C API.
+"""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+from pathlib import Path
+
+from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build_native  # noqa: E402
+
+
+class CustomBuildHook(BuildHookInterface):
+    PLUGIN_NAME = "custom"
+
+    def initialize(self, version: str, build_data: dict) -> None:
+        if self.target_name != "wheel":
+            return
+        out = Path(self.root) / "src" / "capstan" / "native" / "lib"
+        info = build_native.build_all(out)
+        cuda = info["cuda"]
+        if not cuda.get("built"):
+            self.app.display_warning(f"capstan-native: CUDA library not built: {cuda.get('reason')}")
+        build_data["pure_python"] = False
+        platform_tag = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+        build_data["tag"] = f"py3-none-{platform_tag}"
+        if version != "editable":
+            for f in out.iterdir():
+                if f.suffix in (".so", ".json"):
+                    build_data["force_include"][str(f)] = f"capstan/native/lib/{f.name}"

@@ -1,0 +1,234 @@
+"""CPU kernels on torch tensors: Adam/AdamW step, casts, copies, reductions.
+
+Every function validates its arguments (type, device == cpu, dtype,
+contiguity, size) and raises TypeError/ValueError naming the argument before
+any pointer reaches C; then it runs libcapstan's kernel, or the pure-torch
+fallback (`fallback.py`) when the library is unavailable.
+
+"Update" (`adam_update`) and "cast + copy" (`cast_`) are separate primitives;
+`adam_update_and_cast` fuses them in one pass over memory and is tested to be
+bit-identical to the two in sequence (tests/test_adam.py).
+
+Example::
+
+    p, g = torch.randn(1000), torch.randn(1000)
+    m, v = torch.zeros(1000), torch.zeros(1000)
+    adam_update(p, g, m, v, step=1, lr=1e-3)
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from . import _lib, fallback
+
+__all__ = ["adam_update", "adam_update_and_cast", "cast_", "copy_", "sum_", "sumsq",
+           "has_nonfinite", "set_isa", "get_isa", "set_num_threads", "get_num_threads"]
+
+FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
+HALF_TYPES = (torch.bfloat16, torch.float16)
+
+
+def _code(dtype: torch.dtype) -> int:
+    return _lib.DTYPE_CODES[str(dtype).removeprefix("torch.")]
+
+
+def check_tensor(name: str, t: object, dtypes: Sequence[torch.dtype] = FLOAT_TYPES,
+                 numel: int | None = None, like: str = "") -> torch.Tensor:
+    """Validate one tensor argument; the error names it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the cpu, got device {t.device}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}; "
+                        f"expected {allowed}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, {like or 'expected'} has {numel}")
+    return t
+
+
+def _check_scalar(name: str, value: object, low: float | None = None,
+                  high: float | None = None, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    x = float(value)
+    if x != x or x in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {x}")
+    if low is not None and (x <= low if low_open else x < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {x}")
+    if high is not None and x >= high:
+        raise ValueError(f"{name} must be < {high}, got {x}")
+    return x
+
+
+def _adam(param, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps,
+          weight_decay, adamw, grad_scale, check_overflow) -> bool:
+    check_tensor("param", param, (torch.float32,))
+    n = param.numel()
+    check_tensor("grad", grad, FLOAT_TYPES, n, "param")
+    check_tensor("exp_avg", exp_avg, (torch.float32,), n, "param")
+    check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), n, "param")
+    if out is not None:
+        check_tensor("out", out, HALF_TYPES + (torch.float32,), n, "param")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1, got {step!r}")
+    lr = _check_scalar("lr", lr, 0.0)
+    beta1 = _check_scalar("beta1", beta1, 0.0, 1.0)
+    beta2 = _check_scalar("beta2", beta2, 0.0, 1.0)
+    eps = _check_scalar("eps", eps, 0.0)
+    weight_decay = _check_scalar("weight_decay", weight_decay, 0.0)
+    grad_scale = _check_scalar("grad_scale", grad_scale, 0.0, low_open=True)
+    lib = _lib.get()
+    if lib is None:
+        return fallback.adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr,
+                                  beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                  adamw=adamw, grad_scale=grad_scale,
+                                  check_overflow=check_overflow, out=out)
+    overflow = ctypes.c_int(0)
+    code = lib.capstan_adam_step(
+        param.data_ptr(), grad.data_ptr(), _code(grad.dtype), exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(), n, step, lr, beta1, beta2, eps, weight_decay, int(bool(adamw)),
+        grad_scale, int(bool(check_overflow)), out.data_ptr() if out is not None else None,
+        _code(out.dtype) if out is not None else _lib.NONE, ctypes.byref(overflow))
+    _lib.check(lib, code, "capstan_adam_step")
+    return bool(overflow.value)
+
+
+def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, *, step: int, lr: float = 1e-3, beta1: float = 0.9,
+                beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                adamw: bool = True, grad_scale: float = 1.0,
+                check_overflow: bool = False) -> bool:
+    """One Adam (adamw=False) or AdamW step, in place, on fp32 param/exp_avg/exp_avg_sq.
+
+    param, exp_avg, exp_avg_sq: fp32 [n]; grad: fp32/bf16/fp16 [n], multiplied
+    by grad_scale (1/loss_scale) first. `step` counts from 1. With
+    check_overflow, returns True and changes nothing when a scaled grad is
+    inf/NaN; otherwise returns False.
+    """
+    return _adam(param, grad, exp_avg, exp_avg_sq, None, step=step, lr=lr, beta1=beta1,
+                 beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                 grad_scale=grad_scale, check_overflow=check_overflow)
+
+
+def adam_update_and_cast(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                         exp_avg_sq: torch.Tensor, out: torch.Tensor, *, step: int,
+                         lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
+                         eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
+                         grad_scale: float = 1.0, check_overflow: bool = False) -> bool:
+    """`adam_update` fused with `cast_(param, out)`: out [n] (bf16/fp16/fp32) gets the new param."""
+    if out is None:
+        raise TypeError("out must be a torch.Tensor, got NoneType")
+    return _adam(param, grad, exp_avg, exp_avg_sq, out, step=step, lr=lr, beta1=beta1,
+                 beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                 grad_scale=grad_scale, check_overflow=check_overflow)
+
+
+def cast_(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """dst[:] = src converted to dst.dtype (round to nearest even, bit-identical to torch)."""
+    check_tensor("src", src)
+    check_tensor("dst", dst, FLOAT_TYPES, src.numel(), "src")
+    lib = _lib.get()
+    if lib is None:
+        fallback.cast_(src, dst)
+    else:
+        _lib.check(lib, lib.capstan_cast(src.data_ptr(), _code(src.dtype), dst.data_ptr(),
+                                         _code(dst.dtype), src.numel()), "capstan_cast")
+    return dst
+
+
+def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Multi-threaded dst[:] = src for contiguous cpu tensors of equal dtype and size."""
+    check_tensor("dst", dst, _ANY)
+    check_tensor("src", src, (dst.dtype,), dst.numel(), "dst")
+    lib = _lib.get()
+    if lib is None:
+        fallback.copy_(dst, src)
+    else:
+        nbytes = dst.numel() * dst.element_size()
+        _lib.check(lib, lib.capstan_copy(dst.data_ptr(), src.data_ptr(), nbytes), "capstan_copy")
+    return dst
+
+
+def sum_(srcs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """out[:] = srcs[0] + srcs[1] + ... accumulated in fp32, in that order."""
+    if isinstance(srcs, torch.Tensor) or not isinstance(srcs, Sequence) or len(srcs) == 0:
+        raise TypeError("srcs must be a non-empty sequence of tensors")
+    first = check_tensor("srcs[0]", srcs[0])
+    for i, s in enumerate(srcs[1:], 1):
+        check_tensor(f"srcs[{i}]", s, (first.dtype,), first.numel(), "srcs[0]")
+    check_tensor("out", out, FLOAT_TYPES, first.numel(), "srcs[0]")
+    lib = _lib.get()
+    if lib is None:
+        fallback.sum_(list(srcs), out)
+        return out
+    ptrs = (ctypes.c_void_p * len(srcs))(*[s.data_ptr() for s in srcs])
+    _lib.check(lib, lib.capstan_sum(out.data_ptr(), _code(out.dtype), ptrs, len(srcs),
+                                    _code(first.dtype), first.numel()), "capstan_sum")
+    return out
+
+
+def sumsq(x: torch.Tensor) -> float:
+    """Squared L2 norm of x (fp32/bf16/fp16), accumulated in fp32 blocks and double overall."""
+    check_tensor("x", x)
+    lib = _lib.get()
+    if lib is None:
+        return fallback.sumsq(x)
+    out = ctypes.c_double(0.0)
+    _lib.check(lib, lib.capstan_sumsq(x.data_ptr(), _code(x.dtype), x.numel(), ctypes.byref(out)),
+               "capstan_sumsq")
+    return out.value
+
+
+def has_nonfinite(x: torch.Tensor) -> bool:
+    """True if any element of x is inf or NaN."""
+    check_tensor("x", x)
+    lib = _lib.get()
+    if lib is None:
+        return fallback.has_nonfinite(x)
+    out = ctypes.c_int(0)
+    _lib.check(lib, lib.capstan_nonfinite(x.data_ptr(), _code(x.dtype), x.numel(),
+                                          ctypes.byref(out)), "capstan_nonfinite")
+    return bool(out.value)
+
+
+_ANY = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.uint8,
+        torch.int16, torch.int32, torch.int64, torch.bool)
+
+
+def _need_lib(what: str):
+    lib = _lib.get()
+    if lib is None:
+        raise RuntimeError(f"{what} needs the native library: {_lib.load_error()}")
+    return lib
+
+
+def set_isa(name: str) -> None:
+    """Force the kernels of one ISA ('scalar', 'avx2', 'avx512'); ValueError if unusable here."""
+    lib = _need_lib("set_isa")
+    if name not in _lib.ISA_NAMES:
+        raise ValueError(f"name must be one of {', '.join(_lib.ISA_NAMES)}, got {name!r}")
+    if lib.capstan_set_isa(_lib.ISA_NAMES.index(name)) != 0:
+        raise ValueError(f"name={name!r}: not compiled in or not supported by this CPU")
+
+
+def get_isa() -> str:
+    return _lib.ISA_NAMES[_need_lib("get_isa").capstan_get_isa()]
+
+
+def set_num_threads(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1024:
+        raise ValueError(f"n must be an int in 1..1024, got {n!r}")
+    _lib.check(_need_lib("set_num_threads"), _need_lib("").capstan_set_num_threads(n),
+               "capstan_set_num_threads")
+
+
+def get_num_threads() -> int:
+    return _need_lib("get_num_threads").capstan_get_num_threads()

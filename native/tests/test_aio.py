@@ -1,0 +1,131 @@
+"""Async file I/O: round trips with many requests in flight, and every failure raising cleanly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from capstan.native import aio
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_round_trip_random_offsets_many_in_flight(tmp_path, gen, direct):
+    total, block = 128 * MiB, 512 * 1024  # 256 requests in flight at once
+    data = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=gen)
+    src, dst = aio.aligned_empty(total), aio.aligned_empty(total)
+    src.copy_(data)
+    order = torch.randperm(total // block, generator=gen).tolist()
+    path = tmp_path / "chunks.bin"
+    with aio.AsyncFile(path, "w+", direct=direct) as f:
+        reqs = [f.write_from(src[i * block:(i + 1) * block], i * block) for i in order]
+        assert sum(r.wait() for r in reqs) == total
+        f.fsync().wait()
+    order = torch.randperm(total // block, generator=gen).tolist()
+    with aio.AsyncFile(path, "r", direct=direct) as f:
+        reqs = [f.read_into(dst[i * block:(i + 1) * block], i * block) for i in order]
+        while not all(r.done() for r in reqs):  # poll path
+            pass
+        assert all(r.wait() == block for r in reqs)
+    assert torch.equal(dst, data)
+
+
+def test_numpy_buffers_and_unaligned_buffered(tmp_path):
+    import numpy as np
+
+    a = np.arange(1000, dtype=np.int32)
+    with aio.AsyncFile(tmp_path / "x", "w+", direct=False) as f:
+        f.write_from(a, 12).wait()
+        b = np.empty_like(a)
+        f.read_into(b, 12).wait()
+    assert (a == b).all()
+
+
+def test_short_read_names_file_and_offset(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 8192)
+    with aio.AsyncFile(path, "r") as f:
+        req = f.read_into(aio.aligned_empty(16384), 4096)
+        with pytest.raises(aio.AsyncIOError, match="offset 4096.*short read") as exc:
+            req.wait()
+    assert exc.value.filename == str(path)
+
+
+def test_bad_fd_raises_with_errno(tmp_path):
+    f = aio.AsyncFile(tmp_path / "bad.bin", "w+")
+    os.close(f.fd)  # the fd goes away under the file object
+    with pytest.raises(aio.AsyncIOError, match="offset 8192") as exc:
+        f.write_from(aio.aligned_empty(4096), 8192).wait()
+    assert exc.value.errno == 9  # EBADF
+    f.fd = -1
+
+
+def test_open_missing_file_raises(tmp_path):
+    with pytest.raises(aio.AsyncIOError, match="No such file") as exc:
+        aio.AsyncFile(tmp_path / "missing" / "x.bin", "r")
+    assert "missing" in exc.value.filename
+
+
+def test_direct_requires_alignment(tmp_path):
+    with aio.AsyncFile(tmp_path / "a.bin", "w+") as f:
+        if not f.direct:
+            pytest.skip("requires O_DIRECT: this filesystem has none")
+        with pytest.raises(ValueError, match="offset"):
+            f.write_from(aio.aligned_empty(4096), 100)
+        with pytest.raises(ValueError, match="buf size"):
+            f.write_from(aio.aligned_empty(100), 0)
+        with pytest.raises(ValueError, match="buf address"):
+            f.write_from(aio.aligned_empty(8192)[1:4097], 0)
+        with pytest.raises(TypeError, match="buf must be"):
+            f.write_from(b"bytes", 0)
+
+
+FULL_DISK = textwrap.dedent("""
+    import resource, signal, sys, torch
+    from capstan.native import aio
+    path, limit = sys.argv[1], int(sys.argv[2])
+    # Writing past RLIMIT_FSIZE fails with EFBIG, exactly where a full disk
+    # fails with ENOSPC; ignore SIGXFSZ so the call returns the error.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    buf = aio.aligned_empty(1 << 20)
+    buf.fill_(7)
+    with aio.AsyncFile(path, "w") as f:
+        try:
+            f.write_from(buf, limit - 4096).wait()
+        except aio.AsyncIOError as exc:
+            print("ERRNO", exc.errno, exc)
+            sys.exit(0)
+    print("NO ERROR")
+""")
+
+
+def test_write_into_full_filesystem_raises_and_keeps_contents(tmp_path):
+    path = tmp_path / "full.bin"
+    good = torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8)
+    with aio.AsyncFile(path, "w+") as f:
+        buf = aio.aligned_empty(good.numel())
+        buf.copy_(good)
+        f.write_from(buf, 0).wait()
+        f.fsync().wait()
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(path), str(8 * MiB)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ERRNO 27" in proc.stdout, proc.stdout + proc.stderr  # EFBIG
+    assert f"offset {8 * MiB - 4096}" in proc.stdout and str(path) in proc.stdout
+    back = torch.frombuffer(bytearray(path.read_bytes()[:4 * MiB]), dtype=torch.uint8)
+    assert torch.equal(back, good)
+
+
+def test_aligned_empty_alignment():
+    for n in (1, 4097, 3 * MiB):
+        t = aio.aligned_empty(n, torch.float32)
+        assert t.data_ptr() % aio.ALIGNMENT == 0 and t.numel() == n
+    with pytest.raises(ValueError, match="numel"):
+        aio.aligned_empty(0)

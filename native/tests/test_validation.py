@@ -1,0 +1,97 @@
+"""Bad calls raise TypeError/ValueError naming the argument; nothing reaches C."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capstan.native import kernels
+
+HP = dict(step=1, lr=1e-3)
+
+
+def adam_args(n=16):
+    return [torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+
+
+@pytest.mark.parametrize("pos,name", [(0, "param"), (1, "grad"), (2, "exp_avg"), (3, "exp_avg_sq")])
+def test_adam_wrong_type_size_layout(pos, name):
+    args = adam_args()
+    args[pos] = [0.0] * 16
+    with pytest.raises(TypeError, match=f"^{name} must be a torch.Tensor"):
+        kernels.adam_update(*args, **HP)
+    args = adam_args()
+    args[pos] = torch.zeros(15)
+    with pytest.raises(ValueError, match=f"^{name} has 15 elements" if pos else "grad has 16"):
+        kernels.adam_update(*args, **HP)
+    args = adam_args()
+    args[pos] = torch.zeros(32)[::2]
+    with pytest.raises(ValueError, match=f"^{name} must be contiguous"):
+        kernels.adam_update(*args, **HP)
+    args = adam_args()
+    args[pos] = torch.zeros(16, device="meta")
+    with pytest.raises(ValueError, match=f"^{name} must be on the cpu"):
+        kernels.adam_update(*args, **HP)
+
+
+@pytest.mark.parametrize("pos,name", [(0, "param"), (2, "exp_avg"), (3, "exp_avg_sq")])
+def test_adam_state_must_be_fp32(pos, name):
+    args = adam_args()
+    args[pos] = torch.zeros(16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=f"^{name} has dtype bfloat16"):
+        kernels.adam_update(*args, **HP)
+
+
+def test_adam_grad_dtype_and_scalars():
+    args = adam_args()
+    args[1] = torch.zeros(16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="^grad has dtype float64"):
+        kernels.adam_update(*args, **HP)
+    for kw, match in [({"step": 0}, "step"), ({"lr": -1.0}, "lr"), ({"beta1": 1.0}, "beta1"),
+                      ({"beta2": float("nan")}, "beta2"), ({"eps": -1e-8}, "eps"),
+                      ({"weight_decay": -0.1}, "weight_decay"), ({"grad_scale": 0.0}, "grad_scale"),
+                      ({"lr": "0.1"}, "lr")]:
+        with pytest.raises((TypeError, ValueError), match=f"^{match}"):
+            kernels.adam_update(*adam_args(), **{**HP, **kw})
+
+
+def test_fused_out_checked():
+    with pytest.raises(TypeError, match="^out"):
+        kernels.adam_update_and_cast(*adam_args(), None, **HP)
+    with pytest.raises(ValueError, match="^out has 8 elements"):
+        kernels.adam_update_and_cast(*adam_args(), torch.zeros(8, dtype=torch.bfloat16), **HP)
+    with pytest.raises(TypeError, match="^out has dtype int32"):
+        kernels.adam_update_and_cast(*adam_args(), torch.zeros(16, dtype=torch.int32), **HP)
+
+
+def test_cast_copy_sum_reductions():
+    with pytest.raises(ValueError, match="^dst has 3 elements, src has 4"):
+        kernels.cast_(torch.zeros(4), torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="^src has dtype int64"):
+        kernels.cast_(torch.zeros(4, dtype=torch.int64), torch.zeros(4))
+    with pytest.raises(TypeError, match="^src has dtype float64"):
+        kernels.copy_(torch.zeros(4), torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="srcs must be"):
+        kernels.sum_([], torch.zeros(4))
+    with pytest.raises(TypeError, match=r"^srcs\[1\] has dtype float16"):
+        kernels.sum_([torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.float16)],
+                     torch.zeros(4))
+    with pytest.raises(ValueError, match="^out has 5 elements"):
+        kernels.sum_([torch.zeros(4)], torch.zeros(5))
+    with pytest.raises(ValueError, match="^x must be contiguous"):
+        kernels.sumsq(torch.zeros(4, 4).t())
+    with pytest.raises(TypeError, match="^x must be a torch.Tensor"):
+        kernels.has_nonfinite(None)
+
+
+def test_isa_and_threads_arguments():
+    with pytest.raises(ValueError, match="^name must be one of"):
+        kernels.set_isa("sse9")
+    with pytest.raises(ValueError, match="^n must be"):
+        kernels.set_num_threads(0)
+    before = kernels.get_num_threads()
+    kernels.set_num_threads(1)
+    assert kernels.get_num_threads() == 1
+    x = torch.randn(100_000)
+    assert kernels.sumsq(x) == pytest.approx(float(x.double().square().sum()), rel=1e-5)
+    kernels.set_num_threads(before)
