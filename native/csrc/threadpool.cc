@@ -133,9 +133,13 @@ void pool_resize(int n) {
     g_pool = nullptr;
   }
   if (old) {
-    // Wait for a running job, then retire the old workers.
-    std::lock_guard<std::mutex> job(old->submit_mu);
-    old->shutdown();
+    {
+      // Wait for a running job, then retire the old workers. The guard must be
+      // released before `delete old`: unlocking a mutex inside freed memory
+      // corrupts the heap (seen as malloc aborts far away, in torch).
+      std::lock_guard<std::mutex> job(old->submit_mu);
+      old->shutdown();
+    }
     delete old;
   }
 }

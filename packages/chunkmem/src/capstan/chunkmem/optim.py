@@ -6,6 +6,10 @@ over a few large buffers instead of many small tensors. Chunks on disk are
 streamed through the cpu budget in order; with the warm-up trace the manager
 reads the next group ahead while this one is updated. Gradients are dropped
 after the step (their chunks read as zeros again: that is `zero_grad`).
+
+The update itself is capstan.native's multi-threaded SIMD Adam (which
+falls back to torch ops, with one warning, where the library cannot load);
+its arithmetic follows torch's element by element (docs/native.md).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+from capstan.native import kernels
 
 from .model import ChunkedModel
 from .states import ChunkKind
@@ -49,7 +53,7 @@ class ChunkAdam:
         for group in self.model.chunks[ChunkKind.GRAD]:
             for chunk in group:
                 mgr.access(chunk.chunk_id)
-                total += float(chunk.payload.double().pow(2).sum())  # type: ignore[union-attr]
+                total += kernels.sumsq(chunk.payload[: chunk.used])  # type: ignore[index]
                 mgr.release(chunk.chunk_id)
         return math.sqrt(total)
 
@@ -65,23 +69,15 @@ class ChunkAdam:
         for g, hp in enumerate(self.groups):
             hp.step += 1
             beta1, beta2 = hp.betas
-            bc1 = 1 - beta1 ** hp.step
-            bc2_sqrt = math.sqrt(1 - beta2 ** hp.step)
-            step_size = hp.lr / bc1
             for i, p_chunk in enumerate(chunks[ChunkKind.PARAM][g]):
                 ids = [p_chunk.chunk_id] + [chunks[k][g][i].chunk_id for k in
                                             (ChunkKind.GRAD, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)]
                 p, grad, m, v = (mgr.access(cid, write=True).payload for cid in ids)
                 n = p_chunk.used
-                p, grad, m, v = p[:n], grad[:n], m[:n], v[:n]  # type: ignore[index]
-                if scale != 1.0:
-                    grad.mul_(scale)
-                # torch.optim.AdamW's element-wise sequence (decoupled decay, Loshchilov & Hutter 2019).
-                p.mul_(1 - hp.lr * hp.weight_decay)
-                m.lerp_(grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (v.sqrt() / bc2_sqrt).add_(hp.eps)
-                p.addcdiv_(m, denom, value=-step_size)
+                # AdamW: decoupled weight decay (Loshchilov & Hutter 2019); clipping folded into grad_scale.
+                kernels.adam_update(p[:n], grad[:n], m[:n], v[:n], step=hp.step, lr=hp.lr,  # type: ignore[index]
+                                    beta1=beta1, beta2=beta2, eps=hp.eps, weight_decay=hp.weight_decay,
+                                    adamw=True, grad_scale=scale)
                 for cid in ids:
                     mgr.release(cid)
                 mgr.free(ids[1])  # gradients are consumed: zero_grad for free
