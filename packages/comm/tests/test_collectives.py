@@ -64,6 +64,10 @@ def _all_cases(_unused: int = 0) -> list[str]:
             check(f"reduce_scatter {tag}", out, stacked.sum(0).to(dtype)[start:end])
 
             t = mine.clone()
+            comm.reduce(t, dst=n - 1, op="sum")
+            check(f"reduce {tag}", t, stacked.sum(0).to(dtype) if r == n - 1 else mine)
+
+            t = mine.clone()
             comm.broadcast(t, src=n - 1)
             check(f"broadcast {tag}", t, every[n - 1])
 

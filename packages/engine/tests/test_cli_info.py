@@ -35,11 +35,6 @@ def test_info_under_mpirun_reports_the_mpi_world() -> None:
     cmd = mpirun_args(2) + _capstan() + ["info", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_clean_env(None))
     assert out.returncode == 0, out.stderr
-    decoder, text, infos = json.JSONDecoder(), out.stdout, []
-    pos = text.find("{")
-    while pos != -1:
-        obj, end = decoder.raw_decode(text, pos)
-        infos.append(obj)
-        pos = text.find("{", end)
+    infos = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert sorted(i["rank"] for i in infos) == ["rank 0 from OMPI_COMM_WORLD_RANK", "rank 1 from OMPI_COMM_WORLD_RANK"]
     assert {i["world size"] for i in infos} == {"world size 2 from OMPI_COMM_WORLD_SIZE"}

@@ -14,8 +14,11 @@ access trace of a warm-up step (furthest-next-use eviction, prefetch).
         opt.step()
         manager.end_step()
 
+`ShardedChunkedModel(net, manager, chunk_size, group=groups.dp)` shards the
+chunks over a data-parallel group (ZeRO-3 through chunks).
+
 Not yet built (see docs/chunkmem.md): mixed precision with gradient reuse of
-16-bit slots, the cuda tier, ZeRO sharding of chunks across ranks.
+16-bit slots, and the cuda tier.
 """
 
 from .chunk import Chunk, TensorSlot
@@ -25,12 +28,13 @@ from .layout import LayoutError, ModuleSpec, ParamSpec, plan_layout, search_chun
 from .manager import BudgetError, ChunkManager
 from .model import ChunkedModel
 from .optim import AdamGroup, ChunkAdam
+from .sharding import ShardedChunkedModel
 from .states import ChunkKind, ChunkState, StateError, TensorState
 from .tiers import Tier
 
 __all__ = [
     "AdamGroup", "Belady", "BudgetError", "Chunk", "ChunkAdam", "ChunkKind", "ChunkManager", "ChunkState",
     "ChunkedModel", "DiskStore", "DiskTierError", "EvictionPolicy", "LRU", "LayoutError", "ModuleSpec",
-    "ParamSpec", "StateError", "TensorSlot", "TensorState", "Tier", "make_policy", "plan_layout",
+    "ParamSpec", "ShardedChunkedModel", "StateError", "TensorSlot", "TensorState", "Tier", "make_policy", "plan_layout",
     "search_chunk_size", "utilization",
 ]

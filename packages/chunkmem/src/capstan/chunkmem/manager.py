@@ -70,6 +70,7 @@ class ChunkManager:
         self.trace: list[int] | None = None  # chunk id per moment, from the warm-up step
         self.nonmodel: list[int] = []  # warm-up: RSS beyond the chunk system's bytes, per moment
         self._recording: list[int] = []
+        self.transient = 0  # bytes of buffers outside chunks (gathered remote chunks, reduction buffers)
         self._rss_base = _rss_bytes()
         self.counters = {"prefetch_hits": 0, "prefetch_misses": 0, "stall_s": 0.0, "reads": 0, "writes": 0}
 
@@ -112,6 +113,17 @@ class ChunkManager:
         if entry.pins <= 0:
             raise RuntimeError(f"chunk {chunk_id} released more often than accessed")
         entry.pins -= 1
+
+    def reserve_transient(self, nbytes: int, what: str) -> None:
+        """Make room for and count a buffer that is not a registered chunk (exact budgets include it)."""
+        self._make_room(nbytes, protect=-1)
+        self.cpu.reserve(nbytes, what)
+        self.transient += nbytes
+        self._after_move()
+
+    def release_transient(self, nbytes: int) -> None:
+        self.cpu.release(nbytes)
+        self.transient -= nbytes
 
     def free(self, chunk_id: int) -> None:
         """Drop the chunk's data (it next reads as zeros): gradients after the optimizer step."""
@@ -177,10 +189,14 @@ class ChunkManager:
             if writing:
                 self._wait_write(writing[0])
                 continue
-            pinned = sum(e.chunk.nbytes for e in self.entries.values() if e.where == "cpu")
+            reading = [e for e in self.entries.values() if e.read is not None and e.pins == 0]
+            if reading:  # a prefetch holds budget: let it land, then it can be evicted
+                self._finish_read(reading[0])
+                continue
             raise BudgetError(
-                f"cpu budget of {self.cpu.capacity} bytes is too small: {pinned} bytes of chunks are in use "
-                f"and {nbytes} more are needed now; the minimum for this model is {pinned + nbytes} bytes"
+                f"cpu budget of {self.cpu.capacity} bytes is too small: {self.cpu.resident} bytes are in use "
+                f"and {nbytes} more are needed now; the minimum for this model is "
+                f"{self.cpu.resident + nbytes} bytes"
             )
 
     def _evict(self, entry: _Entry) -> None:
@@ -276,7 +292,7 @@ class ChunkManager:
 
     def audit(self) -> None:
         """Recompute the cpu tier's bytes from the chunks and check them against the counter and budget."""
-        held = 0
+        held = self.transient
         for e in self.entries.values():
             if e.chunk.payload is not None:
                 held += e.chunk.nbytes

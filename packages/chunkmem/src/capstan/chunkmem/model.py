@@ -118,7 +118,9 @@ class ChunkedModel(nn.Module):
         for kind in (ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ):
             self.chunks[kind] = [[] for _ in range(n_groups)]
         for g in range(n_groups):
-            for index, members in enumerate(plan_layout(specs[g], self.chunk_size)):
+            plan = plan_layout(specs[g], self.chunk_size)
+            plan += [[] for _ in range(self._padded_count(len(plan)) - len(plan))]
+            for index, members in enumerate(plan):
                 init = torch.zeros(self.chunk_size)
                 for kind in self.chunks:
                     chunk = Chunk(next_id, kind, torch.float32, self.chunk_size)
@@ -132,16 +134,31 @@ class ChunkedModel(nn.Module):
                             self.homes[id(p)] = home
                             self._by_chunk.setdefault(chunk.chunk_id, []).append(home)
                     self.chunks[kind][g].append(chunk)
-                # Parameters start resident as far as the budget allows; Adam moments and
-                # gradients start as zeros that take memory only once touched.
-                param_chunk = self.chunks[ChunkKind.PARAM][g][index]
                 for spec, _ in members:
-                    named[spec.name].data = _EMPTY  # the chunk is the only copy from now on
-                self.manager.add(param_chunk, init)
-                for kind in (ChunkKind.GRAD, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ):
-                    self.manager.add(self.chunks[kind][g][index])
-                if param_chunk.payload is not None:
-                    self._bind(param_chunk)
+                    named[spec.name].data = _EMPTY  # the chunks are the only copy from now on
+                self._place(g, index, init)
+
+    def _padded_count(self, n: int) -> int:
+        """How many chunks a list of `n` needs (sharding pads to a multiple of the group size)."""
+        return n
+
+    def _place(self, g: int, index: int, init: torch.Tensor) -> None:
+        """Hand chunk `index` of group `g` to the manager. Parameters start resident as far as the
+        budget allows; Adam moments and gradients start as zeros that take memory once touched."""
+        param_chunk = self.chunks[ChunkKind.PARAM][g][index]
+        self.manager.add(param_chunk, init)
+        for kind in (ChunkKind.GRAD, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ):
+            self.manager.add(self.chunks[kind][g][index])
+        if param_chunk.payload is not None:
+            self._bind(param_chunk)
+
+    def owned_indices(self, g: int) -> list[int]:
+        """Chunk indices of group `g` whose optimizer state this rank keeps (all, unsharded)."""
+        return list(range(len(self.chunks[ChunkKind.PARAM][g])))
+
+    def reduce_sq(self, local_sum_of_squares: float) -> float:
+        """Sum of squared gradients over all shards (unsharded: the local sum)."""
+        return local_sum_of_squares
 
     def chunk_of(self, home: ParamHome, kind: ChunkKind) -> Chunk:
         return self.chunks[kind][home.group][home.index]
@@ -234,13 +251,21 @@ class ChunkedModel(nn.Module):
 
     def _make_grad_hook(self, home: ParamHome) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
-            grad_chunk = self.chunk_of(home, ChunkKind.GRAD)
-            self.manager.access(grad_chunk.chunk_id, write=True)
-            grad_chunk.view(home.slot).add_(param.grad)
-            self.manager.release(grad_chunk.chunk_id)
+            assert param.grad is not None
+            self._grad_arrived(home, param.grad)
             param.grad = None
             self._release(home, TensorState.HOLD_AFTER_BWD, all_pins=True)
         return hook
+
+    def _grad_arrived(self, home: ParamHome, grad: torch.Tensor) -> None:
+        """Accumulate one parameter's gradient into its GRAD chunk slot."""
+        grad_chunk = self.chunk_of(home, ChunkKind.GRAD)
+        self.manager.access(grad_chunk.chunk_id, write=True)
+        grad_chunk.view(home.slot).add_(grad)
+        self.manager.release(grad_chunk.chunk_id)
+
+    def _end_backward(self) -> None:
+        """Called once backward is over (sharding flushes pending gradient reductions here)."""
 
     # ---- training-step API ----------------------------------------------------------------------
     def forward(self, *args: object, **kwargs: object) -> object:
@@ -252,6 +277,7 @@ class ChunkedModel(nn.Module):
         for home in self.homes.values():  # parameters that received no gradient this time
             if home.pins:
                 self._release(home, TensorState.HOLD, all_pins=True)
+        self._end_backward()
 
     def named_chunk_params(self) -> Iterator[tuple[str, ParamHome]]:
         for home in self.homes.values():

@@ -50,12 +50,13 @@ class ChunkAdam:
     def grad_norm(self) -> float:
         """Global L2 norm of all gradients (one pass over the gradient chunks)."""
         mgr, total = self.model.manager, 0.0
-        for group in self.model.chunks[ChunkKind.GRAD]:
-            for chunk in group:
+        for g, group in enumerate(self.model.chunks[ChunkKind.GRAD]):
+            for i in self.model.owned_indices(g):
+                chunk = group[i]
                 mgr.access(chunk.chunk_id)
                 total += kernels.sumsq(chunk.payload[: chunk.used])  # type: ignore[index]
                 mgr.release(chunk.chunk_id)
-        return math.sqrt(total)
+        return math.sqrt(self.model.reduce_sq(total))
 
     def step(self, grad_clip: float | None = None) -> float | None:
         """One AdamW step over every chunk group; returns the gradient norm when clipping."""
@@ -69,7 +70,10 @@ class ChunkAdam:
         for g, hp in enumerate(self.groups):
             hp.step += 1
             beta1, beta2 = hp.betas
-            for i, p_chunk in enumerate(chunks[ChunkKind.PARAM][g]):
+            for i in self.model.owned_indices(g):
+                p_chunk = chunks[ChunkKind.PARAM][g][i]
+                if p_chunk.used == 0:
+                    continue  # padding chunk of a sharded list
                 ids = [p_chunk.chunk_id] + [chunks[k][g][i].chunk_id for k in
                                             (ChunkKind.GRAD, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)]
                 p, grad, m, v = (mgr.access(cid, write=True).payload for cid in ids)

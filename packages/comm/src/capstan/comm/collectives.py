@@ -26,7 +26,7 @@ from .groups import Group
 from .log import get_logger
 
 __all__ = [
-    "shard_bounds", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "REDUCE_OPS",
+    "shard_bounds", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier", "REDUCE_OPS",
 ]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -225,6 +225,27 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | None = None) ->
             mpi_backend.broadcast(tensor, src, g)
         else:
             dist.broadcast(tensor, src=g.ranks[src], group=g.pg)
+    return tensor
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Group | None = None) -> torch.Tensor:
+    """Reduce `tensor` over the group into the member at index `dst` (in place there; others unchanged)."""
+    _check("tensor", tensor)
+    _check_op(op, tensor)
+    g = _group(group)
+    if not 0 <= dst < g.size:
+        raise ValueError(f"reduce dst index {dst} outside group {g} of {g.size} ranks")
+    if g.size == 1 or tensor.numel() == 0:
+        return tensor
+    with guard("reduce", g, tensor.numel() * tensor.element_size()):
+        if mpi_backend.supports(tensor, g):
+            mpi_backend.reduce(tensor, op, dst, g)
+        else:
+            # Gloo's reduce writes into the input on non-roots too; keep their tensor unchanged.
+            work = tensor if g.rank == dst else tensor.clone()
+            dist.reduce(work, dst=g.ranks[dst], op=_TORCH_OPS.get(op, dist.ReduceOp.SUM), group=g.pg)
+        if op == "avg" and g.rank == dst:
+            _div_avg(tensor, g.size)
     return tensor
 
 

@@ -18,7 +18,7 @@ import torch
 
 from . import state
 
-__all__ = ["supports", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"]
+__all__ = ["supports", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier"]
 
 _TYPES: dict[torch.dtype, object] = {}
 _OPS: dict[str, object] = {}
@@ -140,6 +140,19 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, counts: list[int]
         _watchdog.disarm()
     if op == "avg":
         output.div_(comm.Get_size())
+
+
+def reduce(tensor: torch.Tensor, op: str, dst_index: int, group: object) -> None:
+    comm = group.mpi_comm  # type: ignore[attr-defined]
+    buf = _view(tensor)
+    _watchdog.arm("reduce", group)
+    try:
+        if comm.Get_rank() == dst_index:
+            comm.Reduce(_IN_PLACE[0], buf, op=_op(op), root=dst_index)
+        else:
+            comm.Reduce(buf, None, op=_op(op), root=dst_index)
+    finally:
+        _watchdog.disarm()
 
 
 def broadcast(tensor: torch.Tensor, src_index: int, group: object) -> None:

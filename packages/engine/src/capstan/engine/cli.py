@@ -13,7 +13,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from .info import collect_info, format_info
 
     info = collect_info()
-    print(json.dumps(info, indent=2, default=str) if args.json else format_info(info))
+    # --json is one line, written at once, so the outputs of several ranks stay parseable.
+    text = json.dumps(info, default=str) if args.json else format_info(info)
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
     return 0
 
 

@@ -1,0 +1,217 @@
+"""ZeRO-3 through chunks: each data-parallel rank owns 1/N of the chunks.
+
+Chunks of a list form *communication groups* of N consecutive chunks (the
+list is padded to a multiple of N); rank r owns chunk r of every group and
+keeps parameters, gradients and Adam moments only for owned chunks (the
+manager places those between RAM and disk as usual). The other chunks'
+parameters are transient:
+
+* normal mode: the first access to any chunk of a group all-gathers the
+  whole group into one buffer (every rank contributes its owned chunk); the
+  buffer is dropped when the access sequence moves on to another group and
+  nothing in it is pinned. Gradients of a group go into a group-sized buffer
+  that is reduce-scattered (averaged) to the owners once every parameter of
+  the group has its gradient (or at the end of backward).
+* memory-saving mode: the same per chunk instead of per group, by broadcast
+  from the owner and reduce to the owner, so only one remote chunk (and one
+  gradient chunk) is resident at a time, for N times the collectives.
+
+Every collective is triggered by the access sequence alone, which is the
+same on every rank, so all ranks call them in the same order. Transient
+buffers are reserved in the cpu tier before they exist: the budget stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from capstan import comm
+from capstan.comm import Group
+
+from .chunk import Chunk
+from .manager import ChunkManager
+from .model import ChunkedModel, ParamHome
+from .states import ChunkKind, TensorState
+
+__all__ = ["ShardedChunkedModel"]
+
+
+class ShardedChunkedModel(ChunkedModel):
+    """A `ChunkedModel` whose chunks are sharded over the data-parallel group `group`."""
+
+    def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int, group: Group,
+                 memory_saving: bool = False, **kwargs: object) -> None:
+        self.group = group
+        self.memory_saving = memory_saving
+        self._span = 1 if memory_saving else group.size  # chunks per transient unit
+        self._gathered: dict[tuple[int, int], torch.Tensor] = {}  # (param group, unit) -> buffer
+        self._grad_bufs: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_missing: dict[tuple[int, int], int] = {}
+        self._current: tuple[int, int] | None = None
+        super().__init__(module, manager, chunk_size, **kwargs)  # type: ignore[arg-type]
+        self._reset_grad_counts()
+
+    # ---- ownership ------------------------------------------------------------------------------
+    def owner(self, index: int) -> int:
+        return index % self.group.size
+
+    def owned(self, index: int) -> bool:
+        return self.owner(index) == self.group.rank
+
+    def owned_indices(self, g: int) -> list[int]:
+        return [i for i in range(len(self.chunks[ChunkKind.PARAM][g])) if self.owned(i)]
+
+    def reduce_sq(self, local_sum_of_squares: float) -> float:
+        t = torch.tensor([local_sum_of_squares], dtype=torch.float64)
+        return float(comm.all_reduce(t, group=self.group).item())
+
+    def _padded_count(self, n: int) -> int:
+        return -(-n // self.group.size) * self.group.size
+
+    def _unit(self, index: int) -> int:
+        return index // self._span
+
+    def _place(self, g: int, index: int, init: torch.Tensor) -> None:
+        if self.owned(index):
+            super()._place(g, index, init)
+
+    # ---- transient units of remote chunks -------------------------------------------------------
+    def _unit_indices(self, g: int, unit: int) -> range:
+        return range(unit * self._span, (unit + 1) * self._span)
+
+    def _gather(self, g: int, unit: int) -> None:
+        """Materialize every chunk of a unit (symmetric on all ranks)."""
+        key = (g, unit)
+        if key in self._gathered:
+            return
+        for other in [k for k in self._gathered if k != key]:
+            if not any(h.pins for i in self._unit_indices(*other) for h in self._param_homes(other[0], i)):
+                self._drop_unit(other)
+        cap = self.chunk_size
+        indices = self._unit_indices(g, unit)
+        self.manager.reserve_transient(len(indices) * cap * 4, f"gathered chunks of unit {key}")
+        buf = torch.empty(cap * len(indices))
+        if self.memory_saving:
+            (i,) = indices
+            if self.owned(i):
+                own = self.manager.access(self.chunks[ChunkKind.PARAM][g][i].chunk_id)
+                buf.copy_(own.payload)  # type: ignore[arg-type]
+                self.manager.release(own.chunk_id)
+            comm.broadcast(buf, src=self.owner(i), group=self.group)
+        else:
+            mine = next(i for i in indices if self.owned(i))
+            own = self.manager.access(self.chunks[ChunkKind.PARAM][g][mine].chunk_id)
+            comm.all_gather(buf, own.payload, group=self.group)  # type: ignore[arg-type]
+            self.manager.release(own.chunk_id)
+        self._gathered[key] = buf
+        for pos, i in enumerate(indices):
+            if not self.owned(i):
+                chunk = self.chunks[ChunkKind.PARAM][g][i]
+                chunk.payload = buf.narrow(0, pos * cap, cap)
+                self._bind(chunk)
+
+    def _drop_unit(self, key: tuple[int, int]) -> None:
+        g, unit = key
+        remote = [i for i in self._unit_indices(g, unit) if not self.owned(i)]
+        for i in remote:
+            chunk = self.chunks[ChunkKind.PARAM][g][i]
+            self._unbind(chunk)
+            chunk.payload = None
+        buf = self._gathered.pop(key)
+        self.manager.release_transient(buf.numel() * 4)
+
+    def _param_homes(self, g: int, index: int) -> list[ParamHome]:
+        return self._homes_in(self.chunks[ChunkKind.PARAM][g][index])
+
+    # ---- access and release ---------------------------------------------------------------------
+    def _access(self, home: ParamHome) -> None:
+        self._gather(home.group, self._unit(home.index))
+        if self.owned(home.index):
+            super()._access(home)
+            return
+        chunk = self.chunk_of(home, ChunkKind.PARAM)
+        chunk.set_state(home.slot, TensorState.COMPUTE)
+        home.pins += 1
+
+    def _release(self, home: ParamHome, state: TensorState, all_pins: bool = False) -> None:
+        if self.owned(home.index):
+            super()._release(home, state, all_pins)
+            return
+        count = home.pins if all_pins else min(home.pins, 1)
+        home.pins -= count
+        chunk = self.chunk_of(home, ChunkKind.PARAM)
+        if home.pins == 0 and home.slot.state is TensorState.COMPUTE:
+            chunk.set_state(home.slot, state)
+
+    # ---- gradients ------------------------------------------------------------------------------
+    def _grad_key(self, home: ParamHome) -> tuple[int, int]:
+        return (home.group, home.index) if self.memory_saving else (home.group, self._unit(home.index))
+
+    def _grad_arrived(self, home: ParamHome, grad: torch.Tensor) -> None:
+        key = self._grad_key(home)
+        buf = self._grad_bufs.get(key)
+        if buf is None:
+            n = self.chunk_size * (1 if self.memory_saving else self.group.size)
+            self.manager.reserve_transient(n * 4, f"gradient buffer of unit {key}")
+            buf = self._grad_bufs[key] = torch.zeros(n)
+        pos = 0 if self.memory_saving else home.index % self.group.size
+        start = pos * self.chunk_size + home.slot.offset
+        buf.narrow(0, start, home.slot.numel).add_(grad.reshape(-1))
+        self._grad_missing[key] -= 1
+        if self._grad_missing[key] == 0:
+            self._flush(key)
+
+    def _flush(self, key: tuple[int, int]) -> None:
+        """Average a unit's gradients over the group into the owners' GRAD chunks (symmetric)."""
+        buf = self._grad_bufs.pop(key)
+        g, idx = key
+        if self.memory_saving:
+            owner = self.owner(idx)
+            comm.reduce(buf, dst=owner, op="avg", group=self.group)
+            mine = idx if owner == self.group.rank else None
+            mine_grad = buf if mine is not None else None
+        else:
+            mine_grad = torch.empty(self.chunk_size)
+            comm.reduce_scatter(mine_grad, buf, op="avg", group=self.group)
+            mine = next(i for i in self._unit_indices(g, idx) if self.owned(i))
+        if mine is not None and mine_grad is not None:
+            grad_chunk = self.chunks[ChunkKind.GRAD][g][mine]
+            self.manager.access(grad_chunk.chunk_id, write=True)
+            grad_chunk.payload.add_(mine_grad)  # type: ignore[union-attr]
+            self.manager.release(grad_chunk.chunk_id)
+        self.manager.release_transient(buf.numel() * 4)
+
+    def _end_backward(self) -> None:
+        for key in sorted(self._grad_bufs):  # units with unused parameters: same order everywhere
+            self._flush(key)
+        self._reset_grad_counts()
+        for key in list(self._gathered):
+            self._drop_unit(key)
+
+    def _reset_grad_counts(self) -> None:
+        """Gradients each unit waits for before it is reduced (parameters that require grad)."""
+        self._grad_missing = {}
+        for home in self.homes.values():
+            if home.param.requires_grad:
+                key = self._grad_key(home)
+                self._grad_missing[key] = self._grad_missing.get(key, 0) + 1
+
+    def drop_remote(self) -> None:
+        """Free every gathered remote chunk (e.g. after an eval forward)."""
+        for key in list(self._gathered):
+            self._drop_unit(key)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for home in self.homes.values():
+            self._gather(home.group, self._unit(home.index))
+            chunk: Chunk = self.chunk_of(home, ChunkKind.PARAM)
+            if self.owned(home.index):
+                chunk = self.manager.access(chunk.chunk_id)
+                out[home.name] = chunk.view(home.slot).clone()
+                self.manager.release(chunk.chunk_id)
+            else:
+                out[home.name] = chunk.view(home.slot).clone()
+        self.drop_remote()
+        return out
