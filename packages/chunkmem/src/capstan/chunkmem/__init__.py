@@ -17,8 +17,11 @@ access trace of a warm-up step (furthest-next-use eviction, prefetch).
 `ShardedChunkedModel(net, manager, chunk_size, group=groups.dp)` shards the
 chunks over a data-parallel group (ZeRO-3 through chunks).
 
-Not yet built (see docs/chunkmem.md): mixed precision with gradient reuse of
-16-bit slots, and the cuda tier.
+`ChunkedModel(..., dtype=torch.bfloat16)` keeps 16-bit parameters with fp32
+masters; without gradient accumulation a gradient reuses its parameter's
+16-bit slot (14 bytes per parameter).
+
+Not yet built (see docs/chunkmem.md): the cuda tier.
 """
 
 from .chunk import Chunk, TensorSlot
@@ -28,13 +31,14 @@ from .layout import LayoutError, ModuleSpec, ParamSpec, plan_layout, search_chun
 from .manager import BudgetError, ChunkManager
 from .model import ChunkedModel
 from .optim import AdamGroup, ChunkAdam
+from .precision import DynamicLossScaler
 from .sharding import ShardedChunkedModel
 from .states import ChunkKind, ChunkState, StateError, TensorState
 from .tiers import Tier
 
 __all__ = [
     "AdamGroup", "Belady", "BudgetError", "Chunk", "ChunkAdam", "ChunkKind", "ChunkManager", "ChunkState",
-    "ChunkedModel", "DiskStore", "DiskTierError", "EvictionPolicy", "LRU", "LayoutError", "ModuleSpec",
+    "ChunkedModel", "DiskStore", "DynamicLossScaler", "DiskTierError", "EvictionPolicy", "LRU", "LayoutError", "ModuleSpec",
     "ParamSpec", "ShardedChunkedModel", "StateError", "TensorSlot", "TensorState", "Tier", "make_policy", "plan_layout",
     "search_chunk_size", "utilization",
 ]

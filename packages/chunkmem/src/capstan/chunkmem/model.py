@@ -49,6 +49,7 @@ class ParamHome:
     slot: TensorSlot
     group: int = 0
     pins: int = 0
+    grad_in_slot: bool = False  # slot-reuse mode: the PARAM slot holds this step's gradient
 
 
 class _PreBackward(torch.autograd.Function):
@@ -75,8 +76,18 @@ class ChunkedModel(nn.Module):
 
     def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int,
                  param_groups: list[list[str]] | None = None,
-                 atomic_types: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)) -> None:
+                 atomic_types: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,),
+                 dtype: torch.dtype = torch.float32, accumulate_grads: bool = False) -> None:
         super().__init__()
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"chunk dtype must be float32, bfloat16 or float16, got {dtype}")
+        self.dtype = dtype
+        self.mixed = dtype != torch.float32
+        # Gradients get chunks of their own (fp32) in pure-fp32 mode (the PARAM chunk is the master
+        # and must survive backward) and under gradient accumulation (several backwards add up).
+        # Otherwise a 16-bit gradient reuses its parameter's slot once that parameter's backward
+        # use is over: 2 + 4 + 4 + 4 = 14 bytes per parameter (PatrickStar section 4).
+        self.grad_chunks = not self.mixed or accumulate_grads or self._needs_grad_chunks()
         # Modules whose forward reads submodules' parameters directly (MultiheadAttention uses
         # out_proj.weight without calling out_proj): their whole subtree is accessed at once.
         self.atomic_types = atomic_types
@@ -115,7 +126,7 @@ class ChunkedModel(nn.Module):
                 if own[g]:
                     specs[g].append(ModuleSpec(mod_name, tuple(own[g])))
         next_id = 0
-        for kind in (ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ):
+        for kind in self.kinds():
             self.chunks[kind] = [[] for _ in range(n_groups)]
         for g in range(n_groups):
             plan = plan_layout(specs[g], self.chunk_size)
@@ -123,7 +134,8 @@ class ChunkedModel(nn.Module):
             for index, members in enumerate(plan):
                 init = torch.zeros(self.chunk_size)
                 for kind in self.chunks:
-                    chunk = Chunk(next_id, kind, torch.float32, self.chunk_size)
+                    dtype = self.dtype if kind is ChunkKind.PARAM else torch.float32
+                    chunk = Chunk(next_id, kind, dtype, self.chunk_size)
                     next_id += 1
                     for spec, offset in members:
                         p = named[spec.name]
@@ -138,6 +150,19 @@ class ChunkedModel(nn.Module):
                     named[spec.name].data = _EMPTY  # the chunks are the only copy from now on
                 self._place(g, index, init)
 
+    def kinds(self) -> list[ChunkKind]:
+        """The chunk lists this model keeps (sibling chunks share offsets)."""
+        kinds = [ChunkKind.PARAM]
+        if self.mixed:
+            kinds.append(ChunkKind.MASTER)
+        if self.grad_chunks:
+            kinds.append(ChunkKind.GRAD)
+        return kinds + [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ]
+
+    def _needs_grad_chunks(self) -> bool:
+        """Sharding always reduces gradients into chunks of their own."""
+        return False
+
     def _padded_count(self, n: int) -> int:
         """How many chunks a list of `n` needs (sharding pads to a multiple of the group size)."""
         return n
@@ -147,7 +172,9 @@ class ChunkedModel(nn.Module):
         budget allows; Adam moments and gradients start as zeros that take memory once touched."""
         param_chunk = self.chunks[ChunkKind.PARAM][g][index]
         self.manager.add(param_chunk, init)
-        for kind in (ChunkKind.GRAD, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ):
+        if self.mixed:
+            self.manager.add(self.chunks[ChunkKind.MASTER][g][index], init)
+        for kind in self.kinds()[1 + self.mixed:]:
             self.manager.add(self.chunks[kind][g][index])
         if param_chunk.payload is not None:
             self._bind(param_chunk)
@@ -258,14 +285,28 @@ class ChunkedModel(nn.Module):
         return hook
 
     def _grad_arrived(self, home: ParamHome, grad: torch.Tensor) -> None:
-        """Accumulate one parameter's gradient into its GRAD chunk slot."""
-        grad_chunk = self.chunk_of(home, ChunkKind.GRAD)
-        self.manager.access(grad_chunk.chunk_id, write=True)
-        grad_chunk.view(home.slot).add_(grad)
-        self.manager.release(grad_chunk.chunk_id)
+        """Accumulate one gradient into its GRAD chunk slot, or store it in its parameter's slot."""
+        kind = ChunkKind.GRAD if self.grad_chunks else ChunkKind.PARAM
+        chunk = self.chunk_of(home, kind)
+        self.manager.access(chunk.chunk_id, write=True)
+        if self.grad_chunks:
+            chunk.view(home.slot).add_(grad)
+        else:  # the parameter's value is not needed again before the step: its master holds it
+            chunk.view(home.slot).copy_(grad)
+            home.grad_in_slot = True
+        self.manager.release(chunk.chunk_id)
 
     def _end_backward(self) -> None:
-        """Called once backward is over (sharding flushes pending gradient reductions here)."""
+        """Called once backward is over: in slot-reuse mode a parameter that got no gradient has
+        its slot zeroed (its value lives on in the master chunk and is cast back by the step)."""
+        if self.grad_chunks:
+            return
+        for home in self.homes.values():
+            if not home.grad_in_slot:
+                chunk = self.manager.access(self.chunk_of(home, ChunkKind.PARAM).chunk_id, write=True)
+                chunk.view(home.slot).zero_()
+                self.manager.release(chunk.chunk_id)
+                home.grad_in_slot = True
 
     # ---- training-step API ----------------------------------------------------------------------
     def forward(self, *args: object, **kwargs: object) -> object:
@@ -286,8 +327,9 @@ class ChunkedModel(nn.Module):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """A copy of every parameter (loading chunks one at a time): for checks and export."""
         out: dict[str, torch.Tensor] = {}
+        kind = ChunkKind.MASTER if self.mixed else ChunkKind.PARAM  # the fp32 truth
         for home in self.homes.values():
-            chunk = self.manager.access(self.chunk_of(home, ChunkKind.PARAM).chunk_id)
+            chunk = self.manager.access(self.chunk_of(home, kind).chunk_id)
             out[home.name] = chunk.view(home.slot).clone()
             self.manager.release(chunk.chunk_id)
         return out

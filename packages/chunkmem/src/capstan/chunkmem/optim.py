@@ -1,21 +1,29 @@
-"""`ChunkAdam`: AdamW over chunks, one chunk group (param, grad, exp_avg, exp_avg_sq) at a time.
+"""`ChunkAdam`: AdamW over chunks, one sibling group (param, grad, master, moments) at a time.
 
 Sibling chunks share offsets, so the update runs on whole flat chunks: the
-same element-wise operations as `torch.optim.AdamW` (hence the same numbers)
-over a few large buffers instead of many small tensors. Chunks on disk are
-streamed through the cpu budget in order; with the warm-up trace the manager
-reads the next group ahead while this one is updated. Gradients are dropped
-after the step (their chunks read as zeros again: that is `zero_grad`).
+element-wise arithmetic of `torch.optim.AdamW` (capstan.native's SIMD
+kernels follow ATen op by op; docs/native.md) over a few large buffers
+instead of many small tensors. Chunks on disk stream through the cpu budget
+in order; with the warm-up trace the manager reads the next ones ahead.
 
-The update itself is capstan.native's multi-threaded SIMD Adam (which
-falls back to torch ops, with one warning, where the library cannot load);
-its arithmetic follows torch's element by element (docs/native.md).
+Mixed precision: the fp32 MASTER chunk is updated and the new value is cast
+into the 16-bit PARAM chunk in the same pass (the fused native kernel). In
+slot-reuse mode the gradient is read from the PARAM slot and overwritten by
+the new parameter element by element (safe: each element is read before it
+is written). With a loss scale, gradients are unscaled on the fly and a
+first pass checks them all for inf/NaN; on overflow nothing is updated and
+the 16-bit parameters are restored from their masters.
+
+Gradients are consumed by the step (their chunks read as zeros again, which
+is `zero_grad`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import torch
 
 from capstan.native import kernels
 
@@ -47,42 +55,94 @@ class ChunkAdam:
             if g.lr < 0 or g.eps < 0 or not all(0.0 <= b < 1.0 for b in g.betas) or g.weight_decay < 0:
                 raise ValueError(f"invalid Adam hyper-parameters: {g}")
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of all gradients (one pass over the gradient chunks)."""
-        mgr, total = self.model.manager, 0.0
-        for g, group in enumerate(self.model.chunks[ChunkKind.GRAD]):
+    def _grad_kind(self) -> ChunkKind:
+        return ChunkKind.GRAD if self.model.grad_chunks else ChunkKind.PARAM
+
+    def _each_grad(self):  # noqa: ANN202 - yields (chunk, used) of every owned gradient source
+        mgr = self.model.manager
+        for g, group in enumerate(self.model.chunks[self._grad_kind()]):
             for i in self.model.owned_indices(g):
                 chunk = group[i]
+                if chunk.used == 0:
+                    continue
                 mgr.access(chunk.chunk_id)
-                total += kernels.sumsq(chunk.payload[: chunk.used])  # type: ignore[index]
+                yield chunk, chunk.used
                 mgr.release(chunk.chunk_id)
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of all (still scaled) gradients: one pass over the gradient chunks."""
+        total = sum(kernels.sumsq(c.payload[:n]) for c, n in self._each_grad())  # type: ignore[index]
         return math.sqrt(self.model.reduce_sq(total))
 
-    def step(self, grad_clip: float | None = None) -> float | None:
-        """One AdamW step over every chunk group; returns the gradient norm when clipping."""
-        mgr = self.model.manager
-        scale, norm = 1.0, None
+    def has_overflow(self) -> bool:
+        """True if any gradient on any rank is inf/NaN."""
+        local = any(kernels.has_nonfinite(c.payload[:n]) for c, n in self._each_grad())  # type: ignore[index]
+        return self.model.reduce_sq(1.0 if local else 0.0) > 0
+
+    def step(self, grad_clip: float | None = None, loss_scale: float = 1.0,
+             check_overflow: bool = False) -> tuple[float | None, bool]:
+        """One AdamW step over every owned chunk group. Returns (gradient norm or None, overflow).
+
+        loss_scale: the factor the loss was multiplied by (fp16); gradients are divided by it.
+        check_overflow: skip the whole step (and restore 16-bit parameters) if any gradient is inf/NaN.
+        """
+        if check_overflow and self.has_overflow():
+            self._restore_params()
+            self._drop_grads()
+            return None, True
+        unscale = 1.0 / loss_scale
+        norm = None
         if grad_clip is not None:
-            norm = self.grad_norm()
+            norm = self.grad_norm() * unscale
             if norm > grad_clip:
-                scale = grad_clip / (norm + 1e-6)
-        chunks = self.model.chunks
+                unscale *= grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
+        mgr, chunks, mixed = self.model.manager, self.model.chunks, self.model.mixed
+        master_kind = ChunkKind.MASTER if mixed else ChunkKind.PARAM
         for g, hp in enumerate(self.groups):
             hp.step += 1
             beta1, beta2 = hp.betas
             for i in self.model.owned_indices(g):
                 p_chunk = chunks[ChunkKind.PARAM][g][i]
-                if p_chunk.used == 0:
-                    continue  # padding chunk of a sharded list
-                ids = [p_chunk.chunk_id] + [chunks[k][g][i].chunk_id for k in
-                                            (ChunkKind.GRAD, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)]
-                p, grad, m, v = (mgr.access(cid, write=True).payload for cid in ids)
                 n = p_chunk.used
-                # AdamW: decoupled weight decay (Loshchilov & Hutter 2019); clipping folded into grad_scale.
-                kernels.adam_update(p[:n], grad[:n], m[:n], v[:n], step=hp.step, lr=hp.lr,  # type: ignore[index]
-                                    beta1=beta1, beta2=beta2, eps=hp.eps, weight_decay=hp.weight_decay,
-                                    adamw=True, grad_scale=scale)
+                if n == 0:
+                    continue  # padding chunk of a sharded list
+                kinds = (master_kind, self._grad_kind(), ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
+                ids = [chunks[k][g][i].chunk_id for k in kinds]
+                master, grad, m, v = (mgr.access(cid, write=True).payload[:n] for cid in ids)  # type: ignore[index]
+                args = dict(step=hp.step, lr=hp.lr, beta1=beta1, beta2=beta2, eps=hp.eps,
+                            weight_decay=hp.weight_decay, adamw=True, grad_scale=unscale)
+                if mixed:  # update fp32 master, write the 16-bit parameter in the same pass
+                    out = mgr.access(p_chunk.chunk_id, write=True).payload[:n]  # type: ignore[index]
+                    kernels.adam_update_and_cast(master, grad, m, v, out, **args)
+                    mgr.release(p_chunk.chunk_id)
+                else:
+                    kernels.adam_update(master, grad, m, v, **args)
                 for cid in ids:
                     mgr.release(cid)
-                mgr.free(ids[1])  # gradients are consumed: zero_grad for free
-        return norm
+        self._drop_grads()
+        return norm, False
+
+    def _drop_grads(self) -> None:
+        """Gradients are consumed: free gradient chunks (zero_grad), clear slot-reuse marks."""
+        if self.model.grad_chunks:
+            for g, group in enumerate(self.model.chunks[ChunkKind.GRAD]):
+                for i in self.model.owned_indices(g):
+                    self.model.manager.free(group[i].chunk_id)
+        for home in self.model.homes.values():
+            home.grad_in_slot = False
+
+    def _restore_params(self) -> None:
+        """After an overflow in slot-reuse mode the PARAM slots hold gradients: cast masters back."""
+        if not self.model.mixed or self.model.grad_chunks:
+            return
+        mgr, chunks = self.model.manager, self.model.chunks
+        for g, group in enumerate(chunks[ChunkKind.PARAM]):
+            for i in self.model.owned_indices(g):
+                n = group[i].used
+                if n == 0:
+                    continue
+                master = mgr.access(chunks[ChunkKind.MASTER][g][i].chunk_id)
+                param = mgr.access(group[i].chunk_id, write=True)
+                kernels.cast_(master.payload[:n], param.payload[:n])  # type: ignore[index]
+                mgr.release(param.chunk_id)
+                mgr.release(master.chunk_id)

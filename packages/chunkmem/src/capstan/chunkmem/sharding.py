@@ -53,6 +53,9 @@ class ShardedChunkedModel(ChunkedModel):
         self._reset_grad_counts()
 
     # ---- ownership ------------------------------------------------------------------------------
+    def _needs_grad_chunks(self) -> bool:
+        return True  # reduce-scattered gradients land in the owners' fp32 GRAD chunks
+
     def owner(self, index: int) -> int:
         return index % self.group.size
 
@@ -90,8 +93,9 @@ class ShardedChunkedModel(ChunkedModel):
                 self._drop_unit(other)
         cap = self.chunk_size
         indices = self._unit_indices(g, unit)
-        self.manager.reserve_transient(len(indices) * cap * 4, f"gathered chunks of unit {key}")
-        buf = torch.empty(cap * len(indices))
+        nbytes = len(indices) * cap * torch.empty(0, dtype=self.dtype).element_size()
+        self.manager.reserve_transient(nbytes, f"gathered chunks of unit {key}")
+        buf = torch.empty(cap * len(indices), dtype=self.dtype)
         if self.memory_saving:
             (i,) = indices
             if self.owned(i):
@@ -119,7 +123,7 @@ class ShardedChunkedModel(ChunkedModel):
             self._unbind(chunk)
             chunk.payload = None
         buf = self._gathered.pop(key)
-        self.manager.release_transient(buf.numel() * 4)
+        self.manager.release_transient(buf.numel() * buf.element_size())
 
     def _param_homes(self, g: int, index: int) -> list[ParamHome]:
         return self._homes_in(self.chunks[ChunkKind.PARAM][g][index])
@@ -204,14 +208,15 @@ class ShardedChunkedModel(ChunkedModel):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
+        # Remote values come from the gathered PARAM chunks (16-bit in mixed precision).
         for home in self.homes.values():
             self._gather(home.group, self._unit(home.index))
             chunk: Chunk = self.chunk_of(home, ChunkKind.PARAM)
             if self.owned(home.index):
                 chunk = self.manager.access(chunk.chunk_id)
-                out[home.name] = chunk.view(home.slot).clone()
+                out[home.name] = chunk.view(home.slot).float()
                 self.manager.release(chunk.chunk_id)
             else:
-                out[home.name] = chunk.view(home.slot).clone()
+                out[home.name] = chunk.view(home.slot).float()
         self.drop_remote()
         return out
