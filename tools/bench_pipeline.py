@@ -1,0 +1,163 @@
+"""Benchmark: capstan's 1F1B against torch.distributed.pipelining, and memory per schedule.
+
+Runs on this machine's CPUs with gloo: 2 processes (2 pipeline stages), one
+thread each, a small GPT (capstan.pipeline.testing_models), 8 microbatches.
+
+1. Throughput: in ONE 2-rank job the same model (same per-layer seeds) and
+   the same data go through capstan 1F1B, torch Schedule1F1B and torch
+   ScheduleGPipe, round-robin for --steps rounds after --warmup rounds (so a
+   busy shared machine slows all three alike). Reports tokens/s (median of
+   the rounds) and capstan / torch ratios, and checks the losses agree.
+2. Memory: one fresh 2-rank job per configuration (capstan GPipe, 1F1B,
+   1F1B + checkpointing). Peak resident set size (getrusage ru_maxrss, the
+   whole process's high-water mark, which is why every configuration gets
+   fresh processes) and its rise over the RSS right after the model is built.
+
+Usage: python tools/bench_pipeline.py [--hidden 256 --layers 6 --vocab 4096 --seq 128 --mb-size 2]
+Prints a markdown fragment (what docs/benchmarks-pipeline.md holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import resource
+import statistics
+import time
+
+import torch
+
+from capstan.comm.testing import run_ranks
+from capstan.pipeline import PipelineExecutor, make_schedule, partition
+from capstan.pipeline.testing_models import gpt_loss, gpt_specs
+
+STAGES, MICROBATCHES = 2, 8
+
+
+def _specs(cfg: dict):
+    return gpt_specs(vocab=cfg["vocab"], hidden=cfg["hidden"], layers=cfg["layers"], heads=cfg["heads"],
+                     seq=cfg["seq"])
+
+
+def _data(cfg: dict, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (cfg["mb_size"], cfg["seq"])
+    xs = [torch.randint(0, cfg["vocab"], shape, generator=g) for _ in range(MICROBATCHES)]
+    ys = [torch.randint(0, cfg["vocab"], shape, generator=g) for _ in range(MICROBATCHES)]
+    return xs, ys
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _throughput(cfg: dict) -> dict:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from capstan import comm
+
+    groups = comm.build_groups(comm.Topology(pp=STAGES))
+    stage = groups.pp.rank
+    plan = partition(_specs(cfg), STAGES, "parameters")
+    ours = PipelineExecutor(plan, make_schedule("1f1b", STAGES, MICROBATCHES), groups, gpt_loss, seed=0)
+
+    def torch_schedule(cls):
+        module = plan.build(stage, seed=0)
+        pstage = PipelineStage(module, stage, STAGES, torch.device("cpu"), group=groups.pp.pg)
+        return cls(pstage, n_microbatches=MICROBATCHES, loss_fn=gpt_loss), module
+
+    theirs = {"torch 1F1B": torch_schedule(Schedule1F1B), "torch GPipe": torch_schedule(ScheduleGPipe)}
+    xs, ys = _data(cfg, 0)
+    x, y = torch.cat(xs), torch.cat(ys)
+    tokens = x.numel()
+
+    def run_ours() -> float | None:
+        return ours.step(xs, ys)
+
+    def run_theirs(name: str):
+        def go() -> float | None:
+            sched, module = theirs[name]
+            module.zero_grad(set_to_none=True)
+            if stage == 0:
+                sched.step(x)
+                return None
+            losses: list[torch.Tensor] = []
+            sched.step(target=y, losses=losses)
+            return float(torch.stack(losses).mean())
+        return go
+
+    systems = {"capstan 1F1B": run_ours, "torch 1F1B": run_theirs("torch 1F1B"),
+               "torch GPipe": run_theirs("torch GPipe")}
+    times: dict[str, list[float]] = {k: [] for k in systems}
+    losses: dict[str, float | None] = {}
+    for round_ in range(cfg["warmup"] + cfg["steps"]):
+        for name, fn in systems.items():
+            comm.barrier(groups.pp)
+            t0 = time.perf_counter()
+            losses[name] = fn()
+            comm.barrier(groups.pp)
+            if round_ >= cfg["warmup"]:
+                times[name].append(time.perf_counter() - t0)
+    params = sum(p.numel() for p in ours.parameters())
+    return {"times": times, "losses": losses, "tokens": tokens, "params": params}
+
+
+def _memory(cfg: dict, schedule: str, checkpoint: bool) -> dict:
+    from capstan import comm
+
+    groups = comm.build_groups(comm.Topology(pp=STAGES))
+    plan = partition(_specs(cfg), STAGES, "parameters")
+    ex = PipelineExecutor(plan, make_schedule(schedule, STAGES, MICROBATCHES), groups, gpt_loss, seed=0,
+                          checkpoint=checkpoint)
+    xs, ys = _data(cfg, 0)
+    before = _rss_mib()
+    for _ in range(2):
+        ex.step(xs, ys)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"before": before, "peak": peak}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--mb-size", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    cfg = vars(ap.parse_args())
+    cfg["mb_size"] = cfg.pop("mb_size")
+
+    res = run_ranks(_throughput, STAGES, cfg, timeout=1800, comm_timeout=600)
+    # Every rank times the same barrier-to-barrier interval; take rank 0's.
+    times, tokens = res[0]["times"], res[0]["tokens"]
+    params = sum(r["params"] for r in res)
+    tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+    last = res[-1]["losses"]
+
+    print(f"## Pipeline: capstan 1F1B vs torch.distributed.pipelining ({platform.processor() or platform.machine()})\n")
+    print(f"GPT {params / 1e6:.1f}M parameters (vocab {cfg['vocab']}, hidden {cfg['hidden']}, {cfg['layers']} "
+          f"blocks, {cfg['heads']} heads, seq {cfg['seq']}), {STAGES} stages (gloo, 2 processes, 1 thread each), "
+          f"{MICROBATCHES} microbatches of {cfg['mb_size']} sequences = {tokens} tokens per step; "
+          f"median of {cfg['steps']} rounds after {cfg['warmup']} warm-up rounds, systems interleaved "
+          f"round-robin in one job; torch {torch.__version__}.\n")
+    print("| system | step (s, median) | tokens/s | capstan 1F1B speed-up | last-step loss |")
+    print("|---|---|---|---|---|")
+    for k, v in times.items():
+        print(f"| {k} | {statistics.median(v):.3f} | {tps[k]:.0f} | {tps['capstan 1F1B'] / tps[k]:.2f}x | "
+              f"{last[k]:.6f} |")
+    print()
+    print("| configuration | stage | RSS after build (MiB) | peak RSS (MiB) | rise (MiB) |")
+    print("|---|---|---|---|---|")
+    for label, sched, ckpt in (("capstan GPipe", "gpipe", False), ("capstan 1F1B", "1f1b", False),
+                               ("capstan 1F1B + checkpointing", "1f1b", True)):
+        mem = run_ranks(_memory, STAGES, cfg, sched, ckpt, timeout=1800, comm_timeout=600)
+        for s, m in enumerate(mem):
+            print(f"| {label} | {s} | {m['before']:.0f} | {m['peak']:.0f} | {m['peak'] - m['before']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
