@@ -91,8 +91,11 @@ def _throughput(cfg: dict) -> dict:
                "torch GPipe": run_theirs("torch GPipe")}
     times: dict[str, list[float]] = {k: [] for k in systems}
     losses: dict[str, float | None] = {}
+    names = list(systems)
     for round_ in range(cfg["warmup"] + cfg["steps"]):
-        for name, fn in systems.items():
+        # Rotate who goes first each round so no system always follows the same one.
+        for name in names[round_ % 3:] + names[: round_ % 3]:
+            fn = systems[name]
             comm.barrier(groups.pp)
             t0 = time.perf_counter()
             losses[name] = fn()
@@ -100,7 +103,7 @@ def _throughput(cfg: dict) -> dict:
             if round_ >= cfg["warmup"]:
                 times[name].append(time.perf_counter() - t0)
     params = sum(p.numel() for p in ours.parameters())
-    return {"times": times, "losses": losses, "tokens": tokens, "params": params}
+    return {"times": times, "losses": losses, "tokens": tokens, "params": params, "breakdown": ours.times}
 
 
 def _memory(cfg: dict, schedule: str, checkpoint: bool) -> dict:
@@ -143,12 +146,17 @@ def main() -> None:
           f"blocks, {cfg['heads']} heads, seq {cfg['seq']}), {STAGES} stages (gloo, 2 processes, 1 thread each), "
           f"{MICROBATCHES} microbatches of {cfg['mb_size']} sequences = {tokens} tokens per step; "
           f"median of {cfg['steps']} rounds after {cfg['warmup']} warm-up rounds, systems interleaved "
-          f"round-robin in one job; torch {torch.__version__}.\n")
+          f"round-robin (rotating order) in one job; torch {torch.__version__}.\n")
     print("| system | step (s, median) | tokens/s | capstan 1F1B speed-up | last-step loss |")
     print("|---|---|---|---|---|")
     for k, v in times.items():
         print(f"| {k} | {statistics.median(v):.3f} | {tps[k]:.0f} | {tps['capstan 1F1B'] / tps[k]:.2f}x | "
               f"{last[k]:.6f} |")
+    print()
+    print("capstan 1F1B, last round, seconds per stage (forward / backward / waiting in p2p / step):\n")
+    for s, r in enumerate(res):
+        b = r["breakdown"]
+        print(f"- stage {s}: {b['forward']:.3f} / {b['backward']:.3f} / {b['comm']:.3f} / {b['total']:.3f}")
     print()
     print("| configuration | stage | RSS after build (MiB) | peak RSS (MiB) | rise (MiB) |")
     print("|---|---|---|---|---|")

@@ -135,10 +135,10 @@ class PipelineExecutor:
         self.times = {"forward": 0.0, "backward": 0.0, "comm": 0.0}
         start = time.perf_counter()
         self._negotiate = self._check_shapes(inputs)
-        current: Instruction | None = None
+        current: Instruction | str | None = None
         try:
             for item in batches(list(self.schedule.steps(self.stage))):
-                current = item[0] if isinstance(item, list) else item
+                current = " + ".join(str(i) for i in item) if isinstance(item, list) else item
                 if isinstance(item, list):
                     t0 = time.perf_counter()
                     self._exchange(item)
@@ -229,7 +229,7 @@ class PipelineExecutor:
         if self._negotiate:
             self._exchange_headers(batch)
         ops: list[comm.P2POp] = []
-        done: list[Callable[[], None]] = []
+        received: list[tuple[tuple[int, int], torch.Tensor]] = []
         for ins in batch:
             key = (ins.mb, ins.chunk)
             if isinstance(ins, SendActivation):
@@ -242,16 +242,16 @@ class PipelineExecutor:
                 shape, dtype = self._act_meta[key]
                 buf = torch.empty(shape, dtype=dtype)
                 ops.append(comm.P2POp("recv", buf, sched.prev_stage(self.stage)))
-                done.append(lambda buf=buf, key=key: self._x.__setitem__(
-                    key, buf.requires_grad_(buf.is_floating_point())))
+                received.append((key, buf))
             elif isinstance(ins, RecvGrad):
                 y = self._y[key]
                 buf = torch.empty(y.shape, dtype=y.dtype)
                 ops.append(comm.P2POp("recv", buf, sched.next_stage(self.stage)))
                 self._dy[key] = buf
-        self._post(ops, str(batch[0]))
-        for fn in done:
-            fn()
+        self._post(ops, " + ".join(str(i) for i in batch))
+        for key, buf in received:
+            # A received activation is a leaf of this stage's graph; its .grad is what SendGrad sends.
+            self._x[key] = buf.requires_grad_(buf.is_floating_point())
 
     def _post(self, ops: list[comm.P2POp], what: str, group: comm.Group | None = None) -> None:
         handle = comm.exchange(ops, group=group or self.pp)
