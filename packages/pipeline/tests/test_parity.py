@@ -4,7 +4,8 @@ One spawned job per pipeline size runs every schedule (GPipe, 1F1B,
 interleaved 1F1B), with and without tied embedding/head weights and with and
 without activation checkpointing, over three steps: the first negotiates
 activation shapes, the second reuses them, the third changes the sequence
-length and must renegotiate. The reference is the same model (same per-layer
+length and must renegotiate. A last run trains with SGD for a few steps and
+must follow the one-process loss trajectory. The reference is the same model (same per-layer
 seeds, the same tied Parameter) run here in one process, microbatch by
 microbatch.
 
@@ -62,7 +63,46 @@ def _pipelined(pp: int, m: int) -> list:
             grads = {n: p.grad.clone() for c in ex.chunks for n, p in c.named_parameters(remove_duplicate=False)}
             steps.append((loss, grads))
         out.append(steps)
+    out.append(_trajectory(groups, pp, m))
     return out
+
+
+TRAJECTORY_STEPS = 8
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def _trajectory(groups, pp: int, m: int) -> list[float | None]:
+    """Losses of TRAJECTORY_STEPS optimizer steps (1F1B, tied, checkpointed) on fixed data."""
+    from capstan.pipeline import PipelineExecutor, make_schedule
+
+    plan = partition(_specs(True), pp, "parameters")
+    ex = PipelineExecutor(plan, make_schedule("1f1b", pp, m), groups, gpt_loss, seed=7, checkpoint=True,
+                          optimizer_factory=_sgd)
+    xs, ys = _data(m, SEQ, 0)
+    return [ex.step(xs, ys) for _ in range(TRAJECTORY_STEPS)]
+
+
+def _reference_trajectory(m: int) -> list[float]:
+    specs = _specs(True)
+    layers = build_layers(specs, range(len(specs)), seed=7)
+    tie_layers(specs, layers)
+    model = torch.nn.Sequential(*layers)
+    opt = _sgd(model.parameters())
+    xs, ys = _data(m, SEQ, 0)
+    losses = []
+    for _ in range(TRAJECTORY_STEPS):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in zip(xs, ys):
+            loss = gpt_loss(model(x), y) / m
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total)
+    return losses
 
 
 @lru_cache(maxsize=None)
@@ -81,6 +121,7 @@ def _reference(tied: bool, m: int, seq: int, seed: int) -> tuple[float, dict[str
 
 def _check(pp: int, m: int) -> None:
     results = run_ranks(_pipelined, pp, pp, m, timeout=240)
+    _check_trajectory(results, pp, m)
     for ci, (name, chunks, tied, ckpt) in enumerate(CONFIGS):
         for si, (seq, seed) in enumerate(STEPS):
             tag = f"pp={pp} {name} chunks={chunks} tied={tied} checkpoint={ckpt} step={si}"
@@ -97,6 +138,16 @@ def _check(pp: int, m: int) -> None:
             for n, g in want.items():
                 err = (got[n] - g).norm() / g.norm().clamp_min(1e-30)
                 assert err <= 1e-6, f"{tag}: gradient of {n} off by {err:.2e} (relative)"
+
+
+def _check_trajectory(results: list, pp: int, m: int) -> None:
+    # Invariant 1 of ARCHITECTURE.md: the same training trajectory as one process (fp32, 1e-5 relative).
+    got = results[-1][-1]
+    assert [r[-1] for r in results[:-1]] == [[None] * TRAJECTORY_STEPS] * (pp - 1)
+    want = _reference_trajectory(m)
+    assert want[-1] < want[0] - 0.1  # the run really trains (not a flat trajectory)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"pp={pp} step {step}: loss {a} vs one process {b}"
 
 
 def test_two_stages_match_one_process() -> None:
