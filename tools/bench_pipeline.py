@@ -129,10 +129,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--mb-size", type=int, default=2)
+    ap.add_argument("--mem-mb-size", type=int, default=8,
+                    help="sequences per microbatch in the memory runs (larger, so activations dominate the RSS)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     cfg = vars(ap.parse_args())
-    cfg["mb_size"] = cfg.pop("mb_size")
+    mem_cfg = dict(cfg, mb_size=cfg["mem_mb_size"])
 
     res = run_ranks(_throughput, STAGES, cfg, timeout=1800, comm_timeout=600)
     # Every rank times the same barrier-to-barrier interval; take rank 0's.
@@ -147,24 +149,35 @@ def main() -> None:
           f"{MICROBATCHES} microbatches of {cfg['mb_size']} sequences = {tokens} tokens per step; "
           f"median of {cfg['steps']} rounds after {cfg['warmup']} warm-up rounds, systems interleaved "
           f"round-robin (rotating order) in one job; torch {torch.__version__}.\n")
-    print("| system | step (s, median) | tokens/s | capstan 1F1B speed-up | last-step loss |")
-    print("|---|---|---|---|---|")
+    print("| system | step (s, median) | tokens/s | capstan 1F1B speed-up | paired per round (min-max) "
+          "| last-step loss |")
+    print("|---|---|---|---|---|---|")
+    ours = times["capstan 1F1B"]
     for k, v in times.items():
+        # The same round's times ran back to back, so their ratio cancels slow drifts of machine load.
+        paired = sorted(b / a for a, b in zip(ours, v))
         print(f"| {k} | {statistics.median(v):.3f} | {tps[k]:.0f} | {tps['capstan 1F1B'] / tps[k]:.2f}x | "
-              f"{last[k]:.6f} |")
+              f"{statistics.median(paired):.2f}x ({paired[0]:.2f}-{paired[-1]:.2f}) | {last[k]:.6f} |")
     print()
     print("capstan 1F1B, last round, seconds per stage (forward / backward / waiting in p2p / step):\n")
     for s, r in enumerate(res):
         b = r["breakdown"]
         print(f"- stage {s}: {b['forward']:.3f} / {b['backward']:.3f} / {b['comm']:.3f} / {b['total']:.3f}")
     print()
-    print("| configuration | stage | RSS after build (MiB) | peak RSS (MiB) | rise (MiB) |")
-    print("|---|---|---|---|---|")
+    print(f"Memory: {MICROBATCHES} microbatches of {mem_cfg['mb_size']} sequences; peak RSS = ru_maxrss of a "
+          f"fresh process per configuration; the rise over the RSS after building the stage holds the "
+          f"activations in flight, the gradients and allocator slack.\n")
+    print("| configuration | stage | microbatches in flight (peak) | RSS after build (MiB) | peak RSS (MiB) "
+          "| rise (MiB) |")
+    print("|---|---|---|---|---|---|")
     for label, sched, ckpt in (("capstan GPipe", "gpipe", False), ("capstan 1F1B", "1f1b", False),
                                ("capstan 1F1B + checkpointing", "1f1b", True)):
-        mem = run_ranks(_memory, STAGES, cfg, sched, ckpt, timeout=1800, comm_timeout=600)
+        mem = run_ranks(_memory, STAGES, mem_cfg, sched, ckpt, timeout=1800, comm_timeout=600)
+        schedule = make_schedule(sched, STAGES, MICROBATCHES)
         for s, m in enumerate(mem):
-            print(f"| {label} | {s} | {m['before']:.0f} | {m['peak']:.0f} | {m['peak'] - m['before']:.0f} |")
+            flight = f"{schedule.max_in_flight(s)}" + (" (inputs only)" if ckpt else "")
+            print(f"| {label} | {s} | {flight} | {m['before']:.0f} | {m['peak']:.0f} | "
+                  f"{m['peak'] - m['before']:.0f} |")
 
 
 if __name__ == "__main__":
