@@ -156,3 +156,34 @@ def test_two_stages_match_one_process() -> None:
 
 def test_four_stages_match_one_process() -> None:
     _check(4, 8)
+
+
+def _two_replicas() -> list:
+    """dp=2 x pp=2: two pipelines side by side, each with its own tied and header groups."""
+    from capstan import comm
+    from capstan.pipeline import PipelineExecutor, make_schedule
+
+    groups = comm.build_groups(comm.Topology(dp=2, pp=2))
+    out = []
+    for name, chunks in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        plan = partition(_specs(True), 2 * chunks, "parameters")
+        ex = PipelineExecutor(plan, make_schedule(name, 2, 4, chunks), groups, gpt_loss, seed=7)
+        xs, ys = _data(4, SEQ, groups.dp.rank)  # each replica trains on its own data
+        loss = ex.step(xs, ys)
+        grads = {n: p.grad.clone() for c in ex.chunks for n, p in c.named_parameters(remove_duplicate=False)}
+        out.append((groups.dp.rank, groups.pp.rank, loss, grads))
+    return out
+
+
+def test_pipelines_of_two_data_parallel_replicas_each_match_one_process() -> None:
+    results = run_ranks(_two_replicas, 4, timeout=240)
+    for ci in range(2):
+        for replica in range(2):
+            want_loss, want = _reference(True, 4, SEQ, replica)
+            stages = sorted((r[ci] for r in results if r[ci][0] == replica), key=lambda t: t[1])
+            assert [s[1] for s in stages] == [0, 1]
+            assert stages[0][2] is None and abs(stages[1][2] - want_loss) <= 1e-6 * want_loss
+            got = {**stages[0][3], **stages[1][3]}
+            assert sorted(got) == sorted(want)
+            for n, g in want.items():
+                assert (got[n] - g).norm() <= 1e-6 * g.norm(), (ci, replica, n)
