@@ -26,7 +26,6 @@ import statistics
 import time
 
 import torch
-
 from capstan.comm.testing import run_ranks
 from capstan.pipeline import PipelineExecutor, make_schedule, partition
 from capstan.pipeline.testing_models import gpt_loss, gpt_specs
@@ -35,8 +34,13 @@ STAGES, MICROBATCHES = 2, 8
 
 
 def _specs(cfg: dict):
-    return gpt_specs(vocab=cfg["vocab"], hidden=cfg["hidden"], layers=cfg["layers"], heads=cfg["heads"],
-                     seq=cfg["seq"])
+    return gpt_specs(
+        vocab=cfg["vocab"],
+        hidden=cfg["hidden"],
+        layers=cfg["layers"],
+        heads=cfg["heads"],
+        seq=cfg["seq"],
+    )
 
 
 def _data(cfg: dict, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -53,21 +57,25 @@ def _rss_mib() -> float:
 
 
 def _throughput(cfg: dict) -> dict:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
     from capstan import comm
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     groups = comm.build_groups(comm.Topology(pp=STAGES))
     stage = groups.pp.rank
     plan = partition(_specs(cfg), STAGES, "parameters")
-    ours = PipelineExecutor(plan, make_schedule("1f1b", STAGES, MICROBATCHES), groups, gpt_loss, seed=0)
+    ours = PipelineExecutor(
+        plan, make_schedule("1f1b", STAGES, MICROBATCHES), groups, gpt_loss, seed=0
+    )
 
     def torch_schedule(cls):
         module = plan.build(stage, seed=0)
         pstage = PipelineStage(module, stage, STAGES, torch.device("cpu"), group=groups.pp.pg)
         return cls(pstage, n_microbatches=MICROBATCHES, loss_fn=gpt_loss), module
 
-    theirs = {"torch 1F1B": torch_schedule(Schedule1F1B), "torch GPipe": torch_schedule(ScheduleGPipe)}
+    theirs = {
+        "torch 1F1B": torch_schedule(Schedule1F1B),
+        "torch GPipe": torch_schedule(ScheduleGPipe),
+    }
     xs, ys = _data(cfg, 0)
     x, y = torch.cat(xs), torch.cat(ys)
     tokens = x.numel()
@@ -85,16 +93,20 @@ def _throughput(cfg: dict) -> dict:
             losses: list[torch.Tensor] = []
             sched.step(target=y, losses=losses)
             return float(torch.stack(losses).mean())
+
         return go
 
-    systems = {"capstan 1F1B": run_ours, "torch 1F1B": run_theirs("torch 1F1B"),
-               "torch GPipe": run_theirs("torch GPipe")}
+    systems = {
+        "capstan 1F1B": run_ours,
+        "torch 1F1B": run_theirs("torch 1F1B"),
+        "torch GPipe": run_theirs("torch GPipe"),
+    }
     times: dict[str, list[float]] = {k: [] for k in systems}
     losses: dict[str, float | None] = {}
     names = list(systems)
     for round_ in range(cfg["warmup"] + cfg["steps"]):
         # Rotate who goes first each round so no system always follows the same one.
-        for name in names[round_ % 3:] + names[: round_ % 3]:
+        for name in names[round_ % 3 :] + names[: round_ % 3]:
             fn = systems[name]
             comm.barrier(groups.pp)
             t0 = time.perf_counter()
@@ -103,7 +115,13 @@ def _throughput(cfg: dict) -> dict:
             if round_ >= cfg["warmup"]:
                 times[name].append(time.perf_counter() - t0)
     params = sum(p.numel() for p in ours.parameters())
-    return {"times": times, "losses": losses, "tokens": tokens, "params": params, "breakdown": ours.times}
+    return {
+        "times": times,
+        "losses": losses,
+        "tokens": tokens,
+        "params": params,
+        "breakdown": ours.times,
+    }
 
 
 def _memory(cfg: dict, schedule: str, checkpoint: bool) -> dict:
@@ -111,8 +129,14 @@ def _memory(cfg: dict, schedule: str, checkpoint: bool) -> dict:
 
     groups = comm.build_groups(comm.Topology(pp=STAGES))
     plan = partition(_specs(cfg), STAGES, "parameters")
-    ex = PipelineExecutor(plan, make_schedule(schedule, STAGES, MICROBATCHES), groups, gpt_loss, seed=0,
-                          checkpoint=checkpoint)
+    ex = PipelineExecutor(
+        plan,
+        make_schedule(schedule, STAGES, MICROBATCHES),
+        groups,
+        gpt_loss,
+        seed=0,
+        checkpoint=checkpoint,
+    )
     xs, ys = _data(cfg, 0)
     before = _rss_mib()
     for _ in range(2):
@@ -129,8 +153,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--mb-size", type=int, default=2)
-    ap.add_argument("--mem-mb-size", type=int, default=8,
-                    help="sequences per microbatch in the memory runs (larger, so activations dominate the RSS)")
+    ap.add_argument(
+        "--mem-mb-size",
+        type=int,
+        default=8,
+        help="sequences per microbatch in the memory runs (larger: activations dominate the RSS)",
+    )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     cfg = vars(ap.parse_args())
@@ -142,42 +170,57 @@ def main() -> None:
     params = sum(r["params"] for r in res)
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
     last = res[-1]["losses"]
+    ours_name = "capstan 1F1B"
 
-    print(f"## Pipeline: capstan 1F1B vs torch.distributed.pipelining ({platform.processor() or platform.machine()})\n")
-    print(f"GPT {params / 1e6:.1f}M parameters (vocab {cfg['vocab']}, hidden {cfg['hidden']}, {cfg['layers']} "
-          f"blocks, {cfg['heads']} heads, seq {cfg['seq']}), {STAGES} stages (gloo, 2 processes, 1 thread each), "
-          f"{MICROBATCHES} microbatches of {cfg['mb_size']} sequences = {tokens} tokens per step; "
-          f"median of {cfg['steps']} rounds after {cfg['warmup']} warm-up rounds, systems interleaved "
-          f"round-robin (rotating order) in one job; torch {torch.__version__}.\n")
-    print("| system | step (s, median) | tokens/s | capstan 1F1B speed-up | paired per round (min-max) "
-          "| last-step loss |")
-    print("|---|---|---|---|---|---|")
+    cpu = platform.processor() or platform.machine()
+    print(f"## Pipeline: capstan 1F1B vs torch.distributed.pipelining ({cpu})\n")
+    model = (
+        f"GPT {params / 1e6:.1f}M parameters (vocab {cfg['vocab']}, hidden {cfg['hidden']}, "
+        f"{cfg['layers']} blocks, {cfg['heads']} heads, seq {cfg['seq']})"
+    )
+    print(
+        f"{model}, {STAGES} stages (gloo, 2 processes, 1 thread each), {MICROBATCHES} microbatches "
+        f"of {cfg['mb_size']} sequences = {tokens} tokens per step; median of {cfg['steps']} "
+        f"rounds after {cfg['warmup']} warm-up rounds, systems interleaved round-robin "
+        f"(rotating order) in one job; torch {torch.__version__}.\n"
+    )
+    cols = ["system", "step (s, median)", "tokens/s", "capstan 1F1B speed-up"]
+    cols += ["paired per round (min-max)", "last-step loss"]
+    print("| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|")
     ours = times["capstan 1F1B"]
     for k, v in times.items():
-        # The same round's times ran back to back, so their ratio cancels slow drifts of machine load.
-        paired = sorted(b / a for a, b in zip(ours, v))
-        print(f"| {k} | {statistics.median(v):.3f} | {tps[k]:.0f} | {tps['capstan 1F1B'] / tps[k]:.2f}x | "
-              f"{statistics.median(paired):.2f}x ({paired[0]:.2f}-{paired[-1]:.2f}) | {last[k]:.6f} |")
-    print()
-    print("capstan 1F1B, last round, seconds per stage (forward / backward / waiting in p2p / step):\n")
+        # Times of one round ran back to back: their ratio cancels slow drifts of machine load.
+        paired = sorted(b / a for a, b in zip(ours, v, strict=True))
+        row = [k, f"{statistics.median(v):.3f}", f"{tps[k]:.0f}", f"{tps[ours_name] / tps[k]:.2f}x"]
+        row += [f"{statistics.median(paired):.2f}x ({paired[0]:.2f}-{paired[-1]:.2f})"]
+        row += [f"{last[k]:.6f}"]
+        print("| " + " | ".join(row) + " |")
+    print("\ncapstan 1F1B, last round, seconds per stage (forward / backward / p2p wait / step):\n")
     for s, r in enumerate(res):
         b = r["breakdown"]
-        print(f"- stage {s}: {b['forward']:.3f} / {b['backward']:.3f} / {b['comm']:.3f} / {b['total']:.3f}")
-    print()
-    print(f"Memory: {MICROBATCHES} microbatches of {mem_cfg['mb_size']} sequences; peak RSS = ru_maxrss of a "
-          f"fresh process per configuration; the rise over the RSS after building the stage holds the "
-          f"activations in flight, the gradients and allocator slack.\n")
-    print("| configuration | stage | microbatches in flight (peak) | RSS after build (MiB) | peak RSS (MiB) "
-          "| rise (MiB) |")
-    print("|---|---|---|---|---|---|")
-    for label, sched, ckpt in (("capstan GPipe", "gpipe", False), ("capstan 1F1B", "1f1b", False),
-                               ("capstan 1F1B + checkpointing", "1f1b", True)):
+        parts = " / ".join(f"{b[k]:.3f}" for k in ("forward", "backward", "comm", "total"))
+        print(f"- stage {s}: {parts}")
+    print(
+        f"\nMemory: {MICROBATCHES} microbatches of {mem_cfg['mb_size']} sequences; peak RSS = "
+        f"ru_maxrss of a fresh process per configuration; the rise over the RSS after building "
+        f"the stage holds the activations in flight, the gradients and allocator slack.\n"
+    )
+    cols = ["configuration", "stage", "microbatches in flight (peak)", "RSS after build (MiB)"]
+    cols += ["peak RSS (MiB)", "rise (MiB)"]
+    print("| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|")
+    for label, sched, ckpt in (
+        ("capstan GPipe", "gpipe", False),
+        ("capstan 1F1B", "1f1b", False),
+        ("capstan 1F1B + checkpointing", "1f1b", True),
+    ):
         mem = run_ranks(_memory, STAGES, mem_cfg, sched, ckpt, timeout=1800, comm_timeout=600)
         schedule = make_schedule(sched, STAGES, MICROBATCHES)
         for s, m in enumerate(mem):
             flight = f"{schedule.max_in_flight(s)}" + (" (inputs only)" if ckpt else "")
-            print(f"| {label} | {s} | {flight} | {m['before']:.0f} | {m['peak']:.0f} | "
-                  f"{m['peak'] - m['before']:.0f} |")
+            print(
+                f"| {label} | {s} | {flight} | {m['before']:.0f} | {m['peak']:.0f} | "
+                f"{m['peak'] - m['before']:.0f} |"
+            )
 
 
 if __name__ == "__main__":

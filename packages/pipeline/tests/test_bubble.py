@@ -14,10 +14,9 @@ import time
 from functools import partial
 
 import torch
-from torch import nn
-
 from capstan.comm.testing import run_ranks
 from capstan.pipeline import LayerSpec, PipelineExecutor, make_schedule, partition
+from torch import nn
 
 FORWARD_S = 0.08
 STAGES, MICROBATCHES = 4, 8
@@ -51,8 +50,12 @@ def _measure(schedule: str) -> list[float]:
 
     groups = comm.build_groups(comm.Topology(pp=STAGES))
     specs = [LayerSpec(partial(SleepLayer, FORWARD_S), f"sleep{i}") for i in range(STAGES)]
-    ex = PipelineExecutor(partition(specs, STAGES, "uniform"), make_schedule(schedule, STAGES, MICROBATCHES),
-                          groups, lambda y, t: ((y - t) ** 2).mean())
+    ex = PipelineExecutor(
+        partition(specs, STAGES, "uniform"),
+        make_schedule(schedule, STAGES, MICROBATCHES),
+        groups,
+        lambda y, t: ((y - t) ** 2).mean(),
+    )
     xs = [torch.randn(2, 8) for _ in range(MICROBATCHES)]
     idle = []
     for _ in range(2):  # the first step negotiates shapes and warms up; measure the second
@@ -69,4 +72,6 @@ def test_1f1b_idle_fraction_matches_theory() -> None:
     theory = (STAGES - 1) / (MICROBATCHES + STAGES - 1)
     results = run_ranks(_measure, STAGES, "1f1b", timeout=120)
     for stage, idle in enumerate(r[-1] for r in results):
-        assert abs(idle - theory) <= 0.1 * theory, f"stage {stage}: idle {idle:.3f}, theory {theory:.3f}"
+        assert abs(idle - theory) <= 0.1 * theory, (
+            f"stage {stage}: idle {idle:.3f}, theory {theory:.3f}"
+        )

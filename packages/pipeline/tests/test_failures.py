@@ -14,10 +14,9 @@ import time
 from functools import partial
 
 import torch
-from torch import nn
-
 from capstan.comm.testing import run_ranks
 from capstan.pipeline import LayerSpec, PipelineError, PipelineExecutor, make_schedule, partition
+from torch import nn
 
 COMM_TIMEOUT = 20.0
 
@@ -46,8 +45,13 @@ def _run(how: str) -> tuple[str, str, float, int, list[int]]:
 
     groups = comm.build_groups(comm.Topology(pp=3))
     specs = [LayerSpec(partial(Faulty, 1, 3, how), f"faulty{i}") for i in range(3)]
-    ex = PipelineExecutor(partition(specs, 3, "uniform"), make_schedule("1f1b", 3, 6), groups,
-                          lambda y, t: ((y - t) ** 2).mean(), seed=0)
+    ex = PipelineExecutor(
+        partition(specs, 3, "uniform"),
+        make_schedule("1f1b", 3, 6),
+        groups,
+        lambda y, t: ((y - t) ** 2).mean(),
+        seed=0,
+    )
     xs = [torch.randn(2, 4) for _ in range(6)]
     start = time.monotonic()
     try:
@@ -62,7 +66,9 @@ def _assert_clear(results: list, survivors: list[int]) -> None:
         kind, msg, elapsed, stage, lost = results[r]
         assert kind == "PipelineError", (r, results[r])
         assert msg.startswith(f"pipeline stage {r} failed at "), msg
-        assert any(w in msg for w in ("RecvActivation", "RecvGrad", "SendActivation", "SendGrad")), msg
+        assert any(
+            w in msg for w in ("RecvActivation", "RecvGrad", "SendActivation", "SendGrad")
+        ), msg
         assert elapsed < COMM_TIMEOUT, (r, elapsed)  # the dead peer surfaces before the timeout
         assert stage == r
         assert lost, msg  # names the stage(s) that went away

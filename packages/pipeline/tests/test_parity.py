@@ -18,10 +18,9 @@ perturbs the last bits (fp32 epsilon is 6e-8).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
-
 from capstan.comm.testing import run_ranks
 from capstan.pipeline.partition import build_layers, partition, tie_layers
 from capstan.pipeline.testing_models import gpt_loss, gpt_specs
@@ -29,8 +28,12 @@ from capstan.pipeline.testing_models import gpt_loss, gpt_specs
 VOCAB, HIDDEN, BLOCKS, HEADS, SEQ, BATCH = 64, 32, 6, 4, 8, 2
 # (schedule, chunks, tied, checkpoint)
 CONFIGS = [
-    ("gpipe", 1, False, False), ("1f1b", 1, False, False), ("interleaved-1f1b", 2, False, False),
-    ("1f1b", 1, True, False), ("gpipe", 1, True, True), ("1f1b", 1, False, True),
+    ("gpipe", 1, False, False),
+    ("1f1b", 1, False, False),
+    ("interleaved-1f1b", 2, False, False),
+    ("1f1b", 1, True, False),
+    ("gpipe", 1, True, True),
+    ("1f1b", 1, False, True),
     ("interleaved-1f1b", 2, True, True),
 ]
 STEPS = [(SEQ, 0), (SEQ, 1), (SEQ - 2, 2)]  # (sequence length, data seed) per step
@@ -55,12 +58,18 @@ def _pipelined(pp: int, m: int) -> list:
     out = []
     for name, chunks, tied, ckpt in CONFIGS:
         plan = partition(_specs(tied), pp * chunks, "parameters")
-        ex = PipelineExecutor(plan, make_schedule(name, pp, m, chunks), groups, gpt_loss, seed=7, checkpoint=ckpt)
+        ex = PipelineExecutor(
+            plan, make_schedule(name, pp, m, chunks), groups, gpt_loss, seed=7, checkpoint=ckpt
+        )
         steps = []
         for seq, seed in STEPS:
             xs, ys = _data(m, seq, seed)
             loss = ex.step(xs, ys)
-            grads = {n: p.grad.clone() for c in ex.chunks for n, p in c.named_parameters(remove_duplicate=False)}
+            grads = {
+                n: p.grad.clone()
+                for c in ex.chunks
+                for n, p in c.named_parameters(remove_duplicate=False)
+            }
             steps.append((loss, grads))
         out.append(steps)
     out.append(_trajectory(groups, pp, m))
@@ -79,8 +88,15 @@ def _trajectory(groups, pp: int, m: int) -> list[float | None]:
     from capstan.pipeline import PipelineExecutor, make_schedule
 
     plan = partition(_specs(True), pp, "parameters")
-    ex = PipelineExecutor(plan, make_schedule("1f1b", pp, m), groups, gpt_loss, seed=7, checkpoint=True,
-                          optimizer_factory=_sgd)
+    ex = PipelineExecutor(
+        plan,
+        make_schedule("1f1b", pp, m),
+        groups,
+        gpt_loss,
+        seed=7,
+        checkpoint=True,
+        optimizer_factory=_sgd,
+    )
     xs, ys = _data(m, SEQ, 0)
     return [ex.step(xs, ys) for _ in range(TRAJECTORY_STEPS)]
 
@@ -96,7 +112,7 @@ def _reference_trajectory(m: int) -> list[float]:
     for _ in range(TRAJECTORY_STEPS):
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for x, y in zip(xs, ys):
+        for x, y in zip(xs, ys, strict=True):
             loss = gpt_loss(model(x), y) / m
             loss.backward()
             total += float(loss.detach())
@@ -105,14 +121,14 @@ def _reference_trajectory(m: int) -> list[float]:
     return losses
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference(tied: bool, m: int, seq: int, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
     specs = _specs(tied)
     layers = build_layers(specs, range(len(specs)), seed=7)
     tie_layers(specs, layers)
     model = torch.nn.Sequential(*layers)
     total = 0.0
-    for x, y in zip(*_data(m, seq, seed)):
+    for x, y in zip(*_data(m, seq, seed), strict=True):
         loss = gpt_loss(model(x), y) / m
         loss.backward()
         total += float(loss.detach())
@@ -129,7 +145,11 @@ def _check(pp: int, m: int) -> None:
             got: dict[str, torch.Tensor] = {}
             losses = [results[r][ci][si][0] for r in range(pp)]
             assert losses[:-1] == [None] * (pp - 1), tag  # only the last stage reports the loss
-            assert abs(losses[-1] - want_loss) <= 1e-6 * abs(want_loss), (tag, losses[-1], want_loss)
+            assert abs(losses[-1] - want_loss) <= 1e-6 * abs(want_loss), (
+                tag,
+                losses[-1],
+                want_loss,
+            )
             for r in range(pp):
                 for n, g in results[r][ci][si][1].items():
                     assert n not in got, f"{tag}: {n} on two stages"
@@ -141,12 +161,12 @@ def _check(pp: int, m: int) -> None:
 
 
 def _check_trajectory(results: list, pp: int, m: int) -> None:
-    # Invariant 1 of ARCHITECTURE.md: the same training trajectory as one process (fp32, 1e-5 relative).
+    # Invariant 1 of ARCHITECTURE.md: the one-process trajectory (fp32, 1e-5 relative).
     got = results[-1][-1]
     assert [r[-1] for r in results[:-1]] == [[None] * TRAJECTORY_STEPS] * (pp - 1)
     want = _reference_trajectory(m)
     assert want[-1] < want[0] - 0.1  # the run really trains (not a flat trajectory)
-    for step, (a, b) in enumerate(zip(got, want)):
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert abs(a - b) <= 1e-5 * abs(b), f"pp={pp} step {step}: loss {a} vs one process {b}"
 
 
@@ -170,7 +190,11 @@ def _two_replicas() -> list:
         ex = PipelineExecutor(plan, make_schedule(name, 2, 4, chunks), groups, gpt_loss, seed=7)
         xs, ys = _data(4, SEQ, groups.dp.rank)  # each replica trains on its own data
         loss = ex.step(xs, ys)
-        grads = {n: p.grad.clone() for c in ex.chunks for n, p in c.named_parameters(remove_duplicate=False)}
+        grads = {
+            n: p.grad.clone()
+            for c in ex.chunks
+            for n, p in c.named_parameters(remove_duplicate=False)
+        }
         out.append((groups.dp.rank, groups.pp.rank, loss, grads))
     return out
 

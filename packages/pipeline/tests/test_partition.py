@@ -6,10 +6,9 @@ from functools import partial
 
 import pytest
 import torch
-from torch import nn
-
 from capstan.pipeline import LayerSpec, PartitionError, build_layers, partition
 from capstan.pipeline.testing_models import Block, Embedding, Head, gpt_specs
+from torch import nn
 
 BUILT: list[str] = []
 
@@ -42,7 +41,7 @@ def test_parameter_counts_need_no_allocation_and_building_is_per_stage() -> None
 def test_methods() -> None:
     specs = _counted([100, 1, 1, 1, 1, 100, 1, 1])
     assert partition(specs, 3, "uniform").bounds == (0, 3, 6, 8)
-    # Min-max over contiguous parts: the two 100s apart, 103 each (a brute-force check: no split is lower).
+    # Min-max over contiguous parts: the two 100s apart, 103 each (brute force: none is lower).
     plan = partition(specs, 2, "parameters")
     assert plan.bounds == (0, 4, 8) and [plan.parameters(p) for p in range(2)] == [103, 103]
     sizes = [100, 1, 1, 1, 1, 100, 1, 1]
@@ -53,7 +52,11 @@ def test_methods() -> None:
     gpt = gpt_specs(vocab=50, hidden=16, layers=5, heads=2, seq=4)
     typed = partition(gpt, 2, "type:^Block$")
     counts = [sum(gpt[i].type_name == "Block" for i in typed.layers(p)) for p in range(2)]
-    assert counts == [3, 2] and typed.bounds == (0, 4, 7)  # the embedding rides with the first blocks
+    assert counts == [3, 2] and typed.bounds == (
+        0,
+        4,
+        7,
+    )  # the embedding rides with the first blocks
     assert [s.type_name for s in gpt] == ["Embedding"] + ["Block"] * 5 + ["Head"]
 
 
@@ -77,9 +80,13 @@ def test_seeded_layers_are_the_same_whoever_builds_them() -> None:
     specs = gpt_specs(vocab=50, hidden=16, layers=3, heads=2, seq=4)
     whole = build_layers(specs, range(5), seed=3)
     alone = build_layers(specs, [2], seed=3)[0]
-    for a, b in zip(whole[2].parameters(), alone.parameters()):
+    for a, b in zip(whole[2].parameters(), alone.parameters(), strict=True):
         assert torch.equal(a, b)
-    assert isinstance(whole[0], Embedding) and isinstance(whole[2], Block) and isinstance(whole[4], Head)
+    assert (
+        isinstance(whole[0], Embedding)
+        and isinstance(whole[2], Block)
+        and isinstance(whole[4], Head)
+    )
 
 
 def test_errors_name_the_problem() -> None:

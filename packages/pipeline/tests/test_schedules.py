@@ -10,10 +10,23 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
 from capstan.pipeline import (
-    Backward, Forward, GPipe, Interleaved1F1B, LoadMicrobatch, OneFOneB, OptimizerStep, RecvActivation,
-    RecvGrad, ReduceTiedGrads, ScheduleError, SendActivation, SendGrad, make_schedule, render_timeline, simulate,
+    Backward,
+    Forward,
+    GPipe,
+    Interleaved1F1B,
+    LoadMicrobatch,
+    OneFOneB,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceTiedGrads,
+    ScheduleError,
+    SendActivation,
+    SendGrad,
+    make_schedule,
+    render_timeline,
+    simulate,
 )
 from capstan.pipeline.simulate import Deadlock, SimulationError
 
@@ -84,17 +97,22 @@ def test_bubble_matches_theory(cls) -> None:
 
 
 def test_interleaving_shrinks_the_bubble_by_the_chunk_count() -> None:
-    # Megatron (Narayanan et al. 2021, section 2.2): the bubble falls from (p-1)/m to (p-1)/(v m) of ideal time.
+    # Megatron (Narayanan et al. 2021, section 2.2): the bubble falls from (p-1)/m
+    # to (p-1)/(v m) of the ideal time.
     for p in (2, 4, 8):
         for v in (2, 3, 4):
             m = 2 * p
             r = simulate(Interleaved1F1B(p, m, v))
-            ideal = 3 * m  # per stage: m microbatches through v chunks of 1/v the cost each (units scaled)
+            ideal = (
+                3 * m
+            )  # per stage: m microbatches through v chunks of 1/v the cost each (units scaled)
             assert r.makespan / v == pytest.approx(ideal + 3 * (p - 1) / v)
 
 
 def test_interleaving_validates_microbatches_with_a_clear_error() -> None:
-    with pytest.raises(ScheduleError, match=r"microbatches \(6\) must be a multiple of stages \(4\).*try 8"):
+    with pytest.raises(
+        ScheduleError, match=r"microbatches \(6\) must be a multiple of stages \(4\).*try 8"
+    ):
         Interleaved1F1B(4, 6, 2)
     with pytest.raises(ScheduleError, match="at least 2 stages"):
         Interleaved1F1B(1, 4, 2)

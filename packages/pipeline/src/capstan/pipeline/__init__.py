@@ -9,18 +9,64 @@ docs/pipeline.md.
 
 from .executor import PipelineError, PipelineExecutor
 from .instructions import (
-    Backward, CommInstruction, ComputeInstruction, Forward, Instruction, LoadMicrobatch, OptimizerStep,
-    RecvActivation, RecvGrad, ReduceTiedGrads, SendActivation, SendGrad,
+    Backward,
+    CommInstruction,
+    ComputeInstruction,
+    Forward,
+    Instruction,
+    LoadMicrobatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
 )
 from .partition import LayerSpec, Partition, PartitionError, build_layers, partition, tie_layers
-from .schedules import SCHEDULES, GPipe, Interleaved1F1B, OneFOneB, Schedule, ScheduleError, make_schedule
+from .schedules import (
+    SCHEDULES,
+    GPipe,
+    Interleaved1F1B,
+    OneFOneB,
+    Schedule,
+    ScheduleError,
+    make_schedule,
+)
 from .simulate import Deadlock, SimResult, SimulationError, batches, simulate
 from .timeline import render_timeline
 
 __all__ = [
-    "Backward", "CommInstruction", "ComputeInstruction", "Deadlock", "Forward", "GPipe", "Instruction",
-    "Interleaved1F1B", "LayerSpec", "LoadMicrobatch", "Partition", "PartitionError", "PipelineError",
-    "PipelineExecutor", "build_layers", "partition", "tie_layers", "OneFOneB", "OptimizerStep", "RecvActivation", "RecvGrad",
-    "ReduceTiedGrads", "SCHEDULES", "Schedule", "ScheduleError", "SendActivation", "SendGrad", "SimResult",
-    "SimulationError", "batches", "make_schedule", "render_timeline", "simulate",
+    "Backward",
+    "CommInstruction",
+    "ComputeInstruction",
+    "Deadlock",
+    "Forward",
+    "GPipe",
+    "Instruction",
+    "Interleaved1F1B",
+    "LayerSpec",
+    "LoadMicrobatch",
+    "Partition",
+    "PartitionError",
+    "PipelineError",
+    "PipelineExecutor",
+    "build_layers",
+    "partition",
+    "tie_layers",
+    "OneFOneB",
+    "OptimizerStep",
+    "RecvActivation",
+    "RecvGrad",
+    "ReduceTiedGrads",
+    "SCHEDULES",
+    "Schedule",
+    "ScheduleError",
+    "SendActivation",
+    "SendGrad",
+    "SimResult",
+    "SimulationError",
+    "batches",
+    "make_schedule",
+    "render_timeline",
+    "simulate",
 ]

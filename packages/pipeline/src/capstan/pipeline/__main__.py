@@ -1,4 +1,7 @@
-"""Print a schedule's ASCII timeline: ``python -m capstan.pipeline NAME STAGES MICROBATCHES [CHUNKS]``."""
+"""Print a schedule's ASCII timeline.
+
+Usage: ``python -m capstan.pipeline NAME STAGES MICROBATCHES [CHUNKS]``.
+"""
 
 import sys
 

@@ -34,14 +34,22 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+from capstan import comm
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from capstan import comm
-
 from .instructions import (
-    Backward, CommInstruction, Forward, Instruction, LoadMicrobatch, OptimizerStep, RecvActivation, RecvGrad,
-    ReduceTiedGrads, SendActivation, SendGrad,
+    Backward,
+    CommInstruction,
+    Forward,
+    Instruction,
+    LoadMicrobatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
 )
 from .partition import Partition, tie_layers
 from .schedules import Schedule
@@ -52,9 +60,11 @@ __all__ = ["PipelineExecutor", "PipelineError"]
 
 
 class PipelineError(RuntimeError):
-    """A pipeline step failed on this stage; names the stage, the instruction and the lost stage(s)."""
+    """A pipeline step failed on this stage; names the stage, instruction and lost stage(s)."""
 
-    def __init__(self, stage: int, instruction: str, detail: str, lost_stages: Sequence[int] = ()) -> None:
+    def __init__(
+        self, stage: int, instruction: str, detail: str, lost_stages: Sequence[int] = ()
+    ) -> None:
         self.stage, self.instruction, self.lost_stages = stage, instruction, list(lost_stages)
         lost = f"; lost stage(s) {self.lost_stages}" if self.lost_stages else ""
         super().__init__(f"pipeline stage {stage} failed at {instruction}{lost}: {detail}")
@@ -62,16 +72,24 @@ class PipelineError(RuntimeError):
 
 class PipelineExecutor:
     def __init__(
-        self, partition: Partition, schedule: Schedule, groups: comm.Groups,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, seed: int | None = None,
-        checkpoint: bool = False, optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-        | None = None,
+        self,
+        partition: Partition,
+        schedule: Schedule,
+        groups: comm.Groups,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        seed: int | None = None,
+        checkpoint: bool = False,
+        optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
     ) -> None:
         if groups.pp.size != schedule.stages:
-            raise ValueError(f"schedule has {schedule.stages} stages but the pipeline group has {groups.pp.size}")
+            raise ValueError(
+                f"schedule has {schedule.stages} stages but the pipeline group has {groups.pp.size}"
+            )
         if partition.parts != schedule.virtual_stages:
             raise ValueError(
-                f"partition has {partition.parts} parts; {schedule!r} needs stages x chunks = {schedule.virtual_stages}"
+                f"partition has {partition.parts} parts; {schedule!r} needs stages x chunks "
+                f"= {schedule.virtual_stages}"
             )
         self.schedule, self.groups, self.pp, self.loss_fn = schedule, groups, groups.pp, loss_fn
         self.stage, self.checkpoint = groups.pp.rank, checkpoint
@@ -79,11 +97,16 @@ class PipelineExecutor:
         self.chunks = nn.ModuleList(partition.build(part, seed) for part in self.parts)
         self._tie(partition)
         # A separate communicator for shape headers (see transport.py); created collectively.
-        self.header_group = subgroups(groups, {"all": list(range(self.pp.size))}, "pp-header")["all"]
+        self.header_group = subgroups(groups, {"all": list(range(self.pp.size))}, "pp-header")[
+            "all"
+        ]
         self.optimizer = optimizer_factory(self.chunks.parameters()) if optimizer_factory else None
         self.handlers: dict[type[Instruction], Callable] = {
-            LoadMicrobatch: self._load, Forward: self._forward, Backward: self._backward,
-            ReduceTiedGrads: self._reduce_tied, OptimizerStep: self._optimizer_step,
+            LoadMicrobatch: self._load,
+            Forward: self._forward,
+            Backward: self._backward,
+            ReduceTiedGrads: self._reduce_tied,
+            OptimizerStep: self._optimizer_step,
         }
         self._shape_key: int | None = None
         self._act_meta: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}
@@ -93,12 +116,20 @@ class PipelineExecutor:
     def _tie(self, partition: Partition) -> None:
         """Share tied weights inside this stage; group the stages that hold copies of one."""
         specs = partition.specs
-        mine = [(specs[int(name)], layer) for chunk in self.chunks for name, layer in chunk.named_children()]
+        mine = [
+            (specs[int(name)], layer)
+            for chunk in self.chunks
+            for name, layer in chunk.named_children()
+        ]
         tie_layers([s for s, _ in mine], [m for _, m in mine])
-        stages_of = {key: sorted({p % self.schedule.stages for p in parts})
-                     for key, parts in partition.tied_parts().items()}
+        stages_of = {
+            key: sorted({p % self.schedule.stages for p in parts})
+            for key, parts in partition.tied_parts().items()
+        }
         # Every rank takes part in creating every tied group, owner or not (torch's rule).
-        self.tied_groups = subgroups(self.groups, {k: v for k, v in stages_of.items() if len(v) > 1}, "tied")
+        self.tied_groups = subgroups(
+            self.groups, {k: v for k, v in stages_of.items() if len(v) > 1}, "tied"
+        )
         self.tied_params: dict[str, nn.Parameter] = {}
         for spec, layer in mine:
             if spec.tied in self.tied_groups:
@@ -111,25 +142,30 @@ class PipelineExecutor:
         return self.chunks.parameters()
 
     # ---- one step
-    def step(self, inputs: Sequence[torch.Tensor] | None = None,
-             targets: Sequence[torch.Tensor] | None = None) -> float | None:
-        """One training step over the microbatches; returns the mean loss on the last stage, else None.
+    def step(
+        self,
+        inputs: Sequence[torch.Tensor] | None = None,
+        targets: Sequence[torch.Tensor] | None = None,
+    ) -> float | None:
+        """One training step over all microbatches; the mean loss on the last stage, else None.
 
         inputs: the microbatches' inputs, needed on the stage holding the first virtual stage.
         targets: their targets, needed on the stage holding the last virtual stage.
         Gradients are zeroed first and, without an optimizer, left in the parameters' .grad.
         """
         m = self.schedule.microbatches
-        for what, data, needed in (("inputs", inputs, self._holds(first=True)),
-                                   ("targets", targets, self._holds(first=False))):
+        for what, data, needed in (
+            ("inputs", inputs, self._holds(first=True)),
+            ("targets", targets, self._holds(first=False)),
+        ):
             if needed and (data is None or len(data) != m):
                 got = "none" if data is None else len(data)
                 raise ValueError(f"stage {self.stage} needs {m} microbatch {what}, got {got}")
         self.inputs, self.targets = inputs, targets
         self.chunks.zero_grad(set_to_none=True)
-        self._x: dict[tuple[int, int], torch.Tensor] = {}     # input of (mb, chunk)
-        self._y: dict[tuple[int, int], torch.Tensor] = {}     # output (loss on the last virtual stage)
-        self._dy: dict[tuple[int, int], torch.Tensor] = {}    # received gradient of the output
+        self._x: dict[tuple[int, int], torch.Tensor] = {}  # input of (mb, chunk)
+        self._y: dict[tuple[int, int], torch.Tensor] = {}  # output (loss on the last virtual stage)
+        self._dy: dict[tuple[int, int], torch.Tensor] = {}  # received gradient of the output
         self._pending: list[tuple[comm.P2PHandle, str]] = []  # sends in flight
         self._loss = 0.0
         self.times = {"forward": 0.0, "backward": 0.0, "comm": 0.0}
@@ -155,8 +191,10 @@ class PipelineExecutor:
         return self._loss if self._holds(first=False) else None
 
     def _holds(self, first: bool) -> bool:
-        return any(self.schedule.is_first(self.stage, c) if first else self.schedule.is_last(self.stage, c)
-                   for c in range(self.schedule.chunks))
+        return any(
+            self.schedule.is_first(self.stage, c) if first else self.schedule.is_last(self.stage, c)
+            for c in range(self.schedule.chunks)
+        )
 
     def _error(self, ins: Instruction | str | None, exc: comm.CommError) -> PipelineError:
         lost = [self.pp.ranks.index(r) for r in exc.lost if r in self.pp.ranks]
@@ -233,7 +271,11 @@ class PipelineExecutor:
         for ins in batch:
             key = (ins.mb, ins.chunk)
             if isinstance(ins, SendActivation):
-                ops.append(comm.P2POp("send", self._y[key].detach().contiguous(), sched.next_stage(self.stage)))
+                ops.append(
+                    comm.P2POp(
+                        "send", self._y[key].detach().contiguous(), sched.next_stage(self.stage)
+                    )
+                )
             elif isinstance(ins, SendGrad):
                 x = self._x.pop(key)
                 g = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -250,7 +292,7 @@ class PipelineExecutor:
                 self._dy[key] = buf
         self._post(ops, " + ".join(str(i) for i in batch))
         for key, buf in received:
-            # A received activation is a leaf of this stage's graph; its .grad is what SendGrad sends.
+            # A received activation is a leaf of this stage's graph; SendGrad sends its .grad.
             self._x[key] = buf.requires_grad_(buf.is_floating_point())
 
     def _post(self, ops: list[comm.P2POp], what: str, group: comm.Group | None = None) -> None:
@@ -265,7 +307,11 @@ class PipelineExecutor:
         for ins in batch:
             key = (ins.mb, ins.chunk)
             if isinstance(ins, SendActivation):
-                ops.append(comm.P2POp("send", encode_header(self._y[key]), self.schedule.next_stage(self.stage)))
+                ops.append(
+                    comm.P2POp(
+                        "send", encode_header(self._y[key]), self.schedule.next_stage(self.stage)
+                    )
+                )
             elif isinstance(ins, RecvActivation):
                 h = torch.zeros(HEADER_LEN, dtype=torch.int64)
                 ops.append(comm.P2POp("recv", h, self.schedule.prev_stage(self.stage)))

@@ -16,8 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "Instruction", "LoadMicrobatch", "Forward", "Backward", "SendActivation", "RecvActivation",
-    "SendGrad", "RecvGrad", "ReduceTiedGrads", "OptimizerStep", "CommInstruction", "ComputeInstruction",
+    "Instruction",
+    "LoadMicrobatch",
+    "Forward",
+    "Backward",
+    "SendActivation",
+    "RecvActivation",
+    "SendGrad",
+    "RecvGrad",
+    "ReduceTiedGrads",
+    "OptimizerStep",
+    "CommInstruction",
+    "ComputeInstruction",
 ]
 
 
@@ -26,7 +36,9 @@ class Instruction:
     """Base of every instruction; `str()` is the short form used in errors and timelines."""
 
     def __str__(self) -> str:
-        fields = ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if k not in ("direction", "payload"))
+        fields = ", ".join(
+            f"{k}={v}" for k, v in self.__dict__.items() if k not in ("direction", "payload")
+        )
         return f"{type(self).__name__}({fields})"
 
 

@@ -29,8 +29,8 @@ Example::
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -76,8 +76,10 @@ def _layer_seed(seed: int, index: int) -> int:
     return zlib.crc32(f"{seed}:{index}".encode())
 
 
-def build_layers(specs: Sequence[LayerSpec], indices: Sequence[int], seed: int | None = None) -> list[nn.Module]:
-    """Build the layers at `indices` (seeded per layer, so independent of which others are built)."""
+def build_layers(
+    specs: Sequence[LayerSpec], indices: Sequence[int], seed: int | None = None
+) -> list[nn.Module]:
+    """Build the layers at `indices`, seeded per layer (independent of which others are built)."""
     out = []
     for i in indices:
         if seed is None:
@@ -90,7 +92,7 @@ def build_layers(specs: Sequence[LayerSpec], indices: Sequence[int], seed: int |
 
 
 def _min_max_split(weights: list[int], parts: int) -> list[int]:
-    """Boundaries of `parts` non-empty contiguous groups minimizing the largest group sum (DP, O(p n^2))."""
+    """Bounds of `parts` non-empty contiguous groups minimizing the largest sum (DP, O(p n^2))."""
     n = len(weights)
     prefix = [0]
     for w in weights:
@@ -132,7 +134,7 @@ class Partition:
         return sum(self.specs[i].num_parameters for i in self.layers(part))
 
     def stage_parts(self, stage: int, stages: int) -> list[int]:
-        """Parts held by `stage` when the parts are dealt round-robin over `stages` (interleaving)."""
+        """Parts held by `stage` when parts are dealt round-robin over `stages` (interleaving)."""
         if self.parts % stages:
             raise PartitionError(f"{self.parts} parts cannot be dealt over {stages} stages")
         return list(range(stage, self.parts, stages))
@@ -148,9 +150,13 @@ class Partition:
         return owners
 
     def build(self, part: int, seed: int | None = None) -> nn.Sequential:
-        """Build only this part's layers, as an nn.Sequential (child names are global layer indices)."""
+        """Build only this part's layers as an nn.Sequential (child names: global layer indices)."""
         idx = list(self.layers(part))
-        return nn.Sequential(OrderedDict(zip((str(i) for i in idx), build_layers(self.specs, idx, seed))))
+        return nn.Sequential(
+            OrderedDict(
+                zip((str(i) for i in idx), build_layers(self.specs, idx, seed), strict=True)
+            )
+        )
 
     def summary(self) -> str:
         """A per-part table: layer range, layer type counts and parameters."""
@@ -163,13 +169,17 @@ class Partition:
                 kinds[self.specs[i].type_name] = kinds.get(self.specs[i].type_name, 0) + 1
             what = ", ".join(f"{n}x{k}" for k, n in kinds.items())
             n = self.parameters(part)
-            lines.append(f"  part {part}: layers {r.start}..{r.stop - 1} ({what}): {n:,} parameters "
-                         f"({100 * n / total:.1f}%)")
+            lines.append(
+                f"  part {part}: layers {r.start}..{r.stop - 1} ({what}): {n:,} parameters "
+                f"({100 * n / total:.1f}%)"
+            )
         return "\n".join(lines)
 
 
-def partition(specs: Sequence[LayerSpec], parts: int, method: str | Sequence[int] = "parameters") -> Partition:
-    """Split `specs` into `parts` non-empty contiguous parts by `method` (see the module docstring)."""
+def partition(
+    specs: Sequence[LayerSpec], parts: int, method: str | Sequence[int] = "parameters"
+) -> Partition:
+    """Split `specs` into `parts` non-empty contiguous parts by `method` (see the module doc)."""
     specs = tuple(specs)
     n = len(specs)
     if parts < 1:
@@ -178,11 +188,15 @@ def partition(specs: Sequence[LayerSpec], parts: int, method: str | Sequence[int
         raise PartitionError(f"cannot split {n} layers into {parts} non-empty parts")
     if not isinstance(method, str):
         bounds = [int(b) for b in method]
-        if len(bounds) != parts + 1 or bounds[0] != 0 or bounds[-1] != n or any(
-            a >= b for a, b in zip(bounds, bounds[1:])
+        if (
+            len(bounds) != parts + 1
+            or bounds[0] != 0
+            or bounds[-1] != n
+            or any(a >= b for a, b in zip(bounds, bounds[1:], strict=True))
         ):
             raise PartitionError(
-                f"explicit boundaries {bounds} must rise strictly from 0 to {n} in {parts + 1} entries"
+                f"explicit boundaries {bounds} must rise strictly from 0 to {n} "
+                f"in {parts + 1} entries"
             )
         return Partition(specs, tuple(bounds), "explicit")
     if method == "uniform":
@@ -192,14 +206,17 @@ def partition(specs: Sequence[LayerSpec], parts: int, method: str | Sequence[int
             bounds.append(bounds[-1] + base + (1 if k < extra else 0))
         return Partition(specs, tuple(bounds), method)
     if method == "parameters":
-        return Partition(specs, tuple(_min_max_split([s.num_parameters for s in specs], parts)), method)
+        return Partition(
+            specs, tuple(_min_max_split([s.num_parameters for s in specs], parts)), method
+        )
     if method.startswith("type:"):
         pattern = re.compile(method[5:])
         weights = [1 if pattern.search(s.type_name) else 0 for s in specs]
         if sum(weights) < parts:
             names = sorted({s.type_name for s in specs})
             raise PartitionError(
-                f"{method!r} matches {sum(weights)} layers, fewer than {parts} parts (layer types: {names})"
+                f"{method!r} matches {sum(weights)} layers, fewer than {parts} parts "
+                f"(layer types: {names})"
             )
         # Deal the matching layers as evenly as possible (the first parts take the remainder); each
         # part after the first starts at its first matching layer, so the layers in between (norms,
@@ -221,7 +238,7 @@ def partition(specs: Sequence[LayerSpec], parts: int, method: str | Sequence[int
 def tie_layers(specs: Sequence[LayerSpec], layers: Sequence[nn.Module]) -> None:
     """In one process, make layers with the same tied key share one Parameter (the first one's)."""
     first: dict[str, nn.Parameter] = {}
-    for spec, layer in zip(specs, layers):
+    for spec, layer in zip(specs, layers, strict=True):
         if spec.tied is None:
             continue
         if spec.tied in first:

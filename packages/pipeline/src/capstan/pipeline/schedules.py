@@ -31,11 +31,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from .instructions import (
-    Backward, Forward, Instruction, LoadMicrobatch, OptimizerStep, RecvActivation, RecvGrad,
-    ReduceTiedGrads, SendActivation, SendGrad,
+    Backward,
+    Forward,
+    Instruction,
+    LoadMicrobatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
 )
 
-__all__ = ["Schedule", "GPipe", "OneFOneB", "Interleaved1F1B", "ScheduleError", "SCHEDULES", "make_schedule"]
+__all__ = [
+    "Schedule",
+    "GPipe",
+    "OneFOneB",
+    "Interleaved1F1B",
+    "ScheduleError",
+    "SCHEDULES",
+    "make_schedule",
+]
 
 
 class ScheduleError(ValueError):
@@ -50,12 +66,16 @@ class Schedule:
     def __init__(self, stages: int, microbatches: int, chunks: int = 1) -> None:
         for what, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
             if not isinstance(value, int) or value < 1:
-                raise ScheduleError(f"{self.name}: {what} must be a positive integer, got {value!r}")
+                raise ScheduleError(
+                    f"{self.name}: {what} must be a positive integer, got {value!r}"
+                )
         self.stages, self.microbatches, self.chunks = stages, microbatches, chunks
 
     def __repr__(self) -> str:
         extra = f", chunks={self.chunks}" if self.chunks > 1 else ""
-        return f"{type(self).__name__}(stages={self.stages}, microbatches={self.microbatches}{extra})"
+        return (
+            f"{type(self).__name__}(stages={self.stages}, microbatches={self.microbatches}{extra})"
+        )
 
     # ---- virtual-stage geometry (chunk c of stage s is virtual stage c * stages + s)
     @property
@@ -165,7 +185,8 @@ class OneFOneB(Schedule):
         for i in range(remaining):
             fwd = warmup + i
             yield from self.forward(stage, fwd, 0)
-            # send_forward_recv_backward: one batch, met by the next stage's send_backward_recv_forward.
+            # send_forward_recv_backward: one batch, met by the next stage's
+            # send_backward_recv_forward.
             yield from self.send_act(stage, fwd, 0)
             yield from self.recv_grad(stage, i, 0)
             yield Backward(i, 0)
@@ -189,10 +210,13 @@ class Interleaved1F1B(Schedule):
     def __init__(self, stages: int, microbatches: int, chunks: int = 2) -> None:
         super().__init__(stages, microbatches, chunks)
         if stages < 2:
-            raise ScheduleError("interleaved-1f1b: needs at least 2 stages (with one, chunks gain nothing)")
+            raise ScheduleError(
+                "interleaved-1f1b: needs at least 2 stages (with one, chunks gain nothing)"
+            )
         if microbatches % stages:
             raise ScheduleError(
-                f"interleaved-1f1b: microbatches ({microbatches}) must be a multiple of stages ({stages}); "
+                f"interleaved-1f1b: microbatches ({microbatches}) must be a multiple of "
+                f"stages ({stages}); "
                 f"microbatches advance through the chunks in groups of one per stage "
                 f"(try {microbatches + stages - microbatches % stages})"
             )
@@ -253,7 +277,11 @@ class Interleaved1F1B(Schedule):
         return min(self.warmup(stage) + 1, self.microbatches * self.chunks)
 
 
-SCHEDULES: dict[str, type[Schedule]] = {"gpipe": GPipe, "1f1b": OneFOneB, "interleaved-1f1b": Interleaved1F1B}
+SCHEDULES: dict[str, type[Schedule]] = {
+    "gpipe": GPipe,
+    "1f1b": OneFOneB,
+    "interleaved-1f1b": Interleaved1F1B,
+}
 
 
 def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
@@ -261,5 +289,7 @@ def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) ->
     try:
         cls = SCHEDULES[name]
     except KeyError:
-        raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}") from None
+        raise ScheduleError(
+            f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}"
+        ) from None
     return cls(stages, microbatches, chunks)

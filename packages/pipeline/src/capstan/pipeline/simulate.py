@@ -46,7 +46,7 @@ def default_cost(instr: Instruction) -> float:
 
 
 def batches(instrs: list[Instruction]) -> list[Instruction | list[CommInstruction]]:
-    """Group maximal runs of consecutive communication instructions (what the executor posts at once)."""
+    """Group maximal runs of consecutive send/recv instructions (each posted at once)."""
     out: list[Instruction | list[CommInstruction]] = []
     for ins in instrs:
         if isinstance(ins, CommInstruction):
@@ -72,7 +72,10 @@ class SimResult:
     @property
     def idle_fraction(self) -> list[float]:
         """Per stage: the share of the makespan spent not computing (the pipeline bubble)."""
-        return [1.0 - sum(e - s for s, e, _ in b) / self.makespan if self.makespan else 0.0 for b in self.busy]
+        return [
+            1.0 - sum(e - s for s, e, _ in b) / self.makespan if self.makespan else 0.0
+            for b in self.busy
+        ]
 
 
 @dataclass
@@ -84,7 +87,7 @@ class _Op:
     matched: float | None = None
 
     def what(self, schedule: Schedule) -> tuple[str, int, int]:
-        """(payload, microbatch, virtual stage of the activation's producer) - equal on both ends."""
+        """(payload, microbatch, virtual stage of the activation's producer): equal at both ends."""
         vs = schedule.virtual_stage(self.stage, self.ins.chunk)
         sender_side = (self.ins.payload == "act") == (self.ins.direction == "send")
         # The activation of a boundary is produced by the lower virtual stage of the pair.
@@ -114,11 +117,12 @@ def simulate(schedule: Schedule, cost: Callable[[Instruction], float] = default_
     def match(channel: tuple[int, int]) -> None:
         nonlocal messages
         ss, rs = sends.get(channel, []), recvs.get(channel, [])
-        for a, b in zip(ss, rs):
+        for a, b in zip(ss, rs, strict=False):
             if a.matched is None:
                 if a.what(schedule) != b.what(schedule):
                     raise SimulationError(
-                        f"{schedule!r}: on channel stage {channel[0]} -> {channel[1]}, stage {a.stage}'s {a.ins} "
+                        f"{schedule!r}: on channel stage {channel[0]} -> {channel[1]}, "
+                        f"stage {a.stage}'s {a.ins} "
                         f"meets stage {b.stage}'s {b.ins}"
                     )
                 a.matched = b.matched = max(a.posted, b.posted)
@@ -168,12 +172,16 @@ def simulate(schedule: Schedule, cost: Callable[[Instruction], float] = default_
             break
         if not moved:
             blocked = [
-                f"stage {s} at {[str(i) for i in programs[s][pc[s]]]}" for s in range(p) if pc[s] < len(programs[s])
+                f"stage {s} at {[str(i) for i in programs[s][pc[s]]]}"
+                for s in range(p)
+                if pc[s] < len(programs[s])
             ]
             raise Deadlock(f"{schedule!r} deadlocks: " + "; ".join(blocked))
     unmatched = [op for q in (*sends.values(), *recvs.values()) for op in q if op.matched is None]
     if unmatched:
-        raise SimulationError(f"{schedule!r}: unmatched {[(o.stage, str(o.ins)) for o in unmatched[:4]]}")
+        raise SimulationError(
+            f"{schedule!r}: unmatched {[(o.stage, str(o.ins)) for o in unmatched[:4]]}"
+        )
     # Sends complete when matched; a stage is done once its last send has been taken.
     finish = max(clock + [op.matched for q in sends.values() for op in q if op.matched is not None])
     return SimResult(makespan=finish, busy=busy, peak_in_flight=peak, messages=messages)

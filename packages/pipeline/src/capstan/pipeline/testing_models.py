@@ -34,7 +34,9 @@ __all__ = ["Embedding", "Block", "Head", "gpt_specs", "gpt_loss"]
 class Embedding(nn.Module):
     def __init__(self, vocab: int, hidden: int, seq: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(vocab, hidden) * 0.02)  # [vocab, hidden], tied with Head
+        self.weight = nn.Parameter(
+            torch.randn(vocab, hidden) * 0.02
+        )  # [vocab, hidden], tied with Head
         self.pos = nn.Parameter(torch.randn(seq, hidden) * 0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, t] int64 -> [b, t, hidden]
@@ -51,7 +53,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, t, h] -> [b, t, h]
         b, t, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.ln1(x)).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        )
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, t, h/heads]
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -67,9 +71,15 @@ class Head(nn.Module):
         return F.linear(self.ln(x), self.weight)
 
 
-def gpt_specs(vocab: int = 256, hidden: int = 64, layers: int = 4, heads: int = 4, seq: int = 32,
-              tied: bool = False) -> list[LayerSpec]:
-    """Embedding, `layers` blocks, head; `tied` shares the token weight between embedding and head."""
+def gpt_specs(
+    vocab: int = 256,
+    hidden: int = 64,
+    layers: int = 4,
+    heads: int = 4,
+    seq: int = 32,
+    tied: bool = False,
+) -> list[LayerSpec]:
+    """Embedding, `layers` blocks, head; `tied` shares the token weight of embedding and head."""
     key = "embed" if tied else None
     return (
         [LayerSpec(partial(Embedding, vocab, hidden, seq), "embed", tied=key)]
@@ -81,4 +91,3 @@ def gpt_specs(vocab: int = 256, hidden: int = 64, layers: int = 4, heads: int = 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy; logits [b, t, vocab], targets [b, t] int64."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-

@@ -52,4 +52,3 @@ class _Probe:
 
     def __init__(self, mb: int, chunk: int) -> None:
         self.mb, self.chunk = mb, chunk
-

@@ -22,23 +22,34 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-
 from capstan import comm
 from capstan.comm import state as comm_state
 
 __all__ = ["HEADER_LEN", "DTYPE_CODES", "encode_header", "decode_header", "shape_key", "subgroups"]
 
-DTYPE_CODES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-               torch.bool, torch.uint8]
+DTYPE_CODES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+]
 MAX_DIMS = 6
 HEADER_LEN = 2 + MAX_DIMS  # [dtype code, ndim, dims...] as int64
 
 
 def encode_header(t: torch.Tensor) -> torch.Tensor:
     if t.dtype not in DTYPE_CODES:
-        raise TypeError(f"activations of dtype {t.dtype} cannot cross stages (supported: {DTYPE_CODES})")
+        raise TypeError(
+            f"activations of dtype {t.dtype} cannot cross stages (supported: {DTYPE_CODES})"
+        )
     if t.dim() > MAX_DIMS:
-        raise ValueError(f"activations with {t.dim()} dimensions cannot cross stages (at most {MAX_DIMS})")
+        raise ValueError(
+            f"activations with {t.dim()} dimensions cannot cross stages (at most {MAX_DIMS})"
+        )
     h = torch.zeros(HEADER_LEN, dtype=torch.int64)
     h[0], h[1] = DTYPE_CODES.index(t.dtype), t.dim()
     h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
@@ -56,7 +67,9 @@ def shape_key(tensors: Sequence[torch.Tensor] | None) -> int:
     return zlib.crc32(text.encode()) | (len(tensors or ()) << 32)
 
 
-def subgroups(groups: comm.Groups, stages_by_name: dict[str, list[int]], tag: str) -> dict[str, comm.Group]:
+def subgroups(
+    groups: comm.Groups, stages_by_name: dict[str, list[int]], tag: str
+) -> dict[str, comm.Group]:
     """For each name, a group over those stage indices of this rank's pipeline group.
 
     Collective over the world: every rank creates the groups of every pipeline
@@ -73,6 +86,7 @@ def subgroups(groups: comm.Groups, stages_by_name: dict[str, list[int]], tag: st
             if len(members) > 1 and world.size > 1:
                 pg = dist.new_group(ranks=members, timeout=comm_state.timeout())
             if tuple(pp_ranks) == pp.ranks and pp.rank in stages:
-                out[name] = comm.Group(name=f"{tag}:{name}", ranks=tuple(members),
-                                       rank=stages.index(pp.rank), pg=pg)
+                out[name] = comm.Group(
+                    name=f"{tag}:{name}", ranks=tuple(members), rank=stages.index(pp.rank), pg=pg
+                )
     return out
