@@ -192,7 +192,7 @@ def partition(
             len(bounds) != parts + 1
             or bounds[0] != 0
             or bounds[-1] != n
-            or any(a >= b for a, b in zip(bounds, bounds[1:], strict=True))
+            or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False))
         ):
             raise PartitionError(
                 f"explicit boundaries {bounds} must rise strictly from 0 to {n} "
