@@ -1,1 +1,72 @@
-"""capstan.pipeline: not implemented yet (skeleton package; see docs/architecture.md)."""
+"""capstan.pipeline: pipeline-parallel partitioning, schedules and their executor.
+
+Schedules are data (`schedules.py`), checked by a simulator (`simulate.py`)
+and drawn as ASCII timelines (`timeline.py`); `partition.py` splits a list of
+layer specs into stages without allocating other stages' parameters;
+`executor.py` runs a schedule over `capstan.comm` point-to-point. See
+docs/pipeline.md.
+"""
+
+from .executor import PipelineError, PipelineExecutor
+from .instructions import (
+    Backward,
+    CommInstruction,
+    ComputeInstruction,
+    Forward,
+    Instruction,
+    LoadMicrobatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+from .partition import LayerSpec, Partition, PartitionError, build_layers, partition, tie_layers
+from .schedules import (
+    SCHEDULES,
+    GPipe,
+    Interleaved1F1B,
+    OneFOneB,
+    Schedule,
+    ScheduleError,
+    make_schedule,
+)
+from .simulate import Deadlock, SimResult, SimulationError, batches, simulate
+from .timeline import render_timeline
+
+__all__ = [
+    "Backward",
+    "CommInstruction",
+    "ComputeInstruction",
+    "Deadlock",
+    "Forward",
+    "GPipe",
+    "Instruction",
+    "Interleaved1F1B",
+    "LayerSpec",
+    "LoadMicrobatch",
+    "Partition",
+    "PartitionError",
+    "PipelineError",
+    "PipelineExecutor",
+    "build_layers",
+    "partition",
+    "tie_layers",
+    "OneFOneB",
+    "OptimizerStep",
+    "RecvActivation",
+    "RecvGrad",
+    "ReduceTiedGrads",
+    "SCHEDULES",
+    "Schedule",
+    "ScheduleError",
+    "SendActivation",
+    "SendGrad",
+    "SimResult",
+    "SimulationError",
+    "batches",
+    "make_schedule",
+    "render_timeline",
+    "simulate",
+]

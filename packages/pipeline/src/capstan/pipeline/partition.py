@@ -1,0 +1,247 @@
+"""Split a sequence of layers into pipeline stages, building only the layers a rank owns.
+
+A model is a list of `LayerSpec`s: a factory that builds one layer, and
+optionally the key of a weight it shares with another layer (the tied
+embedding / LM head). Parameter counts and class names come from building the
+layer on ``torch.device("meta")``: no memory is allocated, so a rank can plan
+the whole model and then build only its own stage (`Partition.build`).
+
+Methods (`partition(specs, parts, method)`):
+
+- ``"uniform"``: the same number of layers per stage (the first stages take the remainder);
+- ``"parameters"``: contiguous stages minimizing the largest parameter count;
+- ``"type:<regex>"``: balance the layers whose class name matches (e.g. ``"type:Block"``),
+  as DeepSpeed's ``partition_method="type:..."`` does;
+- a list of boundaries ``[0, b1, ..., len(specs)]``: explicit.
+
+With interleaving, partition into ``stages * chunks`` parts; stage s holds
+parts c * stages + s for c in range(chunks) (`Partition.stage_parts`).
+
+Example::
+
+    from capstan.pipeline import partition
+    from capstan.pipeline.testing_models import gpt_specs
+    plan = partition(gpt_specs(vocab=256, hidden=64, layers=6), 2, "parameters")
+    print(plan.summary())
+    chunk = plan.build(0, seed=0)     # an nn.Sequential of stage 0's layers only
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+from torch import nn
+
+__all__ = ["LayerSpec", "Partition", "PartitionError", "partition", "build_layers", "tie_layers"]
+
+
+class PartitionError(ValueError):
+    """A partition request that cannot be satisfied (names the method and the numbers)."""
+
+
+@dataclass(frozen=True, eq=False)
+class LayerSpec:
+    """One layer: `factory()` builds it; `tied` names a weight shared with other layers."""
+
+    factory: Callable[[], nn.Module]
+    name: str = ""
+    # Layers with the same `tied` key share their parameter `tied_attr` (e.g. "weight").
+    tied: str | None = None
+    tied_attr: str = "weight"
+    _meta: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def _on_meta(self) -> nn.Module:
+        if "module" not in self._meta:
+            with torch.device("meta"):
+                self._meta["module"] = self.factory()
+        return self._meta["module"]
+
+    @cached_property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self._on_meta().parameters())
+
+    @cached_property
+    def type_name(self) -> str:
+        return type(self._on_meta()).__name__
+
+
+def _layer_seed(seed: int, index: int) -> int:
+    # Every layer gets its own stream so a stage builds its layers exactly as the whole model would.
+    return zlib.crc32(f"{seed}:{index}".encode())
+
+
+def build_layers(
+    specs: Sequence[LayerSpec], indices: Sequence[int], seed: int | None = None
+) -> list[nn.Module]:
+    """Build the layers at `indices`, seeded per layer (independent of which others are built)."""
+    out = []
+    for i in indices:
+        if seed is None:
+            out.append(specs[i].factory())
+            continue
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_layer_seed(seed, i))
+            out.append(specs[i].factory())
+    return out
+
+
+def _min_max_split(weights: list[int], parts: int) -> list[int]:
+    """Bounds of `parts` non-empty contiguous groups minimizing the largest sum (DP, O(p n^2))."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: smallest possible maximum when the first i layers form k groups.
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                # `<=` prefers later cuts among equals, keeping early stages (embedding) light.
+                if cost <= best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Layer boundaries of every part: part i holds specs[bounds[i]:bounds[i+1]]."""
+
+    specs: tuple[LayerSpec, ...]
+    bounds: tuple[int, ...]
+    method: str
+
+    @property
+    def parts(self) -> int:
+        return len(self.bounds) - 1
+
+    def layers(self, part: int) -> range:
+        return range(self.bounds[part], self.bounds[part + 1])
+
+    def parameters(self, part: int) -> int:
+        return sum(self.specs[i].num_parameters for i in self.layers(part))
+
+    def stage_parts(self, stage: int, stages: int) -> list[int]:
+        """Parts held by `stage` when parts are dealt round-robin over `stages` (interleaving)."""
+        if self.parts % stages:
+            raise PartitionError(f"{self.parts} parts cannot be dealt over {stages} stages")
+        return list(range(stage, self.parts, stages))
+
+    def tied_parts(self) -> dict[str, list[int]]:
+        """For every tied key, the parts that hold a layer with it (in order)."""
+        owners: dict[str, list[int]] = {}
+        for part in range(self.parts):
+            for i in self.layers(part):
+                key = self.specs[i].tied
+                if key is not None and part not in owners.setdefault(key, []):
+                    owners[key].append(part)
+        return owners
+
+    def build(self, part: int, seed: int | None = None) -> nn.Sequential:
+        """Build only this part's layers as an nn.Sequential (child names: global layer indices)."""
+        idx = list(self.layers(part))
+        return nn.Sequential(
+            OrderedDict(
+                zip((str(i) for i in idx), build_layers(self.specs, idx, seed), strict=True)
+            )
+        )
+
+    def summary(self) -> str:
+        """A per-part table: layer range, layer type counts and parameters."""
+        total = sum(s.num_parameters for s in self.specs) or 1
+        lines = [f"partition ({self.method}) of {len(self.specs)} layers into {self.parts} parts:"]
+        for part in range(self.parts):
+            r = self.layers(part)
+            kinds: dict[str, int] = {}
+            for i in r:
+                kinds[self.specs[i].type_name] = kinds.get(self.specs[i].type_name, 0) + 1
+            what = ", ".join(f"{n}x{k}" for k, n in kinds.items())
+            n = self.parameters(part)
+            lines.append(
+                f"  part {part}: layers {r.start}..{r.stop - 1} ({what}): {n:,} parameters "
+                f"({100 * n / total:.1f}%)"
+            )
+        return "\n".join(lines)
+
+
+def partition(
+    specs: Sequence[LayerSpec], parts: int, method: str | Sequence[int] = "parameters"
+) -> Partition:
+    """Split `specs` into `parts` non-empty contiguous parts by `method` (see the module doc)."""
+    specs = tuple(specs)
+    n = len(specs)
+    if parts < 1:
+        raise PartitionError(f"parts must be positive, got {parts}")
+    if n < parts:
+        raise PartitionError(f"cannot split {n} layers into {parts} non-empty parts")
+    if not isinstance(method, str):
+        bounds = [int(b) for b in method]
+        if (
+            len(bounds) != parts + 1
+            or bounds[0] != 0
+            or bounds[-1] != n
+            or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False))
+        ):
+            raise PartitionError(
+                f"explicit boundaries {bounds} must rise strictly from 0 to {n} "
+                f"in {parts + 1} entries"
+            )
+        return Partition(specs, tuple(bounds), "explicit")
+    if method == "uniform":
+        base, extra = divmod(n, parts)
+        bounds = [0]
+        for k in range(parts):
+            bounds.append(bounds[-1] + base + (1 if k < extra else 0))
+        return Partition(specs, tuple(bounds), method)
+    if method == "parameters":
+        return Partition(
+            specs, tuple(_min_max_split([s.num_parameters for s in specs], parts)), method
+        )
+    if method.startswith("type:"):
+        pattern = re.compile(method[5:])
+        weights = [1 if pattern.search(s.type_name) else 0 for s in specs]
+        if sum(weights) < parts:
+            names = sorted({s.type_name for s in specs})
+            raise PartitionError(
+                f"{method!r} matches {sum(weights)} layers, fewer than {parts} parts "
+                f"(layer types: {names})"
+            )
+        # Deal the matching layers as evenly as possible (the first parts take the remainder); each
+        # part after the first starts at its first matching layer, so the layers in between (norms,
+        # the embedding before the first block) stay with the preceding part.
+        matched = [i for i, w in enumerate(weights) if w]
+        base, extra = divmod(len(matched), parts)
+        bounds, taken = [0], 0
+        for k in range(parts - 1):
+            taken += base + (1 if k < extra else 0)
+            bounds.append(matched[taken])
+        bounds.append(n)
+        return Partition(specs, tuple(bounds), method)
+    raise PartitionError(
+        f"unknown partition method {method!r}; expected 'uniform', 'parameters', 'type:<regex>' "
+        f"or a list of boundaries"
+    )
+
+
+def tie_layers(specs: Sequence[LayerSpec], layers: Sequence[nn.Module]) -> None:
+    """In one process, make layers with the same tied key share one Parameter (the first one's)."""
+    first: dict[str, nn.Parameter] = {}
+    for spec, layer in zip(specs, layers, strict=True):
+        if spec.tied is None:
+            continue
+        if spec.tied in first:
+            setattr(layer, spec.tied_attr, first[spec.tied])
+        else:
+            first[spec.tied] = getattr(layer, spec.tied_attr)

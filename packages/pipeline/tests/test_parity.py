@@ -1,0 +1,213 @@
+"""Pipelined training on 2 and 4 real ranks equals one process: loss and every gradient.
+
+One spawned job per pipeline size runs every schedule (GPipe, 1F1B,
+interleaved 1F1B), with and without tied embedding/head weights and with and
+without activation checkpointing, over three steps: the first negotiates
+activation shapes, the second reuses them, the third changes the sequence
+length and must renegotiate. A last run trains with SGD for a few steps and
+must follow the one-process loss trajectory. The reference is the same model (same per-layer
+seeds, the same tied Parameter) run here in one process, microbatch by
+microbatch.
+
+Tolerance: relative error of each gradient tensor (by norm) <= 1e-6 in fp32.
+Each stage runs exactly the reference's kernels on the same values; only the
+order of summation differs where the tied weight adds its two stages'
+contributions (sum over microbatches per stage, then across stages), which
+perturbs the last bits (fp32 epsilon is 6e-8).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+from capstan.comm.testing import run_ranks
+from capstan.pipeline.partition import build_layers, partition, tie_layers
+from capstan.pipeline.testing_models import gpt_loss, gpt_specs
+
+VOCAB, HIDDEN, BLOCKS, HEADS, SEQ, BATCH = 64, 32, 6, 4, 8, 2
+# (schedule, chunks, tied, checkpoint)
+CONFIGS = [
+    ("gpipe", 1, False, False),
+    ("1f1b", 1, False, False),
+    ("interleaved-1f1b", 2, False, False),
+    ("1f1b", 1, True, False),
+    ("gpipe", 1, True, True),
+    ("1f1b", 1, False, True),
+    ("interleaved-1f1b", 2, True, True),
+]
+STEPS = [(SEQ, 0), (SEQ, 1), (SEQ - 2, 2)]  # (sequence length, data seed) per step
+
+
+def _specs(tied: bool):
+    return gpt_specs(vocab=VOCAB, hidden=HIDDEN, layers=BLOCKS, heads=HEADS, seq=SEQ, tied=tied)
+
+
+def _data(m: int, seq: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(0, VOCAB, (BATCH, seq), generator=g) for _ in range(m)]
+    ys = [torch.randint(0, VOCAB, (BATCH, seq), generator=g) for _ in range(m)]
+    return xs, ys
+
+
+def _pipelined(pp: int, m: int) -> list:
+    from capstan import comm
+    from capstan.pipeline import PipelineExecutor, make_schedule
+
+    groups = comm.build_groups(comm.Topology(pp=pp))
+    out = []
+    for name, chunks, tied, ckpt in CONFIGS:
+        plan = partition(_specs(tied), pp * chunks, "parameters")
+        ex = PipelineExecutor(
+            plan, make_schedule(name, pp, m, chunks), groups, gpt_loss, seed=7, checkpoint=ckpt
+        )
+        steps = []
+        for seq, seed in STEPS:
+            xs, ys = _data(m, seq, seed)
+            loss = ex.step(xs, ys)
+            grads = {
+                n: p.grad.clone()
+                for c in ex.chunks
+                for n, p in c.named_parameters(remove_duplicate=False)
+            }
+            steps.append((loss, grads))
+        out.append(steps)
+    out.append(_trajectory(groups, pp, m))
+    return out
+
+
+TRAJECTORY_STEPS = 8
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def _trajectory(groups, pp: int, m: int) -> list[float | None]:
+    """Losses of TRAJECTORY_STEPS optimizer steps (1F1B, tied, checkpointed) on fixed data."""
+    from capstan.pipeline import PipelineExecutor, make_schedule
+
+    plan = partition(_specs(True), pp, "parameters")
+    ex = PipelineExecutor(
+        plan,
+        make_schedule("1f1b", pp, m),
+        groups,
+        gpt_loss,
+        seed=7,
+        checkpoint=True,
+        optimizer_factory=_sgd,
+    )
+    xs, ys = _data(m, SEQ, 0)
+    return [ex.step(xs, ys) for _ in range(TRAJECTORY_STEPS)]
+
+
+def _reference_trajectory(m: int) -> list[float]:
+    specs = _specs(True)
+    layers = build_layers(specs, range(len(specs)), seed=7)
+    tie_layers(specs, layers)
+    model = torch.nn.Sequential(*layers)
+    opt = _sgd(model.parameters())
+    xs, ys = _data(m, SEQ, 0)
+    losses = []
+    for _ in range(TRAJECTORY_STEPS):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in zip(xs, ys, strict=True):
+            loss = gpt_loss(model(x), y) / m
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+@cache
+def _reference(tied: bool, m: int, seq: int, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
+    specs = _specs(tied)
+    layers = build_layers(specs, range(len(specs)), seed=7)
+    tie_layers(specs, layers)
+    model = torch.nn.Sequential(*layers)
+    total = 0.0
+    for x, y in zip(*_data(m, seq, seed), strict=True):
+        loss = gpt_loss(model(x), y) / m
+        loss.backward()
+        total += float(loss.detach())
+    return total, {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _check(pp: int, m: int) -> None:
+    results = run_ranks(_pipelined, pp, pp, m, timeout=240)
+    _check_trajectory(results, pp, m)
+    for ci, (name, chunks, tied, ckpt) in enumerate(CONFIGS):
+        for si, (seq, seed) in enumerate(STEPS):
+            tag = f"pp={pp} {name} chunks={chunks} tied={tied} checkpoint={ckpt} step={si}"
+            want_loss, want = _reference(tied, m, seq, seed)
+            got: dict[str, torch.Tensor] = {}
+            losses = [results[r][ci][si][0] for r in range(pp)]
+            assert losses[:-1] == [None] * (pp - 1), tag  # only the last stage reports the loss
+            assert abs(losses[-1] - want_loss) <= 1e-6 * abs(want_loss), (
+                tag,
+                losses[-1],
+                want_loss,
+            )
+            for r in range(pp):
+                for n, g in results[r][ci][si][1].items():
+                    assert n not in got, f"{tag}: {n} on two stages"
+                    got[n] = g
+            assert sorted(got) == sorted(want), tag
+            for n, g in want.items():
+                err = (got[n] - g).norm() / g.norm().clamp_min(1e-30)
+                assert err <= 1e-6, f"{tag}: gradient of {n} off by {err:.2e} (relative)"
+
+
+def _check_trajectory(results: list, pp: int, m: int) -> None:
+    # Invariant 1 of ARCHITECTURE.md: the one-process trajectory (fp32, 1e-5 relative).
+    got = results[-1][-1]
+    assert [r[-1] for r in results[:-1]] == [[None] * TRAJECTORY_STEPS] * (pp - 1)
+    want = _reference_trajectory(m)
+    assert want[-1] < want[0] - 0.1  # the run really trains (not a flat trajectory)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"pp={pp} step {step}: loss {a} vs one process {b}"
+
+
+def test_two_stages_match_one_process() -> None:
+    _check(2, 4)
+
+
+def test_four_stages_match_one_process() -> None:
+    _check(4, 8)
+
+
+def _two_replicas() -> list:
+    """dp=2 x pp=2: two pipelines side by side, each with its own tied and header groups."""
+    from capstan import comm
+    from capstan.pipeline import PipelineExecutor, make_schedule
+
+    groups = comm.build_groups(comm.Topology(dp=2, pp=2))
+    out = []
+    for name, chunks in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        plan = partition(_specs(True), 2 * chunks, "parameters")
+        ex = PipelineExecutor(plan, make_schedule(name, 2, 4, chunks), groups, gpt_loss, seed=7)
+        xs, ys = _data(4, SEQ, groups.dp.rank)  # each replica trains on its own data
+        loss = ex.step(xs, ys)
+        grads = {
+            n: p.grad.clone()
+            for c in ex.chunks
+            for n, p in c.named_parameters(remove_duplicate=False)
+        }
+        out.append((groups.dp.rank, groups.pp.rank, loss, grads))
+    return out
+
+
+def test_pipelines_of_two_data_parallel_replicas_each_match_one_process() -> None:
+    results = run_ranks(_two_replicas, 4, timeout=240)
+    for ci in range(2):
+        for replica in range(2):
+            want_loss, want = _reference(True, 4, SEQ, replica)
+            stages = sorted((r[ci] for r in results if r[ci][0] == replica), key=lambda t: t[1])
+            assert [s[1] for s in stages] == [0, 1]
+            assert stages[0][2] is None and abs(stages[1][2] - want_loss) <= 1e-6 * want_loss
+            got = {**stages[0][3], **stages[1][3]}
+            assert sorted(got) == sorted(want)
+            for n, g in want.items():
+                assert (got[n] - g).norm() <= 1e-6 * g.norm(), (ci, replica, n)
