@@ -20,5 +20,6 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # The 1M-element torch.optim parity runs are left out: under ASan they take
 # minutes and exercise the same kernel code as the smaller sizes; nvcc
 # cannot run with libasan preloaded.
+# The test suite runs the same check: native/tests/test_sanitized_build.py.
 exec hatch run test native/tests -q -p no:cacheprovider \
-  -k "not test_matches_torch_optim_1m and not 2_24 and not missing_library and not cuda_library_compiles" "$@"
+  -k "not test_matches_torch_optim_1m and not 2_24 and not missing_library and not cuda_library_compiles and not sanitized" "$@"
