@@ -154,3 +154,42 @@ def test_manager_without_disk_refuses_to_exceed_the_budget() -> None:
     with pytest.raises(BudgetError, match="no disk tier"):
         manager.add(Chunk(2, ChunkKind.PARAM, torch.float32, 16), torch.zeros(16))
     assert manager.cpu.resident == 128
+
+
+def test_a_meta_device_model_is_built_straight_into_chunks(tmp_path) -> None:
+    from capstan.chunkmem import ChunkedModel
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+
+    torch.manual_seed(3)
+    eager = build()
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        lazy = build()
+    manager = ChunkManager(3 * 4096 * 4, DiskStore(tmp_path), audit=True)
+    model = ChunkedModel(lazy, manager, chunk_size=4096)
+    # reset_parameters() runs in module order, as eager construction does: the same values.
+    got = model.state_tensors()
+    assert all(torch.equal(got[n], p) for n, p in eager.named_parameters())
+    x = torch.randn(2, 64)
+    assert torch.allclose(model(x), eager(x))
+    manager.close()
+
+
+def test_meta_module_without_reset_parameters_needs_an_init_fn(tmp_path) -> None:
+    from capstan.chunkmem import ChunkedModel
+
+    class Bare(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(10))
+
+    with torch.device("meta"):
+        bare = Bare()
+    with pytest.raises(ValueError, match="Bare was built on the meta device but has no reset_parameters"):
+        ChunkedModel(bare, ChunkManager(None), chunk_size=16)
+    with torch.device("meta"):
+        bare = Bare()
+    model = ChunkedModel(bare, ChunkManager(None), chunk_size=16, init_fn=lambda m: m.w.fill_(2.0))
+    assert model.state_tensors()["w"].tolist() == [2.0] * 10

@@ -77,8 +77,10 @@ class ChunkedModel(nn.Module):
     def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int,
                  param_groups: list[list[str]] | None = None,
                  atomic_types: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,),
-                 dtype: torch.dtype = torch.float32, accumulate_grads: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, accumulate_grads: bool = False,
+                 init_fn: Callable[[nn.Module], None] | None = None) -> None:
         super().__init__()
+        self.init_fn = init_fn
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"chunk dtype must be float32, bfloat16 or float16, got {dtype}")
         self.dtype = dtype
@@ -113,8 +115,11 @@ class ChunkedModel(nn.Module):
         n_groups = max(1, len(param_groups or []))
         specs: list[list[ModuleSpec]] = [[] for _ in range(n_groups)]
         names_by_id = {id(p): n for n, p in named.items()}
+        owner: dict[int, nn.Module] = {}
         seen: set[int] = set()
         for mod_name, mod in self.module.named_modules():
+            for p in mod.parameters(recurse=False):
+                owner.setdefault(id(p), mod)
             own: list[list[ParamSpec]] = [[] for _ in range(n_groups)]
             for p in mod.parameters(recurse=False):
                 if id(p) in seen:
@@ -141,6 +146,9 @@ class ChunkedModel(nn.Module):
                         p = named[spec.name]
                         slot = chunk.add(spec.name, p.shape, offset)
                         if kind is ChunkKind.PARAM:
+                            if p.is_meta:
+                                self._materialize(owner[id(p)], named, owner)
+                                p = named[spec.name]
                             init.narrow(0, offset, p.numel()).copy_(p.detach().reshape(-1))
                             home = ParamHome(p, spec.name, index, slot, g)
                             self.homes[id(p)] = home
@@ -149,6 +157,38 @@ class ChunkedModel(nn.Module):
                 for spec, _ in members:
                     named[spec.name].data = _EMPTY  # the chunks are the only copy from now on
                 self._place(g, index, init)
+
+    def _materialize(self, module: nn.Module, named: dict[str, nn.Parameter], owner: dict[int, nn.Module]) -> None:
+        """Give a meta-device module real parameters, one module at a time, so a model far larger
+        than RAM is built straight into chunks: `reset_parameters()` (or the `init_fn` given to the
+        constructor) initializes them; the chunks take the values and the module's copy is dropped.
+
+        `to_empty` creates new Parameter objects; every other reference to the old ones (tied
+        weights in other modules) and the name table are pointed at the new ones."""
+        old = dict(module._parameters)
+        module.to_empty(device="cpu", recurse=False)
+        for attr, old_p in old.items():
+            new_p = module._parameters[attr]
+            if old_p is None or new_p is old_p:
+                continue
+            for mod in self.module.modules():
+                for a, q in list(mod._parameters.items()):
+                    if q is old_p:
+                        mod._parameters[a] = new_p
+            for name, q in list(named.items()):
+                if q is old_p:
+                    named[name] = new_p
+            owner[id(new_p)] = owner.pop(id(old_p), module)
+        with torch.no_grad():
+            if self.init_fn is not None:
+                self.init_fn(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()  # type: ignore[operator]
+            else:
+                raise ValueError(
+                    f"{type(module).__name__} was built on the meta device but has no reset_parameters(); "
+                    "pass init_fn= to ChunkedModel to initialize it"
+                )
 
     def kinds(self) -> list[ChunkKind]:
         """The chunk lists this model keeps (sibling chunks share offsets)."""
