@@ -71,6 +71,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .trainer import run
 
     run(cfg, sources, data)
+    if comm.is_initialized():
+        # Leave together and tear the process group down: a rank exiting with the group alive can
+        # make gloo abort the slower peer at interpreter exit. (Not on errors: a peer may be gone.)
+        comm.barrier()
+        comm.shutdown()
     return 0
 
 
