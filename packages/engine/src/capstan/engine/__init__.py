@@ -1,4 +1,43 @@
 """capstan.engine: the trainer and the `capstan` command line.
 
-So far only `capstan info` exists (the trainer lands with the engine issue).
+    from capstan.engine import initialize
+    engine = initialize(config="examples/tiny.toml")      # reference GPT, layout from the config
+    data = open_data(engine.config)
+    it = train_batches(data, engine.config, dp=engine.groups.dp.size, dp_rank=engine.groups.dp.rank)
+    for _ in range(engine.config.train.steps):
+        info = engine.train_batch(it)                      # info.loss: global mean over the batch
+
+Or from the shell: ``capstan train --config examples/tiny.toml`` (docs/engine.md).
+The config modules import no torch, so `capstan train` rejects a bad config
+in a fraction of a second; the trainer is imported lazily.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import (
+    CheckpointConfig, Config, DataConfig, LogConfig, MemoryConfig, ModelConfig, ParallelConfig,
+    PrecisionConfig, TrainConfig,
+)
+from .config_load import ConfigError, check_world, load_config, resolve
+
+__all__ = [
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DataError", "Engine", "LogConfig",
+    "MemoryConfig", "ModelConfig", "ParallelConfig", "PrecisionConfig", "StepInfo", "TrainConfig",
+    "check_world", "initialize", "load_config", "open_data", "resolve", "train_batches", "val_batches",
+]
+
+_LAZY = {"Engine": "engine", "StepInfo": "engine", "initialize": "initialize", "DataError": "data",
+         "open_data": "data", "train_batches": "data", "val_batches": "data"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        # Importing the submodule `initialize` binds that name to the module; the function wins.
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,14 @@
-"""The `capstan` command line. Subcommands: `info` (so far)."""
+"""The `capstan` command line: `capstan train` and `capstan info`.
+
+    capstan train --config examples/tiny.toml [--set train.steps=10 ...] [--debug]
+    mpirun -np 2 capstan train --config examples/tiny.toml
+    torchrun --standalone --nproc_per_node 2 -m capstan.engine.cli train --config examples/tiny.toml
+
+Bad input (config, data, launch environment, a budget the model cannot fit)
+is one line on stderr and exit code 2, on every rank, checked before any
+process group starts where possible; ``--debug`` shows the traceback instead.
+`main(argv)` returns the exit code (tests call it in-process).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +16,20 @@ import argparse
 import json
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser", "EXIT_BAD_INPUT"]
+
+EXIT_BAD_INPUT = 2
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage + error (two lines) and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(message)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -20,18 +43,75 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bad_input_types() -> tuple[type[BaseException], ...]:
+    """Errors that mean "your input is wrong" (exit 2), not "capstan has a bug"."""
+    from capstan.chunkmem import BudgetError, DiskTierError, LayoutError
+    from capstan.comm import LaunchError
+
+    from .checkpoint import CheckpointError
+    from .config_load import ConfigError
+    from .data import DataError
+
+    return (ConfigError, DataError, LaunchError, BudgetError, LayoutError, DiskTierError, CheckpointError)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from importlib.util import find_spec
+
+    from .config_load import ConfigError, check_world, resolve
+
+    # The config first: this needs no torch, so the commonest mistakes fail in a fraction of a second.
+    cfg, sources = resolve(args.config, args.set or [])
+    from capstan import comm
+
+    from .data import open_data
+
+    launch = comm.detect_launch()
+    check_world(cfg, launch.world_size, launch.describe("world_size"), sources)
+    if cfg.log.tensorboard and find_spec("tensorboard") is None:
+        raise ConfigError("log.tensorboard = true needs the tensorboard package (pip install tensorboard)")
+    data = open_data(cfg)
+    from .trainer import run
+
+    run(cfg, sources, data)
+    if comm.is_initialized():
+        # Leave together and tear the process group down: a rank exiting with the group alive can
+        # make gloo abort the slower peer at interpreter exit. (Not on errors: a peer may be gone.)
+        comm.barrier()
+        comm.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="capstan", description="Train models too big for the hardware at hand.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="capstan", description="Train models too big for the hardware at hand.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     info = sub.add_parser("info", help="versions, native library, MPI, CUDA and the detected launch")
     info.add_argument("--json", action="store_true", help="print as JSON")
     info.set_defaults(func=_cmd_info)
+    train = sub.add_parser("train", help="train a model as a config file says (docs/engine.md)")
+    train.add_argument("--config", required=True, help="TOML or JSON file (docs/config.md)")
+    train.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                       help="override one value (a TOML literal or a bare string); repeatable")
+    train.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
+    train.set_defaults(func=_cmd_train)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except _UsageError as exc:
+        print(f"capstan: error: {exc} (see capstan --help)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:
+        if debug or not isinstance(exc, _bad_input_types()):
+            raise
+        text = " ".join(str(exc).split())  # exactly one line, whatever the message held
+        print(f"capstan: error: {text}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

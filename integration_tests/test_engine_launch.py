@@ -1,0 +1,77 @@
+"""`capstan train` under real launchers: mpirun -np 2 and torchrun, bad input on every rank, resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from capstan.comm.testing import mpirun_args, requires_mpirun
+from capstan.comm.testing.harness import _clean_env
+
+KEYS = {"step", "loss", "lr", "tokens_per_s", "grad_norm", "loss_scale", "mem.cpu.peak_bytes", "mem.moved_bytes"}
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "examples" / "tiny.toml")
+
+
+def _capstan() -> list[str]:
+    exe = shutil.which("capstan")
+    return [exe] if exe else [sys.executable, "-m", "capstan.engine.cli"]
+
+
+def _small(run_dir: Path, *extra: str) -> list[str]:
+    return ["train", "--config", TINY, "--set", "train.steps=4", "--set", "train.warmup_steps=1",
+            "--set", "train.eval_every=2", "--set", "data.max_bytes=200000", "--set", f"log.run_dir=\"{run_dir}\"",
+            *extra]
+
+
+def _check_metrics(run_dir: Path) -> None:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert KEYS <= set(r), KEYS - set(r)
+    assert "val_loss" in records[1] and (run_dir / "config.resolved.toml").exists()
+    assert (run_dir / "loss.png").stat().st_size > 0
+
+
+@requires_mpirun()
+def test_train_under_mpirun_np2(tmp_path: Path) -> None:
+    cmd = mpirun_args(2) + _capstan() + _small(tmp_path / "run", "--set", "parallel.zero_stage=2")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env(None))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "world 2 = dp 2 x tp 1 x pp 1, ZeRO stage 2" in out.stderr
+    _check_metrics(tmp_path / "run")
+
+
+def test_train_under_torchrun_np2(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "capstan.engine.cli"] + _small(tmp_path / "run", "--set", "parallel.tp=2")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env(None))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "world 2 = dp 1 x tp 2 x pp 1" in out.stderr
+    _check_metrics(tmp_path / "run")
+
+
+@requires_mpirun()
+def test_bad_config_under_mpirun_every_rank_exits_2(tmp_path: Path) -> None:
+    cmd = mpirun_args(2) + _capstan() + _small(tmp_path / "run", "--set", "parallel.dp=3")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_clean_env(None))
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("capstan: error:")]
+    assert out.returncode == 2, out.stderr
+    assert len(lines) == 2 and all("but world size 2 from OMPI_COMM_WORLD_SIZE" in ln for ln in lines), out.stderr
+
+
+def test_resume_continues_the_same_trajectory(tmp_path: Path) -> None:
+    from capstan.engine.cli import main
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(_small(full)) == 0
+    assert main(_small(part, "--set", "train.steps=2", "--set", "checkpoint.every=2")) == 0
+    assert main(_small(part, "--set", "checkpoint.every=2", "--set", "checkpoint.resume=true")) == 0
+    a = [json.loads(x)["loss"] for x in (full / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x)["loss"] for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert len(b) == 4 and a == pytest.approx(b, rel=1e-6)

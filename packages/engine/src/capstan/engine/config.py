@@ -1,0 +1,214 @@
+"""The typed training configuration: one frozen, keyword-only dataclass per section.
+
+Each field has a docstring (the string literal under it, which `config_doc`
+turns into docs/config.md) and its constraints in `field(metadata=...)`
+(checked by `config_load`, which is the only way configs are read from files,
+dicts or ``--set`` overrides). This module imports nothing heavy (no torch),
+so a bad config is rejected within a fraction of a second.
+
+Example::
+
+    from capstan.engine.config import Config, ModelConfig
+    cfg = Config(model=ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64))
+    cfg.derived(world_size=1)["global_batch"]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = [
+    "Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "MemoryConfig",
+    "PrecisionConfig", "CheckpointConfig", "LogConfig", "SECTIONS", "constraint",
+]
+
+
+def constraint(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+               lt: float | None = None, choices: tuple[Any, ...] | None = None, nullable: bool = False) -> Any:
+    """A dataclass field with its range/choices, checked by the loader (`config_load.check_value`)."""
+    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "nullable": nullable}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The reference GPT (capstan.tensorpar.build_gpt); ignored when a user model is passed."""
+
+    n_layers: int = constraint(2, ge=1)
+    """Transformer blocks."""
+    n_heads: int = constraint(4, ge=1)
+    """Attention heads; must divide by parallel.tp."""
+    d_model: int = constraint(64, ge=1)
+    """Hidden size; must divide by n_heads."""
+    seq_len: int = constraint(64, ge=2)
+    """Tokens per training sequence (and rows of the position embedding)."""
+    vocab_size: int = constraint(256, ge=2)
+    """Token ids; at least the tokenizer's vocabulary (256 for "byte"), need not divide by tp."""
+    dropout: float = constraint(0.0, ge=0.0, lt=1.0)
+    """Dropout on embeddings, attention probabilities and residual branches."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where training text comes from and how it becomes token ids."""
+
+    source: str = "stdlib"
+    """"stdlib" (the running Python's standard library source, on every machine), a text file, a folder of text files, or a pre-tokenized `.bin` file."""
+    tokenizer: str = constraint("byte", choices=("byte",))
+    """Text to ids: "byte" maps each UTF-8 byte to its value (vocabulary 256). Not used for `.bin`."""
+    bin_dtype: str = constraint("uint16", choices=("uint16", "uint32"))
+    """Element type of a pre-tokenized `.bin` file (a flat array of token ids)."""
+    max_bytes: int = constraint(4_000_000, ge=1024)
+    """Read at most this many bytes of text (keeps the default corpus quick to load)."""
+    val_fraction: float = constraint(0.05, gt=0.0, lt=0.5)
+    """Fraction of the tokens, at the end of the stream, held out for validation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Optimization: AdamW with warmup and a decay schedule."""
+
+    steps: int = constraint(50, ge=1)
+    """Optimizer steps to run."""
+    micro_batch_size: int = constraint(8, ge=1)
+    """Sequences per forward/backward on each data-parallel rank."""
+    grad_accum_steps: int = constraint(1, ge=1)
+    """Micro-batches accumulated per optimizer step."""
+    lr: float = constraint(1e-3, gt=0.0)
+    """Peak learning rate (reached at the end of warmup)."""
+    min_lr: float = constraint(1e-4, ge=0.0)
+    """Learning rate at the end of the decay; at most lr."""
+    warmup_steps: int = constraint(5, ge=0)
+    """Steps of linear warmup from lr / warmup_steps to lr; less than steps."""
+    lr_schedule: str = constraint("cosine", choices=("cosine", "linear", "constant"))
+    """Decay from lr to min_lr after warmup ("constant" stays at lr)."""
+    weight_decay: float = constraint(0.1, ge=0.0)
+    """AdamW decoupled weight decay, applied to matrices (parameters with 2 or more dimensions) only, not to biases and norms."""
+    beta1: float = constraint(0.9, ge=0.0, lt=1.0)
+    """AdamW first-moment decay."""
+    beta2: float = constraint(0.95, ge=0.0, lt=1.0)
+    """AdamW second-moment decay."""
+    eps: float = constraint(1e-8, gt=0.0)
+    """AdamW denominator epsilon."""
+    grad_clip: float = constraint(1.0, ge=0.0)
+    """Clip the global gradient norm to this value (0 disables clipping; the norm is still reported)."""
+    seed: int = constraint(1234, ge=0)
+    """Seeds the model's initialization, dropout and the order of training sequences."""
+    eval_every: int = constraint(0, ge=0)
+    """Compute the validation loss every this many steps and at the end (0: never)."""
+    eval_batches: int = constraint(4, ge=1)
+    """Micro-batches per data-parallel rank in one validation pass."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """The dp x pp x tp layout; dp * pp * tp must equal the number of processes."""
+
+    dp: int = constraint(0, ge=0)
+    """Data-parallel replicas; 0 means world size / (tp * pp)."""
+    tp: int = constraint(1, ge=1)
+    """Tensor-parallel ranks per replica (Megatron-style slicing of every layer)."""
+    pp: int = constraint(1, ge=1)
+    """Pipeline stages. Only 1 is supported so far (the pipeline package is not wired in yet)."""
+    zero_stage: int = constraint(0, ge=0, le=3)
+    """0: all-reduce gradients; 1: shard optimizer state over dp; 2: also reduce-scatter gradients; 3: chunk memory (single process for now)."""
+    schedule: str = constraint("1f1b", choices=("gpipe", "1f1b", "interleaved"))
+    """Pipeline schedule (used once pp > 1 is supported)."""
+    virtual_stages: int = constraint(1, ge=1)
+    """Model chunks per pipeline rank for the interleaved schedule; more than 1 needs schedule = "interleaved"."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """Where model states live (capstan.chunkmem when offloading)."""
+
+    offload: str = constraint("none", choices=("none", "cpu", "disk"))
+    """"none": plain tensors; "cpu": chunked, all in RAM within cpu_budget; "disk": chunked, RAM within cpu_budget and the rest on disk_dir."""
+    chunk_size: int = constraint(1 << 20, ge=1024)
+    """Elements per chunk; at least the largest parameter tensor."""
+    cpu_budget: int | None = constraint(None, gt=0, nullable=True)
+    """Bytes of chunks allowed in RAM (unset: unlimited; required for offload = "disk")."""
+    gpu_budget: int | None = constraint(None, gt=0, nullable=True)
+    """Bytes of chunks allowed on the GPU. Not supported yet (chunkmem has no cuda tier): must stay unset."""
+    disk_dir: str = "capstan-chunks"
+    """Directory for the disk tier's chunk files (one file per rank)."""
+    eviction: str = constraint("belady", choices=("belady", "lru"))
+    """Which chunk leaves RAM first: furthest next use in the warm-up trace (belady) or least recently used."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """Compute precision. Master weights and optimizer state stay fp32."""
+
+    dtype: str = constraint("fp32", choices=("fp32", "bf16", "fp16"))
+    """Autocast dtype of forward/backward ("fp32": no autocast)."""
+    initial_scale: float = constraint(65536.0, gt=0.0)
+    """fp16: initial dynamic loss scale."""
+    window: int = constraint(1000, ge=1)
+    """fp16: consecutive overflow-free steps before the scale doubles."""
+    hysteresis: int = constraint(2, ge=1)
+    """fp16: overflowing steps tolerated before the scale halves (each overflowing step is skipped)."""
+    min_scale: float = constraint(1.0, gt=0.0)
+    """fp16: the scale never drops below this."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Periodic checkpoints (model, optimizer, loss scale and step)."""
+
+    dir: str = "checkpoints"
+    """Directory of checkpoints; relative paths are under log.run_dir."""
+    every: int = constraint(0, ge=0)
+    """Save every this many steps and at the end (0: never)."""
+    keep: int = constraint(2, ge=1)
+    """Most recent checkpoints kept; older ones are deleted after a newer one is complete."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in dir, if there is one."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """Progress output and metrics files."""
+
+    run_dir: str = "runs/capstan"
+    """Directory for metrics.jsonl, config.resolved.toml, loss.png (and checkpoints)."""
+    every: int = constraint(10, ge=1)
+    """Print the progress line every this many steps (and at the first and last step)."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars into run_dir (needs the tensorboard package)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A whole training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def dp_for(self, world_size: int) -> int:
+        """The data-parallel degree on `world_size` processes (resolving dp = 0)."""
+        p = self.parallel
+        return p.dp if p.dp else max(1, world_size // (p.tp * p.pp))
+
+    def derived(self, world_size: int) -> dict[str, int]:
+        """Values that follow from the config: global batch = micro x accum x dp, tokens per step."""
+        dp = self.dp_for(world_size)
+        t = self.train
+        global_batch = t.micro_batch_size * t.grad_accum_steps * dp
+        return {"dp": dp, "world_size": world_size, "global_batch": global_batch,
+                "tokens_per_step": global_batch * self.model.seq_len,
+                "total_tokens": global_batch * self.model.seq_len * t.steps}
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: {g.name: getattr(getattr(self, f.name), g.name) for g in fields(getattr(self, f.name))}
+                for f in fields(self)}
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]

@@ -1,0 +1,285 @@
+"""The one strict loader of `Config`: TOML, JSON, a dict or a Config, plus ``--set`` overrides.
+
+Every problem is a `ConfigError` whose message names the key path (and, for
+an unknown key, the nearest valid one), so the command line can print it as
+one line. Checks happen in three layers, all before any process group:
+
+1. structure and types of every value, ranges and choices (`constraint` metadata);
+2. cross-field rules that need no processes (sizes divide, budgets, unsupported combinations);
+3. `check_world`: dp * tp * pp against the launcher's world size, naming where each number came from.
+
+Example::
+
+    cfg, sources = resolve("examples/tiny.toml", ["train.steps=10"])
+    dp = check_world(cfg, comm.detect_launch(), sources)
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+from .config import SECTIONS, Config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = ["ConfigError", "load_config", "resolve", "check_world", "parse_override", "to_toml", "Sources"]
+
+Sources = dict[str, str]  # "train.lr" -> "examples/tiny.toml" | "--set train.lr=0.1" | "default"
+
+
+class ConfigError(ValueError):
+    """A configuration (file, dict or override) is invalid; the message says which key and why."""
+
+
+def _nearest(word: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(options))}"
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_bytes()
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = tomllib.loads(text.decode("utf-8"))
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        kind = "JSON" if path.suffix == ".json" else "TOML"
+        raise ConfigError(f"config file {path} is not valid {kind}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table of sections, got {type(data).__name__}")
+    return data
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value); the value is a TOML literal, else a bare string."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    path, raw = text.split("=", 1)
+    parts = path.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {text!r}: the key must be section.key, got {path.strip()!r}")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # an unquoted path or word: `--set data.source=notes.txt`
+    return parts[0], parts[1], value
+
+
+def _type_name(annotation: str) -> str:
+    return annotation.replace(" | None", "")
+
+
+def check_value(section: str, f: Any, value: Any) -> Any:
+    """Check one value against its field's type and constraints; return it (ints widened to float)."""
+    key = f"{section}.{f.name}"
+    meta = f.metadata or {}
+    if value is None:
+        if meta.get("nullable"):
+            return None
+        raise ConfigError(f"{key} must not be null")
+    want = _type_name(f.type)
+    if want == "bool":
+        ok = isinstance(value, bool)
+    elif want == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif want == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+        if ok and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(f"{key} must be {want}, got {type(value).__name__} {value!r}")
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(repr, choices))}"
+                          + _nearest(str(value), [str(c) for c in choices]).replace("valid keys", "choices"))
+    for bound, test, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                              ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
+        b = meta.get(bound)
+        if b is not None and not test(value, b):
+            raise ConfigError(f"{key} = {value!r} must be {word} {b}")
+    if want == "str" and not value:
+        raise ConfigError(f"{key} must not be empty")
+    return value
+
+
+def _build(data: Mapping[str, Any], origin: str, base: Config, sources: Sources) -> Config:
+    sections = {}
+    for name, body in data.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown section [{name}] in {origin}" + _nearest(name, list(SECTIONS)))
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"[{name}] in {origin} must be a table, got {type(body).__name__} {body!r}")
+        cls = SECTIONS[name]
+        known = {f.name: f for f in fields(cls)}
+        values = {}
+        for key, value in body.items():
+            if key not in known:
+                paths = [f"{name}.{k}" for k in known]
+                raise ConfigError(f"unknown key '{name}.{key}' in {origin}" + _nearest(f"{name}.{key}", paths))
+            values[key] = check_value(name, known[key], value)
+            sources[f"{name}.{key}"] = origin
+        sections[name] = replace(getattr(base, name), **values)
+    return replace(base, **sections)
+
+
+def resolve(source: str | Path | Mapping[str, Any] | Config | None = None,
+            overrides: Sequence[str] = ()) -> tuple[Config, Sources]:
+    """Load, apply ``--set`` overrides, and check; returns the config and where each key came from."""
+    sources: Sources = {}
+    if isinstance(source, Config):
+        cfg = source
+        for f in fields(Config):
+            for g in fields(getattr(cfg, f.name)):
+                check_value(f.name, g, getattr(getattr(cfg, f.name), g.name))
+    elif source is None:
+        cfg = Config()
+    elif isinstance(source, Mapping):
+        cfg = _build(source, "the config dict", Config(), sources)
+    elif isinstance(source, (str, Path)):
+        cfg = _build(_read_file(Path(source)), str(source), Config(), sources)
+    else:
+        raise ConfigError(f"config must be a path, dict or Config, got {type(source).__name__}")
+    for text in overrides:
+        section, key, value = parse_override(text)
+        cfg = _build({section: {key: value}}, f"--set {text.strip()}", cfg, sources)
+    check_cross(cfg, sources)
+    return cfg, sources
+
+
+def load_config(source: str | Path | Mapping[str, Any] | Config | None = None,
+                overrides: Sequence[str] = ()) -> Config:
+    """`resolve` without the sources."""
+    return resolve(source, overrides)[0]
+
+
+def _src(sources: Sources, key: str) -> str:
+    return sources.get(key, "default")
+
+
+def reference_param_count(cfg: Config) -> int:
+    """Parameters of the reference GPT (tensorpar.build_gpt) at tp = 1: for budget checks."""
+    m = cfg.model
+    d, v = m.d_model, m.vocab_size
+    block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    return v * d + m.seq_len * d + m.n_layers * block + 2 * d + v * d
+
+
+def uses_chunks(cfg: Config) -> bool:
+    """True when model states live in capstan.chunkmem (offload or ZeRO stage 3)."""
+    return cfg.memory.offload != "none" or cfg.parallel.zero_stage == 3
+
+
+def check_cross(cfg: Config, sources: Sources) -> None:
+    """Rules between fields that need no processes; raises the first violation."""
+    m, p, t, mem, d = cfg.model, cfg.parallel, cfg.train, cfg.memory, cfg.data
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model = {m.d_model} must be divisible by model.n_heads = {m.n_heads}")
+    if m.n_heads % p.tp:
+        raise ConfigError(f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} "
+                          f"(tp from {_src(sources, 'parallel.tp')})")
+    if d.tokenizer == "byte" and not d.source.endswith(".bin") and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size = {m.vocab_size} is smaller than the byte tokenizer's 256 ids")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr = {t.min_lr} must not exceed train.lr = {t.lr}")
+    if t.warmup_steps > t.steps:
+        raise ConfigError(f"train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}")
+    if p.pp > 1:
+        raise ConfigError(f"parallel.pp = {p.pp}: pipeline parallelism is not yet supported by the engine "
+                          "(the pipeline package is not wired in); use pp = 1")
+    if p.virtual_stages > 1 and p.schedule != "interleaved":
+        raise ConfigError(f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = "
+                          f"\"interleaved\", got {p.schedule!r}")
+    if mem.gpu_budget is not None:
+        raise ConfigError("memory.gpu_budget is not yet supported: capstan.chunkmem has no cuda tier yet; "
+                          "remove the key")
+    if uses_chunks(cfg):
+        _check_chunk_path(cfg, sources)
+    elif mem.cpu_budget is not None:
+        raise ConfigError("memory.cpu_budget only applies to chunked memory: set memory.offload = \"cpu\" "
+                          "or \"disk\" (or parallel.zero_stage = 3)")
+
+
+def _check_chunk_path(cfg: Config, sources: Sources) -> None:
+    p, mem = cfg.parallel, cfg.memory
+    why = f"memory.offload = {mem.offload!r}, parallel.zero_stage = {p.zero_stage}"
+    if p.dp > 1 or p.tp > 1:
+        raise ConfigError(f"{why} needs dp = tp = 1 for now (ZeRO-3 chunk sharding across ranks is not "
+                          f"built yet); got dp = {p.dp}, tp = {p.tp}")
+    if cfg.precision.dtype != "fp32":
+        raise ConfigError(f"{why}: chunked memory is pure fp32 so far; precision.dtype = "
+                          f"{cfg.precision.dtype!r} is not yet supported with it")
+    if cfg.checkpoint.every:
+        raise ConfigError(f"{why}: checkpoints of chunked model states are not yet supported; "
+                          "set checkpoint.every = 0")
+    chunk_bytes = mem.chunk_size * 4
+    if mem.offload == "disk" and mem.cpu_budget is None:
+        raise ConfigError("memory.offload = \"disk\" needs memory.cpu_budget (bytes of chunks kept in RAM)")
+    if mem.cpu_budget is not None and mem.cpu_budget < chunk_bytes:
+        raise ConfigError(f"memory.cpu_budget = {mem.cpu_budget} bytes cannot hold one chunk of "
+                          f"memory.chunk_size = {mem.chunk_size} fp32 elements ({chunk_bytes} bytes)")
+    if mem.offload == "cpu" and mem.cpu_budget is not None:
+        # param, grad, exp_avg, exp_avg_sq: four fp32 copies of every parameter stay in RAM.
+        need = 16 * reference_param_count(cfg)
+        if mem.cpu_budget < need:
+            raise ConfigError(f"memory.offload = \"cpu\" keeps every chunk in RAM: memory.cpu_budget = "
+                              f"{mem.cpu_budget} bytes is below the model states' {need} bytes "
+                              "(use offload = \"disk\" or a larger budget)")
+
+
+def check_world(cfg: Config, world_size: int, world_source: str, sources: Sources) -> int:
+    """dp * tp * pp against the world size (before any process group); returns the data-parallel degree."""
+    p = cfg.parallel
+    if p.dp == 0:
+        if world_size % (p.tp * p.pp):
+            raise ConfigError(f"{world_source} is not divisible by parallel.tp * parallel.pp = {p.tp} * {p.pp} "
+                              f"(tp from {_src(sources, 'parallel.tp')}, pp from {_src(sources, 'parallel.pp')})")
+        dp = world_size // (p.tp * p.pp)
+    else:
+        dp = p.dp
+        if dp * p.tp * p.pp != world_size:
+            raise ConfigError(
+                f"parallel.dp * tp * pp = {dp} * {p.tp} * {p.pp} = {dp * p.tp * p.pp} (dp from "
+                f"{_src(sources, 'parallel.dp')}, tp from {_src(sources, 'parallel.tp')}, pp from "
+                f"{_src(sources, 'parallel.pp')}) but {world_source}")
+    if uses_chunks(cfg) and world_size > 1:
+        raise ConfigError(f"memory.offload = {cfg.memory.offload!r} / parallel.zero_stage = {p.zero_stage} "
+                          f"runs in one process for now (ZeRO-3 chunk sharding is not built yet) but "
+                          f"{world_source}")
+    return dp
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)  # a TOML basic string is a JSON string for our values
+
+
+def to_toml(cfg: Config, derived: Mapping[str, int] | None = None) -> str:
+    """The config as TOML (unset optional values omitted), loadable by `resolve`."""
+    lines = []
+    if derived:
+        lines += ["# derived: " + ", ".join(f"{k} = {v}" for k, v in derived.items()), ""]
+    for section, body in cfg.as_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
+

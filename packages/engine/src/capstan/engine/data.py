@@ -1,0 +1,183 @@
+"""Training data: a token stream, a held-out tail, and layout-independent batches.
+
+Sources (``[data] source``):
+
+* ``"stdlib"``: the running Python's standard-library ``.py`` files, sorted by
+  path and capped at ``max_bytes`` — real text on every machine, no download;
+* a text file, or a folder of them (sorted recursively, hidden files skipped);
+* a pre-tokenized ``.bin`` file: a flat uint16/uint32 array of ids (nanoGPT's format), memory-mapped.
+
+Text goes through the byte tokenizer (id = byte value, vocabulary 256).
+The last ``val_fraction`` of the stream is the validation split.
+
+**Batches do not depend on the layout.** Global step k has ``B = micro ×
+accum × dp`` sequences whose starts are drawn from a generator seeded with
+(seed, k); micro-batch a of data-parallel rank r takes the sequences
+``[(a·dp + r)·micro, +micro)``. So dp=4, accum=1 and dp=1, accum=4 train on
+exactly the same sequences at every step, which is what makes every layout's
+trajectory comparable with one process. Example::
+
+    data = open_data(cfg)                              # DataError on bad input
+    for x, y in train_batches(data, cfg, dp=2, dp_rank=0):   # [micro, seq_len] int64 each
+        ...
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import Config, DataConfig
+
+__all__ = ["DataError", "TokenData", "open_data", "read_text_source", "stdlib_text", "byte_tokenize",
+           "step_starts", "micro_batch", "train_batches", "val_batches", "BYTE_VOCAB"]
+
+BYTE_VOCAB = 256
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+class DataError(ValueError):
+    """The data source is missing, empty, corrupt or too small; the message names it."""
+
+
+def stdlib_text(max_bytes: int) -> bytes:
+    """The standard library's ``.py`` sources in sorted path order, at most `max_bytes` (deterministic)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if not _SKIP_DIRS & set(p.relative_to(root).parts))
+    return _concat(files, max_bytes, f"the standard library at {root}")
+
+
+def _concat(files: list[Path], max_bytes: int, what: str) -> bytes:
+    parts, total = [], 0
+    for path in files:
+        try:
+            blob = path.read_bytes()
+        except OSError as exc:
+            raise DataError(f"cannot read {path}: {exc.strerror}") from None
+        parts.append(blob[: max_bytes - total])
+        total += len(parts[-1])
+        if total >= max_bytes:
+            break
+    text = b"\n".join(parts)[:max_bytes]
+    if not text:
+        raise DataError(f"{what} holds no text")
+    return text
+
+
+def read_text_source(source: str, max_bytes: int) -> bytes:
+    if source == "stdlib":
+        return stdlib_text(max_bytes)
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise DataError(f"data.source folder {path} contains no files")
+        return _concat(files, max_bytes, f"data.source folder {path}")
+    if path.is_file():
+        return _concat([path], max_bytes, f"data.source file {path}")
+    raise DataError(f"data.source {source!r} does not exist (expected \"stdlib\", a text file, a folder or a .bin)")
+
+
+def byte_tokenize(text: bytes) -> np.ndarray:
+    """Byte-level tokenizer: each byte is its own id (vocabulary 256); never fails on any input."""
+    return np.frombuffer(text, dtype=np.uint8)
+
+
+def _open_bin(path: Path, dtype: str, vocab_size: int) -> np.ndarray:
+    if not path.is_file():
+        raise DataError(f"data.source {path} does not exist")
+    item = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size == 0:
+        raise DataError(f"data.source {path} is empty")
+    if size % item:
+        raise DataError(f"data.source {path} is {size} bytes, not a multiple of {item} ({dtype}): the file is "
+                        f"corrupt or data.bin_dtype is wrong")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    top = int(tokens.max())  # one streaming pass; a wrong dtype usually shows up here
+    if top >= vocab_size:
+        where = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"data.source {path} holds token id {top} (first bad id at position {where}) but "
+                        f"model.vocab_size is {vocab_size}: wrong data.bin_dtype or vocabulary")
+    return tokens
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """The token stream; `[0, n_train)` trains, `[n_train, len)` validates."""
+
+    tokens: np.ndarray
+    n_train: int
+    seq_len: int
+    source: str
+
+    @property
+    def n_val(self) -> int:
+        return len(self.tokens) - self.n_train
+
+
+def open_data(cfg: Config) -> TokenData:
+    """Read (or memory-map) the configured source and split it; DataError when unusable."""
+    d: DataConfig = cfg.data
+    seq = cfg.model.seq_len
+    if d.source.endswith(".bin"):
+        tokens = _open_bin(Path(d.source), d.bin_dtype, cfg.model.vocab_size)
+    else:
+        tokens = byte_tokenize(read_text_source(d.source, d.max_bytes))
+    n_val = int(len(tokens) * d.val_fraction)
+    n_train = len(tokens) - n_val
+    if n_train < seq + 2:
+        raise DataError(f"data.source {d.source} has {n_train} training tokens; model.seq_len = {seq} needs at "
+                        f"least {seq + 2}")
+    if n_val < seq + 1:
+        raise DataError(f"data.source {d.source}: the validation split has {n_val} tokens, fewer than "
+                        f"model.seq_len + 1 = {seq + 1}; raise data.val_fraction or use more text")
+    return TokenData(tokens=tokens, n_train=n_train, seq_len=seq, source=d.source)
+
+
+def step_starts(data: TokenData, step: int, global_batch: int, seed: int) -> np.ndarray:
+    """Start offsets [global_batch] of the training sequences of global step `step` (any layout)."""
+    rng = np.random.default_rng([seed, step])  # PCG64: the same stream on every machine and numpy
+    return rng.integers(0, data.n_train - data.seq_len, size=global_batch, dtype=np.int64)
+
+
+def _windows(data: TokenData, starts: np.ndarray) -> tuple[object, object]:
+    import torch
+
+    idx = starts[:, None] + np.arange(data.seq_len + 1)[None, :]
+    block = torch.from_numpy(np.asarray(data.tokens[idx], dtype=np.int64))  # [micro, seq_len + 1]
+    return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+
+
+def micro_batch(data: TokenData, cfg: Config, dp: int, step: int, accum_index: int, dp_rank: int) -> tuple:
+    """(inputs, targets), each [micro, seq_len] int64: micro-batch `accum_index` of rank `dp_rank` at `step`."""
+    micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
+    starts = step_starts(data, step, micro * accum * dp, cfg.train.seed)
+    first = (accum_index * dp + dp_rank) * micro
+    return _windows(data, starts[first : first + micro])
+
+
+def train_batches(data: TokenData, cfg: Config, dp: int, dp_rank: int, start_step: int = 0) -> Iterator[tuple]:
+    """This rank's micro-batches in order: step by step, accum_steps per step, forever."""
+    step = start_step
+    while True:
+        for a in range(cfg.train.grad_accum_steps):
+            yield micro_batch(data, cfg, dp, step, a, dp_rank)
+        step += 1
+
+
+def val_batches(data: TokenData, cfg: Config, dp: int, dp_rank: int) -> list[tuple]:
+    """This rank's share of a fixed validation set: non-overlapping windows of the held-out tail."""
+    micro, seq = cfg.train.micro_batch_size, data.seq_len
+    n_windows = (data.n_val - 1) // seq
+    out = []
+    for j in range(cfg.train.eval_batches):
+        first = (j * dp + dp_rank) * micro
+        ids = (np.arange(first, first + micro) % n_windows).astype(np.int64)  # cycle a short split
+        out.append(_windows(data, data.n_train + ids * seq))
+    return out

@@ -1,0 +1,222 @@
+"""`Engine`: one training step over whatever layout the config asks for.
+
+Two state holders sit behind the same three calls
+(``loss = engine(batch); engine.backward(loss); engine.step()``):
+
+* `ZeroOptimizer` (zero.py): plain tensors in a flat fp32 buffer, data
+  parallelism with ZeRO 0/1/2, tensor parallelism through tensorpar's layers;
+* capstan.chunkmem (`ChunkedModel` + `ChunkAdam`): parameters, gradients and
+  Adam moments in chunks with a RAM budget and a disk tier (one process, fp32).
+
+`engine.step()` acts only at the end of gradient accumulation; it averages
+gradients over dp, computes the global norm, skips the step on an fp16
+overflow, clips, and runs AdamW at the scheduled learning rate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from capstan import comm
+
+from .config import Config
+from .config_load import uses_chunks
+from .precision import LossScaler, autocast
+from .schedule_lr import lr_at
+from .zero import ZeroOptimizer, decays
+
+__all__ = ["Engine", "StepInfo", "LossFn"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+log = comm.get_logger(__name__)
+
+
+@dataclass
+class StepInfo:
+    """What one optimizer step did (the metrics of that step)."""
+
+    step: int
+    loss: float = float("nan")
+    lr: float = 0.0
+    grad_norm: float = 0.0
+    loss_scale: float = 1.0
+    skipped: bool = False
+    seconds: float = 0.0
+    mem: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    """Build with `capstan.engine.initialize`; see the module docstring and docs/engine.md."""
+
+    def __init__(self, *, config: Config, model: nn.Module, groups: comm.Groups, loss_fn: LossFn) -> None:
+        self.config, self.groups, self.loss_fn = config, groups, loss_fn
+        self.accum = config.train.grad_accum_steps
+        self.global_step = 0  # optimizer steps taken
+        self.micro_step = 0  # backward passes since the last optimizer step
+        self.scaler = LossScaler(config.precision) if config.precision.dtype == "fp16" else None
+        self.chunked = uses_chunks(config)
+        self._micro_losses: list[float] = []
+        self._step_start: float | None = None
+        self._disk_peak = 0
+        if self.chunked:
+            self._init_chunks(model)
+        else:
+            self.module = model
+            self.optimizer = ZeroOptimizer(model, groups, config.parallel.zero_stage, config.train)
+
+    def _init_chunks(self, model: nn.Module) -> None:
+        from capstan.chunkmem import AdamGroup, ChunkAdam, ChunkedModel, ChunkManager, DiskStore
+
+        mem, t = self.config.memory, self.config.train
+        disk = DiskStore(mem.disk_dir) if mem.offload == "disk" else None
+        self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction)
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        params = dict(model.named_parameters())
+        decay = [n for n in names if decays(params[n])]
+        plain = [n for n in names if not decays(params[n])]
+        self.module = ChunkedModel(model, self.manager, mem.chunk_size, param_groups=[decay, plain])
+        self.optimizer = ChunkAdam(self.module, groups=[
+            AdamGroup(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay),
+            AdamGroup(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0)])
+        self._stepping = False
+
+    # ---- the three-call API ------------------------------------------------------------------------
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Mean loss of one micro-batch (inputs, targets), each [micro, seq_len]."""
+        if torch.is_grad_enabled() and self._step_start is None:  # eval passes are not part of a step
+            self._step_start = time.perf_counter()
+            if self.chunked and not self._stepping:
+                self.manager.begin_step()
+                self._stepping = True
+        x, y = batch
+        with autocast(self.config.precision):
+            out = self.module(x)
+        # The loss in fp32: a 16-bit softmax over the vocabulary loses the small probabilities.
+        return self.loss_fn(out.float(), y)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""
+        self._micro_losses.append(float(loss.detach()))
+        scaled = loss / self.accum
+        if self.scaler is not None:
+            scaled = scaled * self.scaler.scale
+        if self.chunked:
+            self.module.backward(scaled)
+        else:
+            scaled.backward()
+            self.optimizer.after_backward()
+        self.micro_step += 1
+
+    def step(self) -> StepInfo | None:
+        """The optimizer step once `grad_accum_steps` backwards are in; None before that."""
+        if self.micro_step < self.accum:
+            return None
+        if self.micro_step > self.accum:
+            raise RuntimeError(f"{self.micro_step} backward calls since the last step, but "
+                               f"train.grad_accum_steps = {self.accum}")
+        t = self.config.train
+        info = StepInfo(step=self.global_step + 1, lr=lr_at(t, self.global_step))
+        info.loss = self._global_loss()
+        if self.chunked:
+            self._chunk_step(info)
+        else:
+            self._flat_step(info)
+        self.global_step += 1
+        self.micro_step = 0
+        self._micro_losses = []
+        info.seconds = time.perf_counter() - (self._step_start or time.perf_counter())
+        self._step_start = None
+        info.mem = self.memory_stats()
+        return info
+
+    def _global_loss(self) -> float:
+        """Mean over micro-batches and dp ranks: equal-sized micro-batches make it the global mean."""
+        local = torch.tensor([sum(self._micro_losses) / len(self._micro_losses)], dtype=torch.float64)
+        comm.all_reduce(local, op="avg", group=self.groups.dp)
+        return float(local.item())
+
+    def _flat_step(self, info: StepInfo) -> None:
+        opt, t = self.optimizer, self.config.train
+        opt.reduce_gradients()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        info.loss_scale = scale
+        if self.scaler is not None and opt.has_overflow():
+            self.scaler.update(True)
+            info.skipped, info.grad_norm = True, float("inf")
+            log.info("step %d: fp16 gradients overflowed at loss scale %g; step skipped", info.step, scale)
+            opt.zero_grad()
+            return
+        norm = opt.grad_norm() / scale
+        info.grad_norm = norm
+        clip = 1.0
+        if t.grad_clip and norm > t.grad_clip:
+            clip = t.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
+        opt.step(info.lr, clip / scale)
+        opt.zero_grad()
+        if self.scaler is not None:
+            self.scaler.update(False)
+
+    def _chunk_step(self, info: StepInfo) -> None:
+        for group in self.optimizer.groups:
+            group.lr = info.lr
+        clip = self.config.train.grad_clip
+        if clip:
+            info.grad_norm = float(self.optimizer.step(grad_clip=clip))
+        else:
+            info.grad_norm = self.optimizer.grad_norm()
+            self.optimizer.step()
+        self.manager.end_step()
+        self._stepping = False
+
+    # ---- loops ------------------------------------------------------------------------------------
+    def train_batch(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepInfo:
+        """One optimizer step over the next `grad_accum_steps` micro-batches of `data_iter`."""
+        self.module.train()
+        if self.micro_step:
+            raise RuntimeError("train_batch called in the middle of a manual accumulation")
+        for _ in range(self.accum):
+            self.backward(self(next(data_iter)))
+        info = self.step()
+        assert info is not None
+        return info
+
+    @torch.no_grad()
+    def eval_batch(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss over `batches` (this rank's share), averaged over dp: the validation loss."""
+        self.module.eval()
+        losses = [float(self(batch)) for batch in batches]
+        self.module.train()
+        local = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64)
+        comm.all_reduce(local, op="avg", group=self.groups.dp)
+        return float(local.item())
+
+    # ---- reporting ----------------------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, float]:
+        """`mem.<tier>.peak_bytes` and `mem.moved_bytes` (from chunkmem when chunked)."""
+        if not self.chunked:
+            held = self.optimizer.state_bytes()  # fixed-size buffers: held is also the peak
+            return {"mem.cpu.peak_bytes": held, "mem.cpu.resident_bytes": held, "mem.moved_bytes": 0}
+        s = self.manager.stats()
+        disk = s["disk"]["resident_bytes"]  # type: ignore[index]
+        self._disk_peak = max(self._disk_peak, disk)
+        return {"mem.cpu.peak_bytes": s["cpu"]["peak_bytes"],  # type: ignore[index]
+                "mem.cpu.resident_bytes": s["cpu"]["resident_bytes"],  # type: ignore[index]
+                "mem.disk.peak_bytes": self._disk_peak, "mem.disk.resident_bytes": disk,
+                "mem.moved_bytes": s["moved_bytes"], "mem.stall_s": s["stall_s"]}  # type: ignore[dict-item]
+
+    def parameters_snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of this rank's parameters by name (loads chunks one at a time when chunked)."""
+        if self.chunked:
+            return self.module.state_tensors()
+        return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+
+    def close(self) -> None:
+        if self.chunked:
+            self.manager.close()

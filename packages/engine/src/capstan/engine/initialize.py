@@ -1,0 +1,95 @@
+"""`initialize(model=..., config=...)`: config -> topology -> model on it -> `Engine`.
+
+    from capstan.engine import initialize
+    engine = initialize(config="examples/tiny.toml")            # the reference GPT from [model]
+    engine = initialize(model=my_module, config={"train": {"lr": 3e-4}})
+    engine = initialize(model=lambda cfg, groups: build(cfg, groups.tp), config=cfg)
+
+Works as one plain process (no process group is started for a world of one)
+and under mpirun / torchrun (it calls `comm.init()` when the launcher says
+there are several processes). The config is fully checked, including
+dp * tp * pp against the world size, before any process group starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from capstan import comm
+
+from .config import Config
+from .config_load import check_world, resolve
+from .engine import Engine, LossFn
+
+__all__ = ["initialize", "build_reference_model", "resolve_groups"]
+
+ModelSpec = nn.Module | Callable[[Config, comm.Groups], nn.Module] | None
+
+
+def build_reference_model(cfg: Config, groups: comm.Groups) -> nn.Module:
+    """The reference GPT of [model], sliced over the tp group, seeded by train.seed (tp-invariant init)."""
+    from capstan.tensorpar import GPTConfig, build_gpt
+
+    m = cfg.model
+    gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
+                    n_layers=m.n_layers, dropout=m.dropout)
+    return build_gpt(gpt, groups.tp, seed=cfg.train.seed)
+
+
+def resolve_groups(cfg: Config, sources: dict[str, str]) -> comm.Groups:
+    """Check the layout against the launch, start comm if needed, and build the dp/pp/tp groups."""
+    if comm.is_initialized():
+        size, where = comm.world().size, comm.launch().describe("world_size")
+    else:
+        launch = comm.detect_launch()
+        size, where = launch.world_size, launch.describe("world_size")
+    dp = check_world(cfg, size, where, sources)  # before any process group exists
+    if size == 1 and not comm.is_initialized():
+        return comm.single_process_groups()
+    comm.init()
+    return comm.build_groups(comm.Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp))
+
+
+def _default_loss(model: nn.Module) -> LossFn:
+    if callable(getattr(model, "loss", None)):
+        return model.loss  # the reference GPT: vocab-parallel cross-entropy
+    return lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] | Config | None = None, *,
+               overrides: Sequence[str] = (), groups: comm.Groups | None = None,
+               loss_fn: LossFn | None = None) -> Engine:
+    """An `Engine` for `model` under `config`.
+
+    model: None (the reference GPT from [model]), an nn.Module (fp32, the same
+        on every rank or broadcast from dp rank 0), or a builder
+        ``fn(config, groups) -> nn.Module`` (for tensor-parallel user models).
+    config: a Config, a dict of sections, or a TOML/JSON path; `overrides`
+        are ``section.key=value`` strings as on the command line.
+    groups: existing comm groups (their world must match the config's layout).
+    loss_fn: ``fn(outputs, targets) -> mean loss``; default: the model's
+        ``.loss`` method if it has one, else token-level cross-entropy.
+    """
+    cfg, sources = resolve(config, overrides)
+    if groups is None:
+        groups = resolve_groups(cfg, sources)
+    else:
+        check_world(cfg, groups.world.size, f"world size {groups.world.size} of the given groups", sources)
+    torch.manual_seed(cfg.train.seed)
+    if model is None:
+        module = build_reference_model(cfg, groups)
+    elif isinstance(model, nn.Module):
+        module = model
+    elif callable(model):
+        module = model(cfg, groups)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"the model builder returned {type(module).__name__}, not an nn.Module")
+    else:
+        raise TypeError(f"model must be None, an nn.Module or a builder function, got {type(model).__name__}")
+    return Engine(config=cfg, model=module, groups=groups, loss_fn=loss_fn or _default_loss(module))

@@ -1,0 +1,105 @@
+"""What a run reports: the progress line, metrics.jsonl, TensorBoard scalars, the loss plot.
+
+Only global rank 0 writes (`MetricsSink(enabled=rank == 0)`); every other
+rank's sink is a no-op, so the training loop calls it unconditionally.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from capstan import comm
+
+__all__ = ["MetricsSink", "progress_line", "human_bytes", "plot_losses"]
+
+log = comm.get_logger(__name__)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _eta(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def progress_line(record: dict[str, Any], steps: int, eta_s: float) -> str:
+    """``step 10/60 | loss 3.7686 | lr 2.94e-03 | 52.1k tok/s | ETA 0:00:03 | mem cpu 2.1 MiB ...``."""
+    tiers = sorted({k.split(".")[1] for k in record if k.startswith("mem.") and k.endswith(".peak_bytes")})
+    mem = " ".join(f"{t} {human_bytes(record[f'mem.{t}.peak_bytes'])}" for t in tiers)
+    parts = [f"step {record['step']}/{steps}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}",
+             f"{record['tokens_per_s'] / 1e3:.1f}k tok/s", f"ETA {_eta(eta_s)}",
+             f"mem peak {mem} moved {human_bytes(record['mem.moved_bytes'])}"]
+    if "val_loss" in record:
+        parts.insert(2, f"val {record['val_loss']:.4f}")
+    if record.get("skipped"):
+        parts.append(f"skipped (loss scale {record['loss_scale']:g})")
+    return " | ".join(parts)
+
+
+class MetricsSink:
+    """metrics.jsonl (one JSON object per step) and optional TensorBoard scalars, on rank 0 only."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, append: bool = False) -> None:
+        self.enabled = enabled
+        self.records: list[dict[str, Any]] = []
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a" if append else "w")  # noqa: SIM115 - closed in close()
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")  # type: ignore[union-attr]
+        self._file.flush()  # type: ignore[union-attr]
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def plot_losses(records: list[dict[str, Any]], path: Path) -> bool:
+    """Write the loss curve (and validation points) as a PNG; False with a notice if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a cluster node
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed: no loss plot (pip install matplotlib)")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
+    val = [r for r in records if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -1,0 +1,85 @@
+"""The `capstan train` loop: validated config + opened data -> engine -> steps, metrics, checkpoints, plot.
+
+`run(cfg, sources, data)` is called by the command line after every input
+check has passed (cli.py); it starts comm when the launcher says there are
+several processes, and returns when the run is done.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from capstan import comm
+
+from . import checkpoint
+from .config import Config
+from .config_load import Sources, to_toml
+from .data import TokenData, train_batches, val_batches
+from .initialize import initialize, resolve_groups
+from .metrics import MetricsSink, human_bytes, plot_losses, progress_line
+
+__all__ = ["run"]
+
+log = comm.get_logger(__name__)
+
+
+def run(cfg: Config, sources: Sources, data: TokenData) -> list[dict]:
+    """Train as configured; returns rank 0's metric records (empty on other ranks)."""
+    groups = resolve_groups(cfg, sources)
+    engine = initialize(config=cfg, groups=groups)
+    rank0 = groups.world.rank == 0
+    dp, dp_rank = groups.dp.size, groups.dp.rank
+    derived = cfg.derived(groups.world.size)
+    run_dir = Path(cfg.log.run_dir)
+    t = cfg.train
+    start = 0
+    ckpt_root = checkpoint.checkpoint_dir(engine, run_dir)
+    if cfg.checkpoint.resume:
+        start = checkpoint.load_latest(engine, ckpt_root)
+        if start:
+            comm.log_rank0(log, "resumed from step %d (%s)", start, ckpt_root)
+    sink = MetricsSink(run_dir, rank0, cfg.log.tensorboard, append=start > 0)
+    if rank0:
+        (run_dir / "config.resolved.toml").write_text(to_toml(cfg, derived))
+    comm.log_rank0(log, "%s | %d tokens (%d train, %d validation) from %s | %s", _layout(cfg, groups),
+                   len(data.tokens), data.n_train, data.n_val, data.source,
+                   ", ".join(f"{k} {v}" for k, v in derived.items()))
+    batches = train_batches(data, cfg, dp, dp_rank, start_step=start)
+    vals = val_batches(data, cfg, dp, dp_rank) if t.eval_every else []
+    elapsed: list[float] = []
+    try:
+        for step in range(start, t.steps):
+            info = engine.train_batch(batches)
+            elapsed.append(info.seconds)
+            record = {"step": info.step, "loss": info.loss, "lr": info.lr,
+                      "tokens_per_s": derived["tokens_per_step"] / max(info.seconds, 1e-9),
+                      "grad_norm": info.grad_norm, "loss_scale": info.loss_scale, "skipped": info.skipped,
+                      "step_s": info.seconds, **info.mem}
+            last = step + 1 == t.steps
+            if t.eval_every and (info.step % t.eval_every == 0 or last):
+                record["val_loss"] = engine.eval_batch(vals)
+            sink.write(record)
+            if info.step == 1 or info.step % cfg.log.every == 0 or last or record.get("val_loss"):
+                recent = elapsed[-20:]  # the first step (warm-up trace, allocation) is slower
+                eta = (t.steps - info.step) * sum(recent) / len(recent)
+                comm.log_rank0(log, "%s", progress_line(record, t.steps, eta))
+            if cfg.checkpoint.every and (info.step % cfg.checkpoint.every == 0 or last):
+                checkpoint.save(engine, ckpt_root)
+    finally:
+        sink.close()
+        engine.close()
+    if rank0 and sink.records:
+        if plot_losses(sink.records, run_dir / "loss.png"):
+            log.info("wrote %s, %s and %s", run_dir / "metrics.jsonl", run_dir / "config.resolved.toml",
+                     run_dir / "loss.png")
+        last_rec = sink.records[-1]
+        log.info("done: %d steps, final loss %.4f, peak memory %s", last_rec["step"], last_rec["loss"],
+                 human_bytes(last_rec["mem.cpu.peak_bytes"]))
+    return sink.records
+
+
+def _layout(cfg: Config, groups: comm.Groups) -> str:
+    p, mem = cfg.parallel, cfg.memory
+    where = f"offload {mem.offload}" if mem.offload != "none" else f"ZeRO stage {p.zero_stage}"
+    return (f"world {groups.world.size} = dp {groups.dp.size} x tp {groups.tp.size} x pp {groups.pp.size}, "
+            f"{where}, {cfg.precision.dtype}")

@@ -1,0 +1,209 @@
+"""Data parallelism with ZeRO stages 0-2 over one flat fp32 parameter buffer.
+
+Every parameter becomes a view into one flat buffer, and its gradient a view
+into a flat gradient buffer of the same layout (Rajbhandari et al. 2020,
+"ZeRO", section 5). The buffer is ordered in four segments, so the update and
+the norm can treat whole ranges alike:
+
+    [ tp-sliced, decayed | tp-sliced, no decay | replicated, decayed | replicated, no decay ]
+
+and padded to a multiple of the dp size so every rank's shard has the same length.
+
+* stage 0: gradients are averaged over dp with bucketed all-reduces
+  (`comm.all_reduce_coalesced`); every rank updates everything.
+* stage 1: gradients are averaged with one all-reduce; rank r updates only its
+  shard (``shard_bounds``) and keeps Adam moments for it alone (1/dp of the
+  optimizer state), then the shards are all-gathered into the parameters.
+* stage 2: after each micro-batch's backward the flat gradient is
+  reduce-scattered into this rank's shard accumulator and cleared, so the
+  gradient kept across micro-batches is 1/dp too (the full flat gradient still
+  exists during backward; a bucketed reduce-scatter inside backward would
+  remove that, later).
+
+The gradient norm for clipping is global over dp and tp: squares of a shard
+are summed over dp; tp-sliced parameters are summed over tp, and replicated
+ones (identical on every tp rank, see docs/tensorpar.md) counted once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from capstan import comm
+from capstan.native import kernels
+
+from .config import TrainConfig
+
+__all__ = ["ZeroOptimizer", "Segment", "decays"]
+
+
+def decays(param: torch.Tensor) -> bool:
+    """Weight decay on matrices only; biases and norm parameters are left alone (GPT-2/3 practice)."""
+    return param.dim() >= 2
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int
+    end: int
+    decay: bool
+    sliced: bool
+
+
+class ZeroOptimizer:
+    """AdamW over a flat buffer with ZeRO stage 0, 1 or 2 over `groups.dp` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, groups: comm.Groups, stage: int, train: TrainConfig) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ZeroOptimizer handles ZeRO stages 0-2, got {stage}")
+        self.groups, self.stage, self.train = groups, stage, train
+        params = [p for p in model.parameters() if p.requires_grad]
+        if any(p.dtype != torch.float32 for p in params):
+            raise ValueError("ZeroOptimizer keeps fp32 master weights: build the model in fp32")
+        # Replicated across tp = tp_dim is None (tensorpar marks); plain modules count as replicated.
+        key = [(getattr(p, "tp_dim", None) is None, not decays(p)) for p in params]
+        order = sorted(range(len(params)), key=lambda i: key[i])
+        self.params = [params[i] for i in order]
+        numel = sum(p.numel() for p in self.params)
+        dp = groups.dp.size
+        self.numel = numel
+        self.padded = -(-numel // dp) * dp
+        self.flat_param = torch.zeros(self.padded)
+        self.flat_grad = torch.zeros(self.padded)
+        self.segments: list[Segment] = []
+        pos = 0
+        for i in order:
+            p = params[i]
+            n = p.numel()
+            self.flat_param[pos : pos + n].copy_(p.detach().reshape(-1))
+            p.data = self.flat_param[pos : pos + n].view_as(p)
+            seg = Segment(pos, pos + n, decays(p), not key[i][0])
+            last = self.segments[-1] if self.segments else None
+            if last and (last.decay, last.sliced) == (seg.decay, seg.sliced) and last.end == pos:
+                self.segments[-1] = Segment(last.start, seg.end, seg.decay, seg.sliced)
+            else:
+                self.segments.append(seg)
+            pos += n
+        self._grad_views = [self.flat_grad[s : s + p.numel()].view_as(p)
+                            for p, s in zip(self.params, _offsets(self.params))]
+        for p, g in zip(self.params, self._grad_views):
+            p.grad = g
+        # Replicas must start equal: a user module may have been initialized differently per rank.
+        comm.broadcast(self.flat_param, src=0, group=groups.dp)
+        self.lo, self.hi = (0, self.padded) if stage == 0 else comm.shard_bounds(self.padded, dp, groups.dp.rank)
+        self.exp_avg = torch.zeros(self.hi - self.lo)
+        self.exp_avg_sq = torch.zeros(self.hi - self.lo)
+        self.shard_grad = torch.zeros(self.hi - self.lo) if stage == 2 else None
+        self.step_count = 0
+
+    # ---- gradients ------------------------------------------------------------------------------
+    def _repoint_grads(self) -> None:
+        """Autograd accumulates into the existing `.grad` in place; if anything replaced it, fold it back."""
+        for p, g in zip(self.params, self._grad_views):
+            if p.grad is not g:
+                if p.grad is not None:
+                    g.add_(p.grad)
+                p.grad = g
+
+    def after_backward(self) -> None:
+        """Called after every micro-batch's backward."""
+        self._repoint_grads()
+        if self.stage == 2:
+            part = torch.empty(self.hi - self.lo)
+            comm.reduce_scatter(part, self.flat_grad, op="avg", group=self.groups.dp)
+            self.shard_grad.add_(part)  # type: ignore[union-attr]
+            self.flat_grad.zero_()
+
+    def reduce_gradients(self) -> None:
+        """Average gradients over dp at the end of gradient accumulation."""
+        if self.stage == 0:
+            comm.all_reduce_coalesced(self._grad_views, op="avg", group=self.groups.dp)
+        elif self.stage == 1:
+            comm.all_reduce(self.flat_grad, op="avg", group=self.groups.dp)
+
+    def _shard_grad(self) -> torch.Tensor:
+        return self.shard_grad if self.shard_grad is not None else self.flat_grad[self.lo : self.hi]
+
+    def _pieces(self) -> list[tuple[Segment, int, int]]:
+        """(segment, start, end) of every segment's intersection with this rank's shard."""
+        out = []
+        for seg in self.segments:
+            a, b = max(seg.start, self.lo), min(seg.end, self.hi)
+            if a < b:
+                out.append((seg, a, b))
+        return out
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (loss-scaled) gradients over dp and tp."""
+        g = self._shard_grad()
+        local = 0.0
+        for seg, a, b in self._pieces():
+            if seg.sliced or self.groups.tp.rank == 0:  # replicated parameters: count once per tp group
+                local += kernels.sumsq(g[a - self.lo : b - self.lo])
+        total = torch.tensor([local], dtype=torch.float64)
+        if self.stage > 0:
+            comm.all_reduce(total, group=self.groups.dp)
+        comm.all_reduce(total, group=self.groups.tp)
+        return math.sqrt(float(total.item()))
+
+    def has_overflow(self) -> bool:
+        """True if any rank's gradients hold inf/NaN (all ranks then skip the step together)."""
+        flag = torch.tensor([1.0 if kernels.has_nonfinite(self._shard_grad()) else 0.0])
+        comm.all_reduce(flag, op="max", group=self.groups.dp)
+        comm.all_reduce(flag, op="max", group=self.groups.tp)
+        return bool(flag.item())
+
+    def zero_grad(self) -> None:
+        self.flat_grad.zero_()
+        if self.shard_grad is not None:
+            self.shard_grad.zero_()
+
+    # ---- update ---------------------------------------------------------------------------------
+    def step(self, lr: float, grad_scale: float) -> None:
+        """AdamW on this rank's shard (grad_scale folds clipping and 1/loss_scale), then all-gather."""
+        self.step_count += 1
+        t = self.train
+        g = self._shard_grad()
+        for seg, a, b in self._pieces():
+            sl = slice(a - self.lo, b - self.lo)
+            kernels.adam_update(self.flat_param[a:b], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
+                                step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
+                                weight_decay=t.weight_decay if seg.decay else 0.0, adamw=True,
+                                grad_scale=grad_scale)
+        if self.stage > 0:
+            shard = self.flat_param[self.lo : self.hi].clone()  # the collective must not alias its output
+            comm.all_gather(self.flat_param, shard, group=self.groups.dp)
+
+    def state_bytes(self) -> int:
+        """Bytes of model and optimizer state this rank holds (params, grads, shard grads, moments)."""
+        tensors = [self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq]
+        if self.shard_grad is not None:
+            tensors.append(self.shard_grad)
+        return sum(x.numel() * x.element_size() for x in tensors)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"flat_param": self.flat_param.clone(), "exp_avg": self.exp_avg.clone(),
+                "exp_avg_sq": self.exp_avg_sq.clone(), "step": self.step_count,
+                "layout": (self.numel, self.padded, self.lo, self.hi, self.stage)}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        layout = (self.numel, self.padded, self.lo, self.hi, self.stage)
+        if tuple(state["layout"]) != layout:  # type: ignore[arg-type]
+            raise ValueError(f"checkpoint layout (numel, padded, shard lo, hi, stage) {tuple(state['layout'])} "
+                             f"differs from this run's {layout}")
+        self.flat_param.copy_(state["flat_param"])  # type: ignore[arg-type]
+        self.exp_avg.copy_(state["exp_avg"])  # type: ignore[arg-type]
+        self.exp_avg_sq.copy_(state["exp_avg_sq"])  # type: ignore[arg-type]
+        self.step_count = int(state["step"])  # type: ignore[arg-type]
+
+
+def _offsets(params: list[torch.Tensor]) -> list[int]:
+    out, pos = [], 0
+    for p in params:
+        out.append(pos)
+        pos += p.numel()
+    return out

@@ -1,0 +1,154 @@
+"""Bad input -> exactly one line on stderr and exit code 2, before anything heavy starts.
+
+Most cases run in-process through `cli.main(argv)`; a few through a real
+`capstan` subprocess (the multi-rank case is in integration_tests).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from capstan.comm.testing.harness import _clean_env
+from capstan.engine import cli
+from capstan.engine.config_doc import render
+from capstan.engine.config_load import ConfigError, parse_override, resolve, to_toml
+
+GOOD = """
+[model]
+n_layers = 1
+n_heads = 4
+d_model = 32
+seq_len = 16
+[data]
+max_bytes = 100000
+[train]
+steps = 2
+micro_batch_size = 2
+warmup_steps = 1
+"""
+
+
+def _write(tmp: Path, name: str, text: str | bytes) -> str:
+    p = tmp / name
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(p)
+
+
+def _cases(tmp: Path) -> list[tuple[list[str], str]]:
+    good = _write(tmp, "good.toml", GOOD)
+    odd_bin = _write(tmp, "odd.bin", b"\x01\x02\x03")
+    big_id = _write(tmp, "bigid.bin", np.array([1, 2, 300] * 100, dtype=np.uint16).tobytes())
+    short = _write(tmp, "short.txt", "tiny text")
+    bad_json = _write(tmp, "bad.json", json.dumps({"train": {"stepz": 3}}))
+    bad_toml = _write(tmp, "bad.toml", "[train\nsteps = 3")
+    not_table = _write(tmp, "nt.toml", "train = 5")
+    s = ["train", "--config", good, "--set"]
+    return [
+        (s + ["train.lrr=0.1"], "did you mean 'train.lr'"),
+        (s + ["trian.steps=3"], "did you mean 'train'"),
+        (s + ["train.steps=\"ten\""], "train.steps must be int"),
+        (s + ["train.steps=true"], "train.steps must be int"),
+        (s + ["model.n_layers=2.5"], "model.n_layers must be int"),
+        (s + ["train.lr=-1.0"], "train.lr = -1.0 must be > 0.0"),
+        (s + ["train.lr=nan"], "train.lr must be a finite number"),
+        (s + ["model.dropout=1.0"], "model.dropout = 1.0 must be < 1.0"),
+        (s + ["train.lr_schedule=\"cosin\""], "did you mean 'cosine'"),
+        (s + ["memory.offload=\"nvme\""], "memory.offload = 'nvme' is not one of"),
+        (s + ["precision.dtype=\"fp8\""], "precision.dtype = 'fp8' is not one of"),
+        (s + ["model.d_model=30"], "model.d_model = 30 must be divisible by model.n_heads = 4"),
+        (s + ["parallel.tp=3"], "parallel.tp = 3 must divide model.n_heads = 4"),
+        (s + ["parallel.dp=2"], "(dp from --set parallel.dp=2, tp from default, pp from default) but world size 1 from default"),
+        (s + ["parallel.pp=2"], "pipeline parallelism is not yet supported"),
+        (s + ["parallel.virtual_stages=2"], "needs parallel.schedule = \"interleaved\""),
+        (s + ["train.min_lr=1.0"], "train.min_lr = 1.0 must not exceed train.lr"),
+        (s + ["train.warmup_steps=9"], "train.warmup_steps = 9 exceeds train.steps = 2"),
+        (s + ["model.vocab_size=100"], "smaller than the byte tokenizer's 256 ids"),
+        (s + ["memory.offload=\"disk\""], "needs memory.cpu_budget"),
+        (s + ["memory.cpu_budget=1000000"], "memory.cpu_budget only applies to chunked memory"),
+        (s + ["memory.offload=\"disk\"", "--set", "memory.cpu_budget=1000"], "cannot hold one chunk"),
+        (s + ["memory.offload=\"cpu\"", "--set", "memory.cpu_budget=4194304", "--set", "model.d_model=256"],
+         "below the model states'"),
+        (s + ["memory.offload=\"cpu\"", "--set", "parallel.dp=2"], "needs dp = tp = 1 for now"),
+        (s + ["memory.offload=\"cpu\"", "--set", "precision.dtype=\"bf16\""], "chunked memory is pure fp32 so far"),
+        (s + ["parallel.zero_stage=3", "--set", "checkpoint.every=5"], "checkpoints of chunked model states"),
+        (s + ["memory.gpu_budget=1000000"], "memory.gpu_budget is not yet supported"),
+        (s + ["data.max_bytes=10"], "data.max_bytes = 10 must be >= 1024"),
+        (s + ["train.steps"], "expected section.key=value"),
+        (s + ["steps=3"], "the key must be section.key"),
+        (s + [f"data.source={tmp / 'nope.txt'}"], "does not exist"),
+        (s + [f"data.source={odd_bin}"], "not a multiple of 2 (uint16)"),
+        (s + [f"data.source={big_id}"], "holds token id 300"),
+        (s + [f"data.source={short}"], "training tokens; model.seq_len = 16 needs at least 18"),
+        (["train", "--config", str(tmp / "missing.toml")], "does not exist"),
+        (["train", "--config", bad_toml], "is not valid TOML"),
+        (["train", "--config", bad_json], "did you mean 'train.steps'"),
+        (["train", "--config", not_table], "[train] in"),
+        (["train"], "the following arguments are required: --config"),
+    ]
+
+
+def test_every_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cases = _cases(tmp_path)
+    assert len(cases) >= 25
+    for argv, expected in cases:
+        code = cli.main(argv)
+        out = capsys.readouterr()
+        lines = out.err.strip().splitlines()
+        assert code == 2, (argv, out.err)
+        assert len(lines) == 1, (argv, out.err)
+        assert lines[0].startswith("capstan: error:") and expected in lines[0], (argv, lines[0])
+
+
+def _capstan() -> list[str]:
+    exe = shutil.which("capstan")
+    return [exe] if exe else [sys.executable, "-m", "capstan.engine.cli"]
+
+
+def test_bad_input_through_real_processes(tmp_path: Path) -> None:
+    good = _write(tmp_path, "good.toml", GOOD)
+    odd = _write(tmp_path, "odd.bin", b"\x01\x02\x03")
+    for extra, expected in ((["--set", "train.lrr=1"], "did you mean 'train.lr'"),
+                            (["--set", f"data.source={odd}"], "not a multiple of 2"),
+                            (["--set", "parallel.dp=4"], "world size 1 from default")):
+        out = subprocess.run(_capstan() + ["train", "--config", good] + extra, capture_output=True, text=True,
+                             timeout=120, env=_clean_env(None))
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], out.stderr
+    debug = subprocess.run(_capstan() + ["train", "--config", good, "--set", "train.lrr=1", "--debug"],
+                           capture_output=True, text=True, timeout=120, env=_clean_env(None))
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "ConfigError" in debug.stderr
+
+
+def test_overrides_parse_toml_literals_and_bare_strings() -> None:
+    assert parse_override("train.lr=3e-4") == ("train", "lr", 3e-4)
+    assert parse_override("data.source=/data/x.txt") == ("data", "source", "/data/x.txt")
+    assert parse_override("log.tensorboard=true") == ("log", "tensorboard", True)
+    cfg, sources = resolve({"train": {"steps": 7}}, ["train.lr=0.5", "parallel.tp=2"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.parallel.tp) == (7, 0.5, 2)
+    assert sources["train.steps"] == "the config dict" and sources["train.lr"] == "--set train.lr=0.5"
+    assert cfg.train.lr == 0.5 and isinstance(resolve({"train": {"lr": 1}})[0].train.lr, float)
+    with pytest.raises(ConfigError, match="did you mean 'model.d_model'"):
+        resolve({"model": {"dmodel": 3}})
+
+
+def test_derived_values_and_resolved_toml_round_trip() -> None:
+    cfg, _ = resolve({"train": {"micro_batch_size": 4, "grad_accum_steps": 3}, "model": {"seq_len": 32}})
+    d = cfg.derived(world_size=2)
+    assert d["dp"] == 2 and d["global_batch"] == 24 and d["tokens_per_step"] == 768
+    import tomllib
+
+    again, _ = resolve(tomllib.loads(to_toml(cfg, d)))
+    assert again == cfg
+
+
+def test_config_reference_doc_is_current() -> None:
+    doc = Path(__file__).resolve().parents[3] / "docs" / "config.md"
+    assert doc.read_text() == render(), "run: python -m capstan.engine.config_doc docs/config.md"
