@@ -218,12 +218,9 @@ def check_cross(cfg: Config, sources: Sources) -> None:
 def _check_chunk_path(cfg: Config, sources: Sources) -> None:
     p, mem = cfg.parallel, cfg.memory
     why = f"memory.offload = {mem.offload!r}, parallel.zero_stage = {p.zero_stage}"
-    if p.dp > 1 or p.tp > 1:
-        raise ConfigError(f"{why} needs dp = tp = 1 for now (ZeRO-3 chunk sharding across ranks is not "
-                          f"built yet); got dp = {p.dp}, tp = {p.tp}")
-    if cfg.precision.dtype != "fp32":
-        raise ConfigError(f"{why}: chunked memory is pure fp32 so far; precision.dtype = "
-                          f"{cfg.precision.dtype!r} is not yet supported with it")
+    if p.tp > 1:
+        raise ConfigError(f"{why} needs tp = 1 for now (the chunk optimizer's gradient norm is not yet "
+                          f"reduced over tensor-parallel slices); got tp = {p.tp}")
     if cfg.checkpoint.every:
         raise ConfigError(f"{why}: checkpoints of chunked model states are not yet supported; "
                           "set checkpoint.every = 0")
@@ -257,10 +254,6 @@ def check_world(cfg: Config, world_size: int, world_source: str, sources: Source
                 f"parallel.dp * tp * pp = {dp} * {p.tp} * {p.pp} = {dp * p.tp * p.pp} (dp from "
                 f"{_src(sources, 'parallel.dp')}, tp from {_src(sources, 'parallel.tp')}, pp from "
                 f"{_src(sources, 'parallel.pp')}) but {world_source}")
-    if uses_chunks(cfg) and world_size > 1:
-        raise ConfigError(f"memory.offload = {cfg.memory.offload!r} / parallel.zero_stage = {p.zero_stage} "
-                          f"runs in one process for now (ZeRO-3 chunk sharding is not built yet) but "
-                          f"{world_source}")
     return dp
 
 

@@ -70,16 +70,22 @@ class Engine:
             self.optimizer = ZeroOptimizer(model, groups, config.parallel.zero_stage, config.train)
 
     def _init_chunks(self, model: nn.Module) -> None:
-        from capstan.chunkmem import AdamGroup, ChunkAdam, ChunkedModel, ChunkManager, DiskStore
+        from capstan.chunkmem import AdamGroup, ChunkAdam, ChunkedModel, ChunkManager, DiskStore, ShardedChunkedModel
 
         mem, t = self.config.memory, self.config.train
-        disk = DiskStore(mem.disk_dir) if mem.offload == "disk" else None
+        rank = self.groups.world.rank
+        disk = DiskStore(mem.disk_dir, rank=rank) if mem.offload == "disk" else None
         self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         params = dict(model.named_parameters())
         decay = [n for n in names if decays(params[n])]
         plain = [n for n in names if not decays(params[n])]
-        self.module = ChunkedModel(model, self.manager, mem.chunk_size, param_groups=[decay, plain])
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.config.precision.dtype]
+        kwargs = dict(param_groups=[decay, plain], dtype=dtype, accumulate_grads=self.accum > 1)
+        if self.groups.dp.size > 1:  # ZeRO-3 through chunks: each dp rank owns 1/dp of them
+            self.module = ShardedChunkedModel(model, self.manager, mem.chunk_size, group=self.groups.dp, **kwargs)
+        else:
+            self.module = ChunkedModel(model, self.manager, mem.chunk_size, **kwargs)
         self.optimizer = ChunkAdam(self.module, groups=[
             AdamGroup(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay),
             AdamGroup(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0)])
@@ -166,12 +172,20 @@ class Engine:
     def _chunk_step(self, info: StepInfo) -> None:
         for group in self.optimizer.groups:
             group.lr = info.lr
-        clip = self.config.train.grad_clip
-        if clip:
-            info.grad_norm = float(self.optimizer.step(grad_clip=clip))
-        else:
-            info.grad_norm = self.optimizer.grad_norm()
-            self.optimizer.step()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        info.loss_scale = scale
+        clip = self.config.train.grad_clip or None
+        if clip is None:
+            info.grad_norm = self.optimizer.grad_norm() / scale
+        norm, overflow = self.optimizer.step(grad_clip=clip, loss_scale=scale,
+                                             check_overflow=self.scaler is not None)
+        if clip is not None and norm is not None:
+            info.grad_norm = float(norm)
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if overflow:
+            info.skipped, info.grad_norm = True, float("inf")
+            log.info("step %d: fp16 gradients overflowed at loss scale %g; step skipped", info.step, scale)
         self.manager.end_step()
         self._stepping = False
 
