@@ -152,3 +152,85 @@ def test_parallelize_errors_are_clear() -> None:
         parallelize(TinyGPT2(), {"*.attn.qkv": "column_qkv"}, tp3)
     with pytest.raises(ValueError, match="matches both"):
         parallelize(TinyGPT2(), {"*.qkv": "column", "blocks.0.*": "column"}, one)
+
+
+class LlamaAttention(nn.Module):
+    """Llama-style attention: separate q/k/v/o projections, no biases, rotary positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = HEADS, D // HEADS
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(D, D, bias=False)
+
+    @staticmethod
+    def _rotary(t: torch.Tensor) -> torch.Tensor:  # [b, h, s, hd]: rotate pairs by position
+        s, hd = t.shape[-2], t.shape[-1]
+        freqs = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+        ang = torch.arange(s).float()[:, None] * freqs[None, :]
+        cos, sin = ang.cos(), ang.sin()
+        a, b = t[..., 0::2], t[..., 1::2]
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(self._rotary(q), self._rotary(k), v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, 3 * D, bias=False)
+        self.down_proj = nn.Linear(3 * D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(D), nn.RMSNorm(D)
+        self.self_attn, self.mlp = LlamaAttention(), LlamaMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _llama_checks() -> dict[str, float]:
+    from capstan.tensorpar import Divide, parallelize
+    from capstan.tensorpar.testing import grad_errors, rel_err
+
+    tp = comm.build_groups(comm.Topology(tp=comm.world().size)).tp
+    torch.manual_seed(0)
+    dense = nn.Sequential(LlamaBlock(), LlamaBlock())
+    for p in dense.parameters():
+        p.data.add_(0.01 * torch.randn(p.shape))
+    plan = {"*.self_attn.q_proj": "column", "*.self_attn.k_proj": "column", "*.self_attn.v_proj": "column",
+            "*.self_attn.o_proj": "row", "*.mlp.gate_proj": "column", "*.mlp.up_proj": "column",
+            "*.mlp.down_proj": "row", "*.self_attn": Divide("n_heads")}
+    sliced = parallelize(copy.deepcopy(dense), plan, tp)
+    x = torch.randn(2, SEQ, D, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for model in (dense, sliced):
+        xi = x.clone().requires_grad_(True)
+        y = model(xi)
+        (y * torch.linspace(-1, 1, D)).sum().backward()
+        outs.append((y, xi.grad))
+    errs = {"out": rel_err(outs[1][0], outs[0][0]), "input_grad": rel_err(outs[1][1], outs[0][1])}
+    errs.update({f"grad/{k}": v for k, v in grad_errors(sliced, dense, tp).items()})
+    errs["local_heads"] = float(sliced[0].self_attn.n_heads != HEADS // tp.size)
+    return errs
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_parallelize_llama_style_blocks_match_original(n: int) -> None:
+    for rank, errs in enumerate(run_ranks(_llama_checks, n, timeout=180)):
+        assert errs.pop("local_heads") == 0.0
+        assert sum(k.startswith("grad/") for k in errs) == 2 * 9  # 7 linears + 2 norms per block
+        for name, err in errs.items():
+            assert err <= TOL, f"tp={n} rank {rank}: {name} relative error {err:.3e}"

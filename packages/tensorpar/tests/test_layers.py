@@ -138,6 +138,8 @@ def _layer_checks() -> dict[str, float]:
                                                                            seed=9), ids, same, io, errs, tp, one)
         _module_parity(f"layernorm{tag}", lambda g: T.ParallelLayerNorm(D, g, sequence_parallel=sp),
                        full_x, io, io, errs, tp, one)
+        _module_parity(f"rmsnorm{tag}", lambda g: T.ParallelRMSNorm(D, g, sequence_parallel=sp),
+                       full_x, io, io, errs, tp, one)
 
         def make_block(g, sp=sp):
             return T.ParallelBlock(D, HEADS, g, T.TensorParallelRNG(g, 0), sequence_parallel=sp, seed=10,

@@ -70,6 +70,7 @@ class ChunkManager:
         self.trace: list[int] | None = None  # chunk id per moment, from the warm-up step
         self.nonmodel: list[int] = []  # warm-up: RSS beyond the chunk system's bytes, per moment
         self._recording: list[int] = []
+        self.record_disk_timeline = False
         self.transient = 0  # bytes of buffers outside chunks (gathered remote chunks, reduction buffers)
         self._rss_base = _rss_bytes()
         self.counters = {"prefetch_hits": 0, "prefetch_misses": 0, "stall_s": 0.0, "reads": 0, "writes": 0}
@@ -273,6 +274,8 @@ class ChunkManager:
             self._recording.append(chunk_id)
             self.nonmodel.append(max(0, _rss_bytes() - self._rss_base - self.cpu.resident))
         self.cpu.stats.timeline.append(self.cpu.resident)
+        if self.record_disk_timeline:  # O(chunks) per moment: only when asked (tools/plot_memory.py)
+            self.disk_tier.stats.timeline.append(sum(e.chunk.nbytes for e in self.entries.values() if e.disk_valid))
         self.moment += 1
 
     def end_step(self) -> None:
@@ -285,6 +288,7 @@ class ChunkManager:
 
     def begin_step(self) -> None:
         self.cpu.stats.timeline = []
+        self.disk_tier.stats.timeline = []
 
     def _after_move(self) -> None:
         if self.audit_moves:

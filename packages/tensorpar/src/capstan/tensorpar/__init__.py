@@ -21,7 +21,7 @@ from .apply import STYLES, Divide, parallelize
 from .blocks import ParallelBlock, ParallelMLP, ParallelSelfAttention, check_attention_sizes
 from .cross_entropy import gather_vocab_logits, vocab_parallel_cross_entropy
 from .gpt import GPT, GPTConfig, GPTEmbedding, GPTFinalNorm, GPTHead, build_gpt
-from .layers import ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, ParallelLayerNorm, ParallelRMSNorm, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (
     CommCounter, copy_to_tensor_parallel_region, count_comm, gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
@@ -33,7 +33,8 @@ from .rng import TensorParallelRNG, dropout
 
 __all__ = [
     "STYLES", "ColumnParallelLinear", "CommCounter", "Divide", "GPT", "GPTConfig", "GPTEmbedding",
-    "GPTFinalNorm", "GPTHead", "ParallelBlock", "ParallelLayerNorm", "ParallelMLP", "ParallelSelfAttention",
+    "GPTFinalNorm", "GPTHead", "ParallelBlock", "ParallelLayerNorm", "ParallelMLP", "ParallelRMSNorm",
+    "ParallelSelfAttention",
     "RowParallelLinear", "TensorParallelRNG", "VocabParallelEmbedding", "build_gpt", "check_attention_sizes",
     "copy_to_tensor_parallel_region", "count_comm", "divide", "dropout", "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region", "gather_vocab_logits", "parallelize",

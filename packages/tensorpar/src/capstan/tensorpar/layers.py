@@ -31,7 +31,8 @@ from .mappings import (
 )
 from .partition import divide, full_normal, mark, padded_size, slice_cols, slice_rows
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLayerNorm"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLayerNorm",
+           "ParallelRMSNorm"]
 
 DEFAULT_STD = 0.02  # GPT-2's initializer range
 
@@ -233,3 +234,25 @@ class ParallelLayerNorm(nn.Module):
             w = copy_to_tensor_parallel_region(w, self.group)
             b = copy_to_tensor_parallel_region(b, self.group)
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+
+
+class ParallelRMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019; Llama's norm) with a replicated weight, usable inside a
+    sequence-parallel region: as for `ParallelLayerNorm`, the weight goes through `f` under
+    sequence parallelism so its partial gradients are all-reduced over the tp group."""
+
+    def __init__(
+        self, normalized_shape: int, group: Group, *, sequence_parallel: bool = False, eps: float = 1e-6,
+        dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel, self.eps = group, sequence_parallel, eps
+        self.normalized_shape = (normalized_shape,)
+        self.weight = _param(torch.ones(normalized_shape), None, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if self.sequence_parallel:
+            w = copy_to_tensor_parallel_region(w, self.group)
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
