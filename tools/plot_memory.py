@@ -65,7 +65,7 @@ def main() -> None:
     ax.set_ylabel("MiB")
     ax.set_title(f"chunk memory per tier, {args.eviction}: moved {stats['moved_bytes'] / mib:.0f} MiB "
                  f"over {args.steps} steps")
-    ax.legend(loc="upper right")
+    ax.legend(loc="center right")
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)

@@ -84,7 +84,8 @@ def _chunked(steps: int, accum: int, tied: bool, eviction: str, budget: int | No
              chunk: int = CHUNK) -> tuple[list[float], ChunkManager]:
     torch.manual_seed(0)
     net = TinyGPT(tied)
-    manager = ChunkManager(budget, DiskStore(tmp_path), eviction=eviction, audit=True)
+    disk = DiskStore(tmp_path) if tmp_path is not None else None
+    manager = ChunkManager(budget, disk, eviction=eviction, audit=True)
     model = ChunkedModel(net, manager, chunk_size=chunk)
     opt = ChunkAdam(model, lr=3e-3, weight_decay=0.1)
     losses = []
@@ -128,6 +129,14 @@ def test_tied_weights_and_everything_in_ram(tmp_path) -> None:
     assert _rel(got, want) <= 1e-6
     assert manager.stats()["moved_bytes"] == 0
     manager.close()
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_unbounded_ram_accumulates_straight_into_gradient_chunks(accum: int) -> None:
+    want = _reference(5, accum, tied=True)
+    got, manager = _chunked(5, accum, True, "belady", None, None)
+    assert _rel(got, want) <= 1e-6
+    assert manager.stats()["moved_bytes"] == 0
 
 
 def test_budget_below_the_working_set_names_the_minimum(tmp_path) -> None:

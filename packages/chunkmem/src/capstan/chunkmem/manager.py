@@ -134,10 +134,16 @@ class ChunkManager:
         if entry.read is not None:
             self._finish_read(entry)
         self._wait_write(entry)
+        entry.disk_valid = False
+        if entry.where == "cpu" and self.cpu.capacity is None:
+            # Unbounded RAM: zero in place. Dropping and re-allocating would cost a fresh
+            # allocation and its page faults every step for nothing.
+            entry.chunk.payload.zero_()  # type: ignore[union-attr]
+            return
         if entry.where == "cpu":
             self._drop_payload(entry)
             self.cpu.release(entry.chunk.nbytes)
-        entry.where, entry.disk_valid = None, False
+        entry.where = None
         self._after_move()
 
     # ---- moving ---------------------------------------------------------------------------------

@@ -104,6 +104,20 @@ class ChunkedModel(nn.Module):
         manager.on_evict.append(self._unbind)
         self._register(param_groups)
         self._install_hooks()
+        self._bind_resident_grads()
+
+    def _bind_resident_grads(self) -> None:
+        """When RAM is unbounded and there is no disk tier, nothing ever moves: each `param.grad`
+        is bound to its GRAD chunk slot once, so autograd accumulates straight into the chunk
+        (no per-step gradient allocation, no copy into the chunk)."""
+        self.resident_grads = (self.grad_chunks and self.manager.cpu.capacity is None
+                               and self.manager.disk is None and type(self)._grad_arrived is ChunkedModel._grad_arrived)
+        if not self.resident_grads:
+            return
+        for home in self.homes.values():
+            chunk = self.manager.access(self.chunk_of(home, ChunkKind.GRAD).chunk_id, write=True)
+            home.param.grad = chunk.view(home.slot)
+            self.manager.release(chunk.chunk_id)
 
     # ---- registration -------------------------------------------------------------------------
     def _register(self, param_groups: list[list[str]] | None) -> None:
@@ -319,8 +333,9 @@ class ChunkedModel(nn.Module):
     def _make_grad_hook(self, home: ParamHome) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
             assert param.grad is not None
-            self._grad_arrived(home, param.grad)
-            param.grad = None
+            if not self.resident_grads:  # else autograd already accumulated into the chunk slot
+                self._grad_arrived(home, param.grad)
+                param.grad = None
             self._release(home, TensorState.HOLD_AFTER_BWD, all_pins=True)
         return hook
 
