@@ -199,7 +199,9 @@ def _child(args: argparse.Namespace, mode: str, layers: int, budget: int = 0) ->
            str(args.d_model), "--heads", str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch),
            "--chunk", str(args.chunk), "--budget", str(budget), "--disk-dir", args.disk_dir or tempfile.gettempdir(),
            "--threads", str(args.threads)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -211,8 +213,9 @@ def bench_scale(args: argparse.Namespace) -> dict[str, object]:
     torch_layers = int((limit - fixed) // per_layer)
     torch_params = n_params(torch_layers, args.d_model, args.seq)
     check = _child(args, "torch", torch_layers)  # the predicted largest really fits
-    capstan_layers = math.ceil(args.factor * torch_params / n_params(1, args.d_model, args.seq))
-    budget = limit - fixed - args.headroom_mib * 2**20  # the rest of the RAM is for the chunk system
+    per_block = n_params(1, args.d_model, args.seq) - n_params(0, args.d_model, args.seq)
+    capstan_layers = math.ceil((args.factor * torch_params - n_params(0, args.d_model, args.seq)) / per_block)
+    budget = int(limit - fixed - args.headroom_mib * 2**20)  # the rest of the RAM is for the chunk system
     cap = _child(args, "capstan", capstan_layers, budget)
     return {"bench": "scale", "ram_limit": limit, "torch_bytes_per_block": per_layer, "torch_fixed_bytes": fixed,
             "torch_largest_layers": torch_layers, "torch_largest_params": torch_params,
@@ -220,6 +223,7 @@ def bench_scale(args: argparse.Namespace) -> dict[str, object]:
             "capstan_params": n_params(capstan_layers, args.d_model, args.seq), "capstan_cpu_budget": budget,
             "capstan_peak_rss": cap["peak_rss"], "capstan_cpu_peak": cap["cpu_peak"], "capstan_step_s": cap["step_s"],
             "capstan_moved_bytes": cap["moved_bytes"], "capstan_loss": cap["loss"],
+            "capstan_fits": cap["peak_rss"] <= limit, "torch_fits": check["peak_rss"] <= limit,
             "ratio": n_params(capstan_layers, args.d_model, args.seq) / torch_params}
 
 
@@ -238,7 +242,8 @@ def main() -> None:
     p.add_argument("--disk-dir", default=None)
     p.add_argument("--ram-gib", type=float, default=4.0)
     p.add_argument("--factor", type=float, default=8.0)
-    p.add_argument("--headroom-mib", type=int, default=512, help="scale: RAM left for activations and buffers")
+    p.add_argument("--headroom-mib", type=int, default=2600,
+                   help="scale: RAM left outside the chunk budget (capstan's model is deeper: its activations)")
     p.add_argument("--mode", choices=["torch", "capstan"], default="torch")
     p.add_argument("--budget", type=int, default=0)
     args = p.parse_args()

@@ -2,7 +2,7 @@
 
     hatch run python tools/bench_native.py [--params 100_000_000] [--io-gib 1] [--reps 5]
 
-Prints a markdown fragment (machine, medians, ratios) for docs/benchmarks-native.md.
+Prints a markdown fragment (machine, medians, ratios) for its section of docs/benchmarks.md.
 Bytes per Adam param: 28 = param r/w 8 + exp_avg r/w 8 + exp_avg_sq r/w 8 + fp32 grad 4.
 """
 

@@ -14,7 +14,7 @@ thread each, a small GPT (capstan.pipeline.testing_models), 8 microbatches.
    fresh processes) and its rise over the RSS right after the model is built.
 
 Usage: python tools/bench_pipeline.py [--hidden 256 --layers 6 --vocab 4096 --seq 128 --mb-size 2]
-Prints a markdown fragment (what docs/benchmarks-pipeline.md holds).
+Prints a markdown fragment (its section of docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Measures, in one run:
 
 Run (writes the Markdown fragment and prints it):
 
-    hatch run python tools/bench_tensorpar.py --out docs/benchmarks-tensorpar.md
+    hatch run python tools/bench_tensorpar.py --out /tmp/tensorpar.md   (then merge into docs/benchmarks.md)
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from torch import nn
 from .chunk import Chunk, TensorSlot
 from .layout import ModuleSpec, ParamSpec, plan_layout
 from .manager import ChunkManager
+from .saved import ChunkViewSaver
 from .states import ChunkKind, TensorState
 
 __all__ = ["ChunkedModel", "ParamHome"]
@@ -99,6 +100,7 @@ class ChunkedModel(nn.Module):
         self.homes: dict[int, ParamHome] = {}  # id(param) -> home
         self._by_chunk: dict[int, list[ParamHome]] = {}  # PARAM chunk id -> its parameters
         self.chunks: dict[ChunkKind, list[list[Chunk]]] = {}
+        self.saver = ChunkViewSaver()
         # Callbacks first: registering later chunks may already evict earlier ones.
         manager.on_resident.append(self._bind)
         manager.on_evict.append(self._unbind)
@@ -247,12 +249,14 @@ class ChunkedModel(nn.Module):
     def _bind(self, chunk: Chunk) -> None:
         if chunk.kind is not ChunkKind.PARAM:
             return
+        self.saver.resident(chunk)
         for home in self._homes_in(chunk):
             home.param.data = chunk.view(home.slot)
 
     def _unbind(self, chunk: Chunk) -> None:
         if chunk.kind is not ChunkKind.PARAM:
             return
+        self.saver.leaving(chunk)
         for home in self._homes_in(chunk):
             home.param.data = _EMPTY
 
@@ -365,7 +369,9 @@ class ChunkedModel(nn.Module):
 
     # ---- training-step API ----------------------------------------------------------------------
     def forward(self, *args: object, **kwargs: object) -> object:
-        return self.module(*args, **kwargs)
+        # Views of parameter chunks that autograd saves are kept as references (saved.py).
+        with torch.autograd.graph.saved_tensors_hooks(self.saver.pack, self.saver.unpack):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward through the chunked model; every parameter ends released, its gradient in chunks."""
