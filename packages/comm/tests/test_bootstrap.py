@@ -30,17 +30,19 @@ def test_single_process_init_leaves_torch_distributed_initialized() -> None:
 
 
 def test_torchrun_standalone_two_ranks(tmp_path) -> None:
+    # Each rank writes its own file: the ranks' stdout lines may interleave.
     script = (
-        "import torch, torch.distributed as dist; from capstan import comm; w = comm.init(); "
+        "import sys, torch, torch.distributed as dist; from capstan import comm; w = comm.init(); "
         "t = torch.tensor([float(w.rank + 1)]); comm.all_reduce(t); "
-        "print('OK', w.rank, comm.launch().launcher, dist.get_rank(), t.item())"
+        f"open(f'{tmp_path}/rank{{w.rank}}.txt', 'w').write("
+        "f'OK {w.rank} {comm.launch().launcher} {dist.get_rank()} {t.item()}')"
     )
     path = tmp_path / "job.py"
     path.write_text(script)
     out = _python(str(path), args=[sys.executable, "-m", "torch.distributed.run", "--standalone",
                                    "--nproc_per_node", "2"])
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("OK"))
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert lines == ["OK 0 torchrun 0 3.0", "OK 1 torchrun 1 3.0"]
 
 

@@ -31,6 +31,7 @@ __all__ = [
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_MPI_FAST_OPS = frozenset(("sum", "max", "min"))
 log = get_logger(__name__)
 
 
@@ -97,9 +98,17 @@ def _div_avg(t: torch.Tensor, n: int) -> None:
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
     """Reduce `tensor` in place over the group (sum, avg, max or min)."""
+    g = state.world() if group is None else group
+    # Fast path for the common case (MPI group, plain contiguous CPU tensor of an MPI type, no avg):
+    # the same checks as below, in the fewest Python operations, because at a few KiB the
+    # per-call cost in Python is a visible share of the collective (docs/benchmarks.md).
+    if (g.mpi_comm is not None and type(tensor) is torch.Tensor and op in _MPI_FAST_OPS
+            and mpi_backend.fast_ok(tensor) and tensor.is_contiguous() and not state.debug()):
+        if tensor.numel() and g.size > 1:
+            mpi_backend.all_reduce(tensor, op, g)
+        return tensor
     _check("tensor", tensor)
     _check_op(op, tensor)
-    g = _group(group)
     if g.size == 1 or tensor.numel() == 0:
         return tensor
     with guard("all_reduce", g, tensor.numel() * tensor.element_size()):

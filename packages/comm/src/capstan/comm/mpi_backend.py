@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from time import monotonic as _monotonic
 import torch
 
 from . import state
@@ -36,6 +37,13 @@ def _load() -> None:
     _OPS.update({"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN})
     _IN_PLACE.append(MPI.IN_PLACE)
     _fromaddress.append(MPI.buffer.fromaddress)
+
+
+def fast_ok(tensor: torch.Tensor) -> bool:
+    """A CPU tensor of a dtype MPI reduces natively (the group is checked by the caller)."""
+    if not _TYPES:
+        _load()
+    return tensor.dtype in _TYPES and tensor.is_cpu
 
 
 def supports(tensor: torch.Tensor, group: object) -> bool:
@@ -78,7 +86,7 @@ class _Watchdog:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="capstan-mpi-watchdog", daemon=True)
             self._thread.start()
-        self.current = (op, group, time.monotonic() + state.timeout_s())
+        self.current = (op, group, _monotonic() + state.timeout_s())
 
     def disarm(self) -> None:
         self.current = None
@@ -102,13 +110,18 @@ _watchdog = _Watchdog()
 
 
 def all_reduce(tensor: torch.Tensor, op: str, group: object) -> None:
+    # Written out flat (no helper calls): this is the hottest path for small messages.
     comm = group.mpi_comm  # type: ignore[attr-defined]
-    buf = _view(tensor)
-    _watchdog.arm("all_reduce", group)
+    buf = [_fromaddress[0](tensor.data_ptr(), tensor.nbytes), _TYPES[tensor.dtype]]
+    wd = _watchdog
+    if wd._thread is None:
+        wd.arm("all_reduce", group)
+    else:
+        wd.current = ("all_reduce", group, _monotonic() + state._timeout_s)
     try:
-        comm.Allreduce(_IN_PLACE[0], buf, op=_op(op))
+        comm.Allreduce(_IN_PLACE[0], buf, op=_OPS[op])
     finally:
-        _watchdog.disarm()
+        wd.current = None
     if op == "avg":
         tensor.div_(comm.Get_size())
 
