@@ -51,6 +51,9 @@ def resolve_groups(cfg: Config, sources: dict[str, str]) -> comm.Groups:
         size, where = launch.world_size, launch.describe("world_size")
     dp = check_world(cfg, size, where, sources)  # before any process group exists
     if size == 1 and not comm.is_initialized():
+        from capstan.comm.log import set_rank_context
+
+        set_rank_context(0, (0, 0, 0))  # log lines say "rank 0 0/0/0", as under a launcher
         return comm.single_process_groups()
     comm.init()
     return comm.build_groups(comm.Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp))
