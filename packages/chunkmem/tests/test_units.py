@@ -131,19 +131,24 @@ signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
 from capstan.chunkmem import DiskStore, DiskTierError
 store = DiskStore({str(tmp_path)!r})
-first = torch.arange(8192, dtype=torch.float32)  # 32 KiB: fits
+first = store.alloc(8192, torch.float32)  # 32 KiB: fits
+first.copy_(torch.arange(8192, dtype=torch.float32))
 store.write_async(0, first).result()
+second = store.alloc(16384, torch.float32)
+second.fill_(1.0)
 try:
-    store.write_async(1, torch.ones(16384)).result()  # 64 KiB more: over the limit
+    store.write_async(1, second).result()  # 64 KiB more: over the limit
 except DiskTierError as exc:
     print("ERR", exc)
-back = torch.empty(8192)
+back = store.alloc(8192, torch.float32)
 store.read_async(0, back).result()
-print("INTACT", bool(torch.equal(back, first)))
+print("INTACT", bool(torch.equal(back, torch.arange(8192, dtype=torch.float32))))
+print("DIRECT", store.direct)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "ERR" in out.stdout and "capstan-chunks-rank0.bin at offset 65536 failed" in out.stdout
+    assert "writing chunk 1 (65536 bytes at offset 32768) to" in out.stdout, out.stdout
+    assert "capstan-chunks-rank0.bin failed: no space left" in out.stdout
     assert "INTACT True" in out.stdout
 
 

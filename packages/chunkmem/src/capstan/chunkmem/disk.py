@@ -1,11 +1,18 @@
-"""The disk tier: one file per rank, a fixed slot per chunk, reads and writes in flight on I/O threads.
+"""The disk tier: one file per rank, a fixed slot per chunk, reads and writes in flight on the
+native async I/O engine (capstan.native.aio: a C thread pool, O_DIRECT where the filesystem
+allows it).
 
-Writes and reads are submitted and return futures so compute goes on while
-chunks move (prefetch, and asynchronous write-back of evicted chunks). The
-manager guarantees a chunk is never read while its write is in flight by
-waiting on the write's future first. Every failure (no space, I/O error,
-short read) becomes a `DiskTierError` naming the file and offset; a disk
-directory that cannot be written is reported when the tier is created.
+With O_DIRECT the chunk data bypasses the page cache, so RAM the kernel would otherwise fill
+with chunk pages stays free, and the transfers run at device speed (docs/benchmarks.md). It
+needs 4096-byte aligned buffers, offsets and sizes: the manager allocates payloads through
+`alloc()`, slots are 4 KiB aligned, and chunk byte sizes must be multiples of 4096 (chunk
+sizes that are multiples of 2048 elements). `direct=None` (the default) decides from the first
+chunk: direct I/O if its size allows, buffered I/O (the page cache) otherwise.
+
+Writes and reads are submitted and return handles with `done()` / `result()`, so compute
+goes on while chunks move; the manager never reads a chunk whose write is in flight. Every
+failure (no space, I/O error, short read) becomes a `DiskTierError` naming the file, the
+chunk and the offset; a directory that cannot be written is reported at creation.
 """
 
 from __future__ import annotations
@@ -13,88 +20,124 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from capstan.native import aio
+
 __all__ = ["DiskStore", "DiskTierError"]
+
+ALIGN = aio.ALIGNMENT
 
 
 class DiskTierError(OSError):
     """A disk-tier read or write failed; the message names the file and offset."""
 
 
+class _Pending:
+    """An in-flight chunk transfer; `result()` waits and turns failures into DiskTierError."""
+
+    def __init__(self, req: aio.Request, what: str, path: Path) -> None:
+        self._req, self._what, self._path = req, what, path
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done or self._req.done()
+
+    def result(self) -> None:
+        if self._done:
+            return
+        try:
+            self._req.wait()
+        except aio.AsyncIOError as exc:
+            code = exc.errno or errno.EIO
+            what = "no space left" if code in (errno.ENOSPC, errno.EFBIG) else os.strerror(code)
+            raise DiskTierError(code, f"{self._what} {self._path} failed: {what} ({exc.strerror})") from None
+        self._done = True
+
+
 class DiskStore:
     """Chunk payloads in one file (`<dir>/capstan-chunks-rank<R>.bin`), slot by chunk id."""
 
-    def __init__(self, directory: str | os.PathLike[str], rank: int = 0, io_threads: int = 2) -> None:
+    def __init__(self, directory: str | os.PathLike[str], rank: int = 0, direct: bool | None = None) -> None:
         self.dir = Path(directory)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.path = self.dir / f"capstan-chunks-rank{rank}.bin"
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            # Fail now, not at the first eviction, if the directory cannot hold the file.
+            self.path.touch()
         except OSError as exc:
             raise DiskTierError(exc.errno, f"disk tier directory {self.dir} is not writable: {exc.strerror}") from None
+        self.want_direct = direct
+        self._file: aio.AsyncFile | None = None
         self._slots: dict[int, tuple[int, int]] = {}  # chunk id -> (offset, nbytes)
         self._end = 0
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="capstan-disk")
+
+    @property
+    def direct(self) -> bool:
+        return self._file is not None and self._file.direct
+
+    def _open(self, nbytes: int) -> aio.AsyncFile:
+        if self._file is None:
+            direct = self.want_direct if self.want_direct is not None else nbytes % ALIGN == 0
+            self._file = aio.AsyncFile(self.path, "w+", direct=direct)
+        return self._file
 
     def slot(self, chunk_id: int, nbytes: int) -> int:
         """The file offset reserved for this chunk (allocated on first use, 4 KiB aligned)."""
         with self._lock:
+            f = self._open(nbytes)
+            if f.direct and nbytes % ALIGN:
+                raise ValueError(f"chunk {chunk_id} has {nbytes} bytes, not a multiple of {ALIGN}: O_DIRECT "
+                                 "needs chunk sizes that are multiples of 2048 elements (or DiskStore(direct=False))")
             if chunk_id not in self._slots:
                 self._slots[chunk_id] = (self._end, nbytes)
-                self._end += -(-nbytes // 4096) * 4096
+                self._end += -(-nbytes // ALIGN) * ALIGN
             offset, size = self._slots[chunk_id]
         if size != nbytes:
             raise ValueError(f"chunk {chunk_id} changed size on disk: {size} -> {nbytes} bytes")
         return offset
 
-    def _write(self, chunk_id: int, buf: torch.Tensor) -> None:
-        data = memoryview(buf.view(torch.uint8).numpy())
-        offset = self.slot(chunk_id, len(data))
-        done = 0
-        while done < len(data):
-            try:
-                n = os.pwrite(self.fd, data[done:], offset + done)
-            except OSError as exc:
-                what = "no space left" if exc.errno == errno.ENOSPC else exc.strerror
-                raise DiskTierError(exc.errno, f"writing chunk {chunk_id} to {self.path} at offset "
-                                               f"{offset + done} failed: {what}") from None
-            done += n
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized buffer the disk tier can read into and write from directly."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._open(nbytes).direct and numel > 0:
+            return aio.aligned_empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype)
 
-    def _read(self, chunk_id: int, buf: torch.Tensor) -> None:
-        data = memoryview(buf.view(torch.uint8).numpy())
-        offset = self.slot(chunk_id, len(data))
-        done = 0
-        while done < len(data):
-            try:
-                n = os.preadv(self.fd, [data[done:]], offset + done)
-            except OSError as exc:
-                raise DiskTierError(exc.errno, f"reading chunk {chunk_id} from {self.path} at offset "
-                                               f"{offset + done} failed: {exc.strerror}") from None
-            if n == 0:
-                raise DiskTierError(errno.EIO, f"short read of chunk {chunk_id} from {self.path} at offset "
-                                               f"{offset + done}: file ends early")
-            done += n
+    def _submit(self, chunk_id: int, buf: torch.Tensor, write: bool) -> _Pending:
+        data = buf.reshape(-1).view(torch.uint8)
+        offset = self.slot(chunk_id, data.numel())
+        f = self._open(data.numel())
+        verb = "writing" if write else "reading"
+        what = f"{verb} chunk {chunk_id} ({data.numel()} bytes at offset {offset}) {'to' if write else 'from'}"
+        try:
+            req = f.write_from(data, offset) if write else f.read_into(data, offset)
+        except ValueError as exc:  # misaligned buffer for O_DIRECT: a bug in the caller, said plainly
+            raise ValueError(f"{what} {self.path}: {exc}") from None
+        return _Pending(req, what, self.path)
 
-    def write_async(self, chunk_id: int, buf: torch.Tensor) -> Future[None]:
-        """Start writing `buf` (kept alive by the future until written) to the chunk's slot."""
-        return self._pool.submit(self._write, chunk_id, buf)
+    def write_async(self, chunk_id: int, buf: torch.Tensor) -> _Pending:
+        """Start writing `buf` (kept alive by the request until written) to the chunk's slot."""
+        return self._submit(chunk_id, buf, write=True)
 
-    def read_async(self, chunk_id: int, buf: torch.Tensor) -> Future[None]:
+    def read_async(self, chunk_id: int, buf: torch.Tensor) -> _Pending:
         """Start reading the chunk's slot into `buf`."""
-        return self._pool.submit(self._read, chunk_id, buf)
+        return self._submit(chunk_id, buf, write=False)
 
     def fsync(self) -> None:
-        os.fsync(self.fd)
+        if self._file is not None:
+            self._file.fsync().wait()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._file is not None:
+            try:
+                self._file.close()
+            finally:
+                self._file = None
         try:
-            os.close(self.fd)
             self.path.unlink(missing_ok=True)
         except OSError:
             pass

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +38,9 @@ class _Entry:
     where: str | None = None  # "cpu", "disk", or None (no data yet: reads as zeros)
     disk_valid: bool = False  # the disk slot holds the current data
     pins: int = 0  # accesses not yet released
-    write: Future[None] | None = None  # write-back in flight (holds the buffer, and its budget)
+    write: object | None = None  # write-back in flight (holds the buffer, and its budget)
     write_buf: torch.Tensor | None = None
-    read: Future[None] | None = None  # prefetch in flight into chunk.payload
+    read: object | None = None  # prefetch in flight into chunk.payload
 
 
 def _rss_bytes() -> int:
@@ -86,7 +85,8 @@ class ChunkManager:
             return
         self._make_room(chunk.nbytes, protect=chunk.chunk_id)
         self.cpu.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
-        chunk.payload = init.to(chunk.dtype).reshape(-1).clone()
+        chunk.payload = self._alloc(chunk)
+        chunk.payload.copy_(init.reshape(-1))
         entry.where = "cpu"
         self._after_move()
 
@@ -158,13 +158,13 @@ class ChunkManager:
         self._make_room(chunk.nbytes, protect=chunk.chunk_id)
         self.cpu.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
         if entry.where == "disk":
-            chunk.payload = torch.empty(chunk.capacity, dtype=chunk.dtype)
+            chunk.payload = self._alloc(chunk)
             start = time.perf_counter()
             self._disk().read_async(chunk.chunk_id, chunk.payload).result()
             self.counters["stall_s"] += time.perf_counter() - start
             self._count_read(chunk)
         else:
-            chunk.payload = torch.zeros(chunk.capacity, dtype=chunk.dtype)
+            chunk.payload = self._alloc(chunk).zero_()
         entry.where = "cpu"
         self._resident(chunk)
 
@@ -264,9 +264,15 @@ class ChunkManager:
             if not self.cpu.fits(e.chunk.nbytes):
                 return
             self.cpu.reserve(e.chunk.nbytes, f"prefetch of chunk {cid}")
-            e.chunk.payload = torch.empty(e.chunk.capacity, dtype=e.chunk.dtype)
+            e.chunk.payload = self._alloc(e.chunk)
             e.read = self._disk().read_async(cid, e.chunk.payload)
             issued += 1
+
+    def _alloc(self, chunk: Chunk) -> torch.Tensor:
+        """A payload buffer (aligned for direct I/O when the disk tier uses it)."""
+        if self.disk is not None:
+            return self.disk.alloc(chunk.capacity, chunk.dtype)
+        return torch.empty(chunk.capacity, dtype=chunk.dtype)
 
     def _disk(self) -> DiskStore:
         if self.disk is None:
