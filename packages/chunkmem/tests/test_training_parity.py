@@ -139,9 +139,15 @@ def test_unbounded_ram_accumulates_straight_into_gradient_chunks(accum: int) -> 
     assert manager.stats()["moved_bytes"] == 0
 
 
-def test_budget_below_the_working_set_names_the_minimum(tmp_path) -> None:
-    with pytest.raises(BudgetError, match=r"the minimum for this model is \d+ bytes"):
-        _chunked(1, 1, False, "belady", 2 * CHUNK * 4, tmp_path)
+def test_budget_below_the_working_set_is_refused_before_training(tmp_path) -> None:
+    # The optimizer holds param, grad, exp_avg and exp_avg_sq of one chunk index at once: 4 chunks.
+    need = 4 * CHUNK * 4
+    with pytest.raises(BudgetError, match=f"below the working set: .* minimum budget for this model and chunk "
+                                          f"size is {need} bytes"):
+        ChunkedModel(TinyGPT(), ChunkManager(need - 1, DiskStore(tmp_path)), chunk_size=CHUNK)
+    model = ChunkedModel(TinyGPT(), ChunkManager(need, DiskStore(tmp_path / "ok")), chunk_size=CHUNK)
+    assert model.minimum_budget()[0] == need
+    model.manager.close()
 
 
 def test_belady_moves_no_more_than_lru(tmp_path) -> None:

@@ -172,7 +172,7 @@ def test_a_meta_device_model_is_built_straight_into_chunks(tmp_path) -> None:
     torch.manual_seed(3)
     with torch.device("meta"):
         lazy = build()
-    manager = ChunkManager(3 * 4096 * 4, DiskStore(tmp_path), audit=True)
+    manager = ChunkManager(4 * 4096 * 4, DiskStore(tmp_path), audit=True)
     model = ChunkedModel(lazy, manager, chunk_size=4096)
     # reset_parameters() runs in module order, as eager construction does: the same values.
     got = model.state_tensors()

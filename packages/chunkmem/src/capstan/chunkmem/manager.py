@@ -186,6 +186,13 @@ class ChunkManager:
     def _make_room(self, nbytes: int, protect: int) -> None:
         self._reap_writes()
         while not self.cpu.fits(nbytes):
+            # Writes in flight free their bytes when done: wait for them rather than evicting more
+            # than needed. This also makes eviction decisions independent of I/O timing.
+            writing = [e for e in self.entries.values() if e.write is not None]
+            in_flight = sum(e.chunk.nbytes for e in writing)
+            if writing and self.cpu.resident - in_flight + nbytes <= self.cpu.capacity:  # type: ignore[operator]
+                self._wait_write(writing[0])
+                continue
             movable = [cid for cid, e in self.entries.items()
                        if e.where == "cpu" and e.pins == 0 and e.read is None and cid != protect]
             if movable:

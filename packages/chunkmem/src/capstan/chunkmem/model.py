@@ -31,7 +31,7 @@ from torch import nn
 
 from .chunk import Chunk, TensorSlot
 from .layout import ModuleSpec, ParamSpec, plan_layout
-from .manager import ChunkManager
+from .manager import BudgetError, ChunkManager
 from .saved import ChunkViewSaver
 from .states import ChunkKind, TensorState
 
@@ -107,6 +107,47 @@ class ChunkedModel(nn.Module):
         self._register(param_groups)
         self._install_hooks()
         self._bind_resident_grads()
+        self._check_budget()
+
+    def minimum_budget(self) -> tuple[int, str]:
+        """Bytes of chunks that must fit in RAM at once, and what needs them (known before training).
+
+        Forward/backward pins every parameter chunk of one module (plus a gradient chunk while
+        its gradient lands); the optimizer holds one sibling group of every kind.
+        """
+        need, what = 0, "nothing"
+        grad_bytes = max((c.nbytes for lst in self.chunks.get(ChunkKind.GRAD, []) for c in lst), default=0)
+        for name, module in self.module.named_modules():
+            homes = self._module_homes(module) if not self._inside_atomic(module) else []
+            chunks = {id(c): c for c in (self.chunk_of(h, ChunkKind.PARAM) for h in homes)}
+            total = sum(c.nbytes for c in chunks.values()) + (grad_bytes if homes else 0)
+            if total > need:
+                need, what = total, f"module {name or type(module).__name__}"
+        for g, lst in enumerate(self.chunks[ChunkKind.PARAM]):
+            for i in range(len(lst)):
+                total = sum(self.chunks[k][g][i].nbytes for k in self.kinds())
+                if total > need:
+                    need, what = total, "one optimizer step over a chunk group"
+        return need + self._transient_bytes(), what
+
+    def _transient_bytes(self) -> int:
+        """Buffers outside chunks that the step needs at once (sharding's gather/reduce buffers)."""
+        return 0
+
+    def _inside_atomic(self, module: nn.Module) -> bool:
+        return id(module) not in {id(m) for m in self._hooked_modules()}
+
+    def _check_budget(self) -> None:
+        capacity = self.manager.cpu.capacity
+        if capacity is None:
+            return
+        need, what = self.minimum_budget()
+        if capacity < need:
+            raise BudgetError(
+                f"cpu budget of {capacity} bytes is below the working set: {what} needs {need} bytes of "
+                f"chunks in RAM at once; the minimum budget for this model and chunk size is {need} bytes "
+                f"(plus its activations)"
+            )
 
     def _bind_resident_grads(self) -> None:
         """When RAM is unbounded and there is no disk tier, nothing ever moves: each `param.grad`

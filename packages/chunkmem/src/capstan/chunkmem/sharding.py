@@ -69,6 +69,12 @@ class ShardedChunkedModel(ChunkedModel):
         t = torch.tensor([local_sum_of_squares], dtype=torch.float64)
         return float(comm.all_reduce(t, group=self.group).item())
 
+    def _transient_bytes(self) -> int:
+        # A gathered unit (16-bit or fp32 parameters) and a gradient unit (fp32) may coexist.
+        span = 1 if self.memory_saving else self.group.size
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return span * self.chunk_size * (elem + 4)
+
     def _padded_count(self, n: int) -> int:
         return -(-n // self.group.size) * self.group.size
 
