@@ -9,6 +9,7 @@ floating-point sums (accumulating the micro-batches' gradients in a pipeline
 order, dp averaging, tp's partial matmuls), ~1e-7 per step. Clipping is
 active (grad_clip 0.5 < the norms seen), so the gradient norm summed over the
 stages is checked too, and so is a validation pass through the stages.
+bf16 and fp16 (loss scaling) at pp = 2 follow their one-process runs within 1e-3.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from capstan.engine.config_load import ConfigError, resolve
 STEPS = 12
 
 
-def _cfg(n_layers: int = 2, accum: int = 4, **parallel: object) -> dict:
+def _cfg(n_layers: int = 2, accum: int = 4, dtype: str = "fp32", **parallel: object) -> dict:
     return {"model": {"n_layers": n_layers, "n_heads": 4, "d_model": 32, "seq_len": 16},
             "data": {"max_bytes": 200_000},
             "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": accum, "lr": 1e-2,
                       "min_lr": 1e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
-            "parallel": parallel}
+            "precision": {"dtype": dtype}, "parallel": parallel}
 
 
 def _trajectory(config: dict) -> dict:
@@ -49,7 +50,12 @@ LAYOUTS_2 = [
     ("pp2-gpipe", _cfg(dp=1, pp=2, schedule="gpipe"), _cfg()),
     ("pp2-1f1b", _cfg(dp=1, pp=2, schedule="1f1b"), _cfg()),
     ("pp2-interleaved-v2", _cfg(dp=1, pp=2, schedule="interleaved", virtual_stages=2), _cfg()),
+    # 16-bit autocast: the same ops in the same dtypes, but the pipeline's different order of
+    # floating-point sums meets 16-bit rounding (observed 2.5e-5 bf16, 5.6e-5 fp16): 1e-3 is asked.
+    ("pp2-bf16", _cfg(dtype="bf16", dp=1, pp=2), _cfg(dtype="bf16")),
+    ("pp2-fp16", _cfg(dtype="fp16", dp=1, pp=2), _cfg(dtype="fp16")),
 ]
+TOL = {"pp2-bf16": 1e-3, "pp2-fp16": 1e-3}
 LAYOUTS_4 = [
     ("pp4-1f1b", _cfg(4, dp=1, pp=4, schedule="1f1b"), _cfg(4)),
     ("dp2-pp2-zero1", _cfg(accum=2, dp=2, pp=2, zero_stage=1), _cfg(accum=4)),
@@ -97,10 +103,11 @@ def _check(results: list[dict], layouts: list) -> None:
         if key not in refs:
             refs[key] = _trajectory(ref)
         want = refs[key]
+        tol = TOL.get(name, 1e-5)
         for rank, got in enumerate(results):  # every rank reports the global values
-            assert got[name]["loss"][0] == pytest.approx(want["loss"][0], rel=1e-6), (name, rank)
-            worst = max(_close(got[name]["loss"], want["loss"]), _close(got[name]["norm"], want["norm"]),
-                        _close([got[name]["val"]], [want["val"]]))
+            assert got[name]["loss"][0] == pytest.approx(want["loss"][0], rel=1e-6 if tol < 1e-4 else tol)
+            worst = max(_close(got[name]["loss"], want["loss"], tol), _close(got[name]["norm"], want["norm"], tol),
+                        _close([got[name]["val"]], [want["val"]], tol))
             print(f"{name} rank {rank}: largest relative difference {worst:.2e}")  # shown with -s
     assert max(refs[repr(LAYOUTS_2[0][2])]["norm"]) > 0.5  # clipping is active
 
