@@ -102,14 +102,14 @@ class Engine:
     # ---- the three-call API ------------------------------------------------------------------------
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Mean loss of one micro-batch (inputs, targets), each [micro, seq_len]."""
+        if self.pipeline is not None:
+            raise RuntimeError("with parallel.pp > 1 the pipeline schedule runs all micro-batches of a step: "
+                               "use engine.train_batch / engine.eval_batch, not engine(batch) / backward")
         if torch.is_grad_enabled() and self._step_start is None:  # eval passes are not part of a step
             self._step_start = time.perf_counter()
             if self.chunked and not self._stepping:
                 self.manager.begin_step()
                 self._stepping = True
-        if self.pipeline is not None:
-            raise RuntimeError("with parallel.pp > 1 the pipeline schedule runs all micro-batches of a step: "
-                               "use engine.train_batch / engine.eval_batch, not engine(batch) / backward")
         x, y = batch
         with autocast(self.config.precision):
             out = self.module(x)

@@ -89,13 +89,14 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
         check_world(cfg, groups.world.size, f"world size {groups.world.size} of the given groups", sources)
     torch.manual_seed(cfg.train.seed)
     if cfg.parallel.pp > 1:
-        if model is not None:
+        if model is not None or loss_fn is not None:
             raise ValueError(f"parallel.pp = {cfg.parallel.pp}: pipeline parallelism builds the reference GPT "
-                             "stage by stage (model=None); a given module or builder cannot be split into stages yet")
+                             "stage by stage with its own loss (model=None, loss_fn=None); a given module, "
+                             "builder or loss cannot be split into stages yet")
         from .pipe import PipelineStage
 
         stage = PipelineStage(cfg, groups)
-        return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=loss_fn or stage.executor.loss_fn,
+        return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
                       pipeline=stage)
     if model is None:
         module = build_reference_model(cfg, groups)
