@@ -171,3 +171,20 @@ def test_dropout_masks_replicated_equal_sliced_differ(gpt_results) -> None:
         assert errs["dropout/replicated_max_diff_across_ranks"] == 0.0
         assert errs["dropout/sliced_distinct_ranks"] == n
         assert errs["dropout/changes_output"] > 0.0
+
+
+def test_build_gpt_layers_equals_the_whole_models_layers() -> None:
+    # A pipeline stage builds only layers start:stop; each must equal the whole model's (per-layer seeds).
+    from capstan.comm import single_process_groups
+    from capstan.tensorpar import GPTConfig, build_gpt, build_gpt_layers
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=3, dropout=0.0)
+    tp = single_process_groups().tp
+    whole = build_gpt(cfg, tp, seed=5).layers
+    torch.manual_seed(123)  # the global generator must not matter
+    for start, stop in ((0, 1), (2, 4), (3, None)):
+        part = build_gpt_layers(cfg, tp, 5, start, stop)
+        assert [type(m) for m in part] == [type(m) for m in whole[start:stop]]
+        for mine, ref in zip(part, whole[start:stop], strict=True):
+            for (n, a), (_, b) in zip(mine.state_dict().items(), ref.state_dict().items(), strict=True):
+                assert torch.equal(a, b), n

@@ -110,13 +110,13 @@ class ParallelConfig:
     tp: int = constraint(1, ge=1)
     """Tensor-parallel ranks per replica (Megatron-style slicing of every layer)."""
     pp: int = constraint(1, ge=1)
-    """Pipeline stages. Only 1 is supported so far (the pipeline package is not wired in yet)."""
+    """Pipeline stages: the reference GPT's layers are partitioned by parameter count and each rank builds only its stage; the grad_accum_steps micro-batches are the pipeline's microbatches. Not with chunked memory (offload, ZeRO-3) yet."""
     zero_stage: int = constraint(0, ge=0, le=3)
     """0: all-reduce gradients; 1: shard optimizer state over dp; 2: also reduce-scatter gradients; 3: chunk memory (single process for now)."""
     schedule: str = constraint("1f1b", choices=("gpipe", "1f1b", "interleaved"))
-    """Pipeline schedule (used once pp > 1 is supported)."""
+    """Pipeline schedule when pp > 1: "gpipe" (all forwards, then all backwards), "1f1b" (at most pp - stage micro-batches in flight) or "interleaved" (virtual_stages chunks per rank; grad_accum_steps must be a multiple of pp)."""
     virtual_stages: int = constraint(1, ge=1)
-    """Model chunks per pipeline rank for the interleaved schedule; more than 1 needs schedule = "interleaved"."""
+    """Model chunks per pipeline rank for the interleaved schedule (at least 2 there); more than 1 needs schedule = "interleaved"."""
 
 
 @dataclass(frozen=True, kw_only=True)

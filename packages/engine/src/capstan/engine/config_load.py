@@ -172,12 +172,17 @@ def _src(sources: Sources, key: str) -> str:
     return sources.get(key, "default")
 
 
-def reference_param_count(cfg: Config) -> int:
-    """Parameters of the reference GPT (tensorpar.build_gpt) at tp = 1: for budget checks."""
+def reference_layer_params(cfg: Config) -> list[int]:
+    """Parameters of each of the reference GPT's ``model.layers`` at tp = 1 (embedding, blocks, norm, head)."""
     m = cfg.model
     d, v = m.d_model, m.vocab_size
     block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
-    return v * d + m.seq_len * d + m.n_layers * block + 2 * d + v * d
+    return [v * d + m.seq_len * d, *([block] * m.n_layers), 2 * d, v * d]
+
+
+def reference_param_count(cfg: Config) -> int:
+    """Parameters of the reference GPT (tensorpar.build_gpt) at tp = 1: for budget checks."""
+    return sum(reference_layer_params(cfg))
 
 
 def uses_chunks(cfg: Config) -> bool:
@@ -200,8 +205,7 @@ def check_cross(cfg: Config, sources: Sources) -> None:
     if t.warmup_steps > t.steps:
         raise ConfigError(f"train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}")
     if p.pp > 1:
-        raise ConfigError(f"parallel.pp = {p.pp}: pipeline parallelism is not yet supported by the engine "
-                          "(the pipeline package is not wired in); use pp = 1")
+        _check_pipeline(cfg, sources)
     if p.virtual_stages > 1 and p.schedule != "interleaved":
         raise ConfigError(f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = "
                           f"\"interleaved\", got {p.schedule!r}")
@@ -213,6 +217,30 @@ def check_cross(cfg: Config, sources: Sources) -> None:
     elif mem.cpu_budget is not None:
         raise ConfigError("memory.cpu_budget only applies to chunked memory: set memory.offload = \"cpu\" "
                           "or \"disk\" (or parallel.zero_stage = 3)")
+
+
+def _check_pipeline(cfg: Config, sources: Sources) -> None:
+    """pp > 1: what the engine's pipeline (pipe.py) can run."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if uses_chunks(cfg):
+        raise ConfigError(f"parallel.pp = {p.pp} with memory.offload = {cfg.memory.offload!r}, parallel.zero_stage = "
+                          f"{p.zero_stage}: chunked memory (offload or ZeRO-3) is not yet supported with pipeline "
+                          "parallelism (each stage's parameters would need their own chunk manager); use "
+                          "zero_stage 0-2 without offload, or pp = 1")
+    parts = p.pp * p.virtual_stages
+    layers = m.n_layers + 3  # embedding, blocks, final norm, head
+    if layers < parts:
+        raise ConfigError(f"parallel.pp * virtual_stages = {p.pp} * {p.virtual_stages} = {parts} pipeline parts, "
+                          f"but the model has only {layers} layers (model.n_layers = {m.n_layers} blocks + "
+                          "embedding, final norm and head); every part needs at least one")
+    if p.schedule == "interleaved":
+        if p.virtual_stages < 2:
+            raise ConfigError(f"parallel.schedule = \"interleaved\" needs parallel.virtual_stages >= 2 (model "
+                              f"chunks per stage), got {p.virtual_stages}; or use schedule = \"1f1b\"")
+        if t.grad_accum_steps % p.pp:
+            raise ConfigError(f"parallel.schedule = \"interleaved\": train.grad_accum_steps = {t.grad_accum_steps} "
+                              f"(the pipeline's microbatches) must be a multiple of parallel.pp = {p.pp} "
+                              f"(pp from {_src(sources, 'parallel.pp')})")
 
 
 def _check_chunk_path(cfg: Config, sources: Sources) -> None:

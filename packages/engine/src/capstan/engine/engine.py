@@ -8,6 +8,11 @@ Two state holders sit behind the same three calls
 * capstan.chunkmem (`ChunkedModel` + `ChunkAdam`): parameters, gradients and
   Adam moments in chunks with a RAM budget and a disk tier (one process, fp32).
 
+With ``parallel.pp > 1`` the model is this rank's `PipelineStage` (pipe.py):
+`train_batch` hands the step's ``grad_accum_steps`` micro-batches to the
+pipeline schedule as its microbatches, and `ZeroOptimizer` steps the stage's
+own parameters over dp (the gradient norm is summed over the stages).
+
 `engine.step()` acts only at the end of gradient accumulation; it averages
 gradients over dp, computes the global norm, skips the step on an fp16
 overflow, clips, and runs AdamW at the scheduled learning rate.
@@ -26,6 +31,7 @@ from capstan import comm
 
 from .config import Config
 from .config_load import uses_chunks
+from .pipe import PipelineStage
 from .precision import LossScaler, autocast
 from .schedule_lr import lr_at
 from .zero import ZeroOptimizer, decays
@@ -53,8 +59,10 @@ class StepInfo:
 class Engine:
     """Build with `capstan.engine.initialize`; see the module docstring and docs/engine.md."""
 
-    def __init__(self, *, config: Config, model: nn.Module, groups: comm.Groups, loss_fn: LossFn) -> None:
+    def __init__(self, *, config: Config, model: nn.Module, groups: comm.Groups, loss_fn: LossFn,
+                 pipeline: PipelineStage | None = None) -> None:
         self.config, self.groups, self.loss_fn = config, groups, loss_fn
+        self.pipeline = pipeline  # with pp > 1: this rank's stage; `model` is then its chunks
         self.accum = config.train.grad_accum_steps
         self.global_step = 0  # optimizer steps taken
         self.micro_step = 0  # backward passes since the last optimizer step
@@ -94,6 +102,9 @@ class Engine:
     # ---- the three-call API ------------------------------------------------------------------------
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Mean loss of one micro-batch (inputs, targets), each [micro, seq_len]."""
+        if self.pipeline is not None:
+            raise RuntimeError("with parallel.pp > 1 the pipeline schedule runs all micro-batches of a step: "
+                               "use engine.train_batch / engine.eval_batch, not engine(batch) / backward")
         if torch.is_grad_enabled() and self._step_start is None:  # eval passes are not part of a step
             self._step_start = time.perf_counter()
             if self.chunked and not self._stepping:
@@ -195,17 +206,34 @@ class Engine:
         self.module.train()
         if self.micro_step:
             raise RuntimeError("train_batch called in the middle of a manual accumulation")
-        for _ in range(self.accum):
-            self.backward(self(next(data_iter)))
+        if self.pipeline is not None:
+            self._pipeline_micro_batches(data_iter)
+        else:
+            for _ in range(self.accum):
+                self.backward(self(next(data_iter)))
         info = self.step()
         assert info is not None
         return info
+
+    def _pipeline_micro_batches(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """All micro-batches through the pipeline schedule: what `accum` forward/backward calls do at pp = 1."""
+        assert self.pipeline is not None and not self.chunked
+        self._step_start = time.perf_counter()
+        batches = [next(data_iter) for _ in range(self.accum)]  # every stage reads alike; the ends use them
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        loss = self.pipeline.train_step([x for x, _ in batches], [y for _, y in batches], scale)
+        self.optimizer.after_backward()  # gradients of the whole mean loss are in the flat buffer
+        self._micro_losses = [loss]  # the mean over the micro-batches, shared by the last stage
+        self.micro_step = self.accum
 
     @torch.no_grad()
     def eval_batch(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over `batches` (this rank's share), averaged over dp: the validation loss."""
         self.module.eval()
-        losses = [float(self(batch)) for batch in batches]
+        if self.pipeline is not None:
+            losses = [self.pipeline.eval_loss(batch) for batch in batches]
+        else:
+            losses = [float(self(batch)) for batch in batches]
         self.module.train()
         local = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64)
         comm.all_reduce(local, op="avg", group=self.groups.dp)

@@ -5,6 +5,9 @@
     engine = initialize(model=my_module, config={"train": {"lr": 3e-4}})
     engine = initialize(model=lambda cfg, groups: build(cfg, groups.tp), config=cfg)
 
+With ``parallel.pp > 1`` each rank builds only its pipeline stage's layers of
+the reference GPT (`pipe.PipelineStage`); `model` must then be None.
+
 Works as one plain process (no process group is started for a world of one)
 and under mpirun / torchrun (it calls `comm.init()` when the launcher says
 there are several processes). The config is fully checked, including
@@ -85,6 +88,16 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
     else:
         check_world(cfg, groups.world.size, f"world size {groups.world.size} of the given groups", sources)
     torch.manual_seed(cfg.train.seed)
+    if cfg.parallel.pp > 1:
+        if model is not None or loss_fn is not None:
+            raise ValueError(f"parallel.pp = {cfg.parallel.pp}: pipeline parallelism builds the reference GPT "
+                             "stage by stage with its own loss (model=None, loss_fn=None); a given module, "
+                             "builder or loss cannot be split into stages yet")
+        from .pipe import PipelineStage
+
+        stage = PipelineStage(cfg, groups)
+        return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
+                      pipeline=stage)
     if model is None:
         module = build_reference_model(cfg, groups)
     elif isinstance(model, nn.Module):

@@ -20,9 +20,11 @@ and padded to a multiple of the dp size so every rank's shard has the same lengt
   exists during backward; a bucketed reduce-scatter inside backward would
   remove that, later).
 
-The gradient norm for clipping is global over dp and tp: squares of a shard
+The gradient norm for clipping is global over dp, tp and pp: squares of a shard
 are summed over dp; tp-sliced parameters are summed over tp, and replicated
-ones (identical on every tp rank, see docs/tensorpar.md) counted once.
+ones (identical on every tp rank, see docs/tensorpar.md) counted once; with
+pipeline parallelism each stage holds its own parameters (the reference GPT's
+head is untied), so the stages' sums add up over the pp group.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ class ZeroOptimizer:
         return out
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the (loss-scaled) gradients over dp and tp."""
+        """Global L2 norm of the (loss-scaled) gradients over dp, tp and pp (stages' parameters are disjoint)."""
         g = self._shard_grad()
         local = 0.0
         for seg, a, b in self._pieces():
@@ -148,6 +150,7 @@ class ZeroOptimizer:
         if self.stage > 0:
             comm.all_reduce(total, group=self.groups.dp)
         comm.all_reduce(total, group=self.groups.tp)
+        comm.all_reduce(total, group=self.groups.pp)  # pipeline stages hold disjoint parameters
         return math.sqrt(float(total.item()))
 
     def has_overflow(self) -> bool:
@@ -155,6 +158,7 @@ class ZeroOptimizer:
         flag = torch.tensor([1.0 if kernels.has_nonfinite(self._shard_grad()) else 0.0])
         comm.all_reduce(flag, op="max", group=self.groups.dp)
         comm.all_reduce(flag, op="max", group=self.groups.tp)
+        comm.all_reduce(flag, op="max", group=self.groups.pp)
         return bool(flag.item())
 
     def zero_grad(self) -> None:

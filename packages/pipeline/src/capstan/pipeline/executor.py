@@ -146,12 +146,16 @@ class PipelineExecutor:
         self,
         inputs: Sequence[torch.Tensor] | None = None,
         targets: Sequence[torch.Tensor] | None = None,
+        *,
+        zero_grad: bool = True,
     ) -> float | None:
         """One training step over all microbatches; the mean loss on the last stage, else None.
 
         inputs: the microbatches' inputs, needed on the stage holding the first virtual stage.
         targets: their targets, needed on the stage holding the last virtual stage.
-        Gradients are zeroed first and, without an optimizer, left in the parameters' .grad.
+        Gradients are zeroed first (set to None) and, without an optimizer, left in the
+        parameters' .grad. ``zero_grad=False`` accumulates into the existing ``.grad`` instead,
+        for a caller that owns the gradient buffers (capstan.engine's flat ZeRO buffer).
         """
         m = self.schedule.microbatches
         for what, data, needed in (
@@ -162,7 +166,8 @@ class PipelineExecutor:
                 got = "none" if data is None else len(data)
                 raise ValueError(f"stage {self.stage} needs {m} microbatch {what}, got {got}")
         self.inputs, self.targets = inputs, targets
-        self.chunks.zero_grad(set_to_none=True)
+        if zero_grad:
+            self.chunks.zero_grad(set_to_none=True)
         self._x: dict[tuple[int, int], torch.Tensor] = {}  # input of (mb, chunk)
         self._y: dict[tuple[int, int], torch.Tensor] = {}  # output (loss on the last virtual stage)
         self._dy: dict[tuple[int, int], torch.Tensor] = {}  # received gradient of the output

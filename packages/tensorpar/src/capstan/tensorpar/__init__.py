@@ -20,7 +20,8 @@ Example (one process; under torchrun use ``comm.build_groups(...).tp``)::
 from .apply import STYLES, Divide, parallelize
 from .blocks import ParallelBlock, ParallelMLP, ParallelSelfAttention, check_attention_sizes
 from .cross_entropy import gather_vocab_logits, vocab_parallel_cross_entropy
-from .gpt import GPT, GPTConfig, GPTEmbedding, GPTFinalNorm, GPTHead, build_gpt
+from .gpt import (GPT, GPTConfig, GPTEmbedding, GPTFinalNorm, GPTHead, build_gpt, build_gpt_layers,
+                  gpt_layer_factories, gpt_loss)
 from .layers import ColumnParallelLinear, ParallelLayerNorm, ParallelRMSNorm, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (
     CommCounter, copy_to_tensor_parallel_region, count_comm, gather_from_sequence_parallel_region,
@@ -35,7 +36,8 @@ __all__ = [
     "STYLES", "ColumnParallelLinear", "CommCounter", "Divide", "GPT", "GPTConfig", "GPTEmbedding",
     "GPTFinalNorm", "GPTHead", "ParallelBlock", "ParallelLayerNorm", "ParallelMLP", "ParallelRMSNorm",
     "ParallelSelfAttention",
-    "RowParallelLinear", "TensorParallelRNG", "VocabParallelEmbedding", "build_gpt", "check_attention_sizes",
+    "RowParallelLinear", "TensorParallelRNG", "VocabParallelEmbedding", "build_gpt", "build_gpt_layers",
+    "check_attention_sizes", "gpt_layer_factories", "gpt_loss",
     "copy_to_tensor_parallel_region", "count_comm", "divide", "dropout", "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region", "gather_vocab_logits", "parallelize",
     "reduce_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",

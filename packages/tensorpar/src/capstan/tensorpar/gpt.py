@@ -22,6 +22,7 @@ Example (one process; the same call on every tp rank with ``groups.tp``)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,8 @@ from .mappings import copy_to_tensor_parallel_region
 from .partition import divide, full_normal, mark
 from .rng import TensorParallelRNG, dropout
 
-__all__ = ["GPTConfig", "GPT", "GPTEmbedding", "GPTFinalNorm", "GPTHead", "build_gpt"]
+__all__ = ["GPTConfig", "GPT", "GPTEmbedding", "GPTFinalNorm", "GPTHead", "build_gpt", "build_gpt_layers",
+           "gpt_layer_factories", "gpt_loss"]
 
 WPE_STD = 0.01  # GPT-2's position-embedding init
 
@@ -126,6 +128,49 @@ class GPT(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.config.vocab_size).mean()
 
 
+def gpt_layer_factories(config: GPTConfig, tp_group: Group, seed: int, *, sequence_parallel: bool = False,
+                        rng: TensorParallelRNG | None = None) -> list[Callable[[], nn.Module]]:
+    """One zero-argument builder per layer of `model.layers` (n_layers + 3 of them), in order.
+
+    Each builder gives its layer exactly the values it has in `build_gpt(config, tp_group, seed)`:
+    every parameter draws from a seed derived from `seed` and the layer's index, never from the
+    global generator, so a pipeline stage can build only its own layers (`build_gpt_layers`, or
+    these factories as `capstan.pipeline.LayerSpec`s) and still equal the whole model.
+    """
+    check_attention_sizes(config.d_model, config.n_heads, tp_group.size)
+    divide(config.ffn_mult * config.d_model, tp_group, "FFN hidden size (ffn_mult * d_model)")
+    if sequence_parallel:
+        divide(config.seq_len, tp_group, "seq_len (sequence parallelism)")
+    base = seed * 10_007  # per-layer seeds: base + 4 * index + k, k < 4
+    rng = rng or TensorParallelRNG(tp_group, seed)
+    sp = sequence_parallel
+
+    def block(i: int) -> Callable[[], nn.Module]:
+        return lambda: ParallelBlock(config.d_model, config.n_heads, tp_group, rng, ffn_mult=config.ffn_mult,
+                                     dropout=config.dropout, sequence_parallel=sp, seed=base + 4 * (i + 1),
+                                     n_layers=config.n_layers)
+
+    return [lambda: GPTEmbedding(config, tp_group, rng, sequence_parallel=sp, seed=base),
+            *(block(i) for i in range(config.n_layers)),
+            lambda: GPTFinalNorm(config.d_model, tp_group, sequence_parallel=sp),
+            lambda: GPTHead(config.d_model, config.vocab_size, tp_group, bias=False, pad_output=True,
+                            sequence_parallel=sp, seed=base + 4 * (config.n_layers + 1))]
+
+
+def build_gpt_layers(config: GPTConfig, tp_group: Group, seed: int, start: int = 0, stop: int | None = None, *,
+                     sequence_parallel: bool = False) -> list[nn.Module]:
+    """Layers ``start:stop`` of `build_gpt`'s ``model.layers``, with the same values, building no others."""
+    factories = gpt_layer_factories(config, tp_group, seed, sequence_parallel=sequence_parallel)
+    return [make() for make in factories[start:stop]]
+
+
+def gpt_loss(config: GPTConfig, tp_group: Group) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`GPT.loss` without the model: mean next-token loss from vocabulary-split logits (a pipeline's last stage)."""
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, tp_group, config.vocab_size).mean()
+    return loss
+
+
 def build_gpt(config: GPTConfig, tp_group: Group, seed: int, *, sequence_parallel: bool = False) -> GPT:
     """The reference GPT sliced over `tp_group`; equal to the tp=1 model of the same seed, sliced.
 
@@ -133,19 +178,6 @@ def build_gpt(config: GPTConfig, tp_group: Group, seed: int, *, sequence_paralle
     index), so the result does not depend on the tp size. Dropout streams are
     seeded from `seed` too (see `TensorParallelRNG`).
     """
-    check_attention_sizes(config.d_model, config.n_heads, tp_group.size)
-    divide(config.ffn_mult * config.d_model, tp_group, "FFN hidden size (ffn_mult * d_model)")
-    if sequence_parallel:
-        divide(config.seq_len, tp_group, "seq_len (sequence parallelism)")
-    base = seed * 10_007  # per-layer seeds: base + 4 * index + k, k < 4
     rng = TensorParallelRNG(tp_group, seed)
-    sp = sequence_parallel
-    layers: list[nn.Module] = [GPTEmbedding(config, tp_group, rng, sequence_parallel=sp, seed=base)]
-    for i in range(config.n_layers):
-        layers.append(ParallelBlock(config.d_model, config.n_heads, tp_group, rng, ffn_mult=config.ffn_mult,
-                                    dropout=config.dropout, sequence_parallel=sp, seed=base + 4 * (i + 1),
-                                    n_layers=config.n_layers))
-    layers.append(GPTFinalNorm(config.d_model, tp_group, sequence_parallel=sp))
-    layers.append(GPTHead(config.d_model, config.vocab_size, tp_group, bias=False, pad_output=True,
-                          sequence_parallel=sp, seed=base + 4 * (config.n_layers + 1)))
-    return GPT(config, layers, tp_group, rng, sp)
+    factories = gpt_layer_factories(config, tp_group, seed, sequence_parallel=sequence_parallel, rng=rng)
+    return GPT(config, [make() for make in factories], tp_group, rng, sequence_parallel)

@@ -1,0 +1,144 @@
+"""The engine's pipeline stage: this rank's layers of the reference GPT, run by capstan.pipeline.
+
+With ``parallel.pp > 1`` the reference GPT's ``model.layers`` ([embedding,
+blocks..., final norm, head], untied) are partitioned over ``groups.pp`` (by
+parameter count), and each rank builds only the layers of its stage (its
+chunks, with interleaving), sliced over ``groups.tp``. Every layer draws its
+values from its own seed (`tensorpar.gpt_layer_factories`), so a stage's
+layers equal the one-process model's.
+
+The ``grad_accum_steps`` micro-batches of a step are the pipeline's
+microbatches (as in DeepSpeed): `PipelineStage.train_step` runs the configured
+schedule through `PipelineExecutor` and leaves the gradients of the mean loss
+in the parameters' ``.grad`` for the engine's `ZeroOptimizer` (which then
+works over ``groups.dp`` on this stage's parameters only). The loss exists on
+the last stage; it is broadcast over the pipeline group so every rank reports
+the same value. `eval_loss` is a forward-only pass along the virtual stages.
+
+Example (every rank of a dp x pp x tp job; `initialize` does this for you)::
+
+    stage = PipelineStage(cfg, groups)
+    loss = stage.train_step(xs, ys)      # lists of grad_accum_steps micro-batches
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from capstan import comm
+
+from .config import Config
+from .config_load import reference_layer_params
+from .precision import autocast
+
+__all__ = ["PipelineStage", "SCHEDULE_NAMES", "balanced_bounds"]
+
+# parallel.schedule -> capstan.pipeline.SCHEDULES key
+SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved-1f1b"}
+
+
+class _Count(nn.Module):
+    """A stand-in with `n` parameters, built on the meta device only, to plan a partition."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(n))
+
+
+def balanced_bounds(cfg: Config, parts: int) -> tuple[int, ...]:
+    """Layer boundaries of `parts` contiguous parts minimizing the largest parameter count (tp = 1 counts).
+
+    capstan.pipeline counts parameters by building layers on the meta device, which tensorpar's
+    layers (built from full CPU tensors, then sliced) do not support; the reference GPT's counts are
+    known in closed form, so the plan is made on stand-ins of those sizes. Every tp rank gets the
+    same plan.
+    """
+    from capstan.pipeline import LayerSpec, partition
+
+    stand_ins = [LayerSpec(lambda n=n: _Count(n)) for n in reference_layer_params(cfg)]
+    return partition(stand_ins, parts, "parameters").bounds
+
+
+class PipelineStage:
+    """This rank's pipeline stage of the reference GPT (see the module docstring)."""
+
+    def __init__(self, cfg: Config, groups: comm.Groups) -> None:
+        from capstan.pipeline import LayerSpec, Partition, PipelineExecutor, make_schedule
+        from capstan.tensorpar import GPTConfig, gpt_layer_factories, gpt_loss
+
+        m, p = cfg.model, cfg.parallel
+        self.config, self.groups = cfg, groups
+        gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
+                        n_layers=m.n_layers, dropout=m.dropout)
+        factories = gpt_layer_factories(gpt, groups.tp, seed=cfg.train.seed)
+        names = ["embedding", *(f"block{i}" for i in range(m.n_layers)), "final_norm", "head"]
+        specs = [LayerSpec(f, name) for f, name in zip(factories, names, strict=True)]
+        v = p.virtual_stages
+        self.plan = Partition(tuple(specs), balanced_bounds(cfg, groups.pp.size * v), "parameters")
+        self.schedule = make_schedule(SCHEDULE_NAMES[p.schedule], groups.pp.size,
+                                      cfg.train.grad_accum_steps, v)
+        self._loss_fn = gpt_loss(gpt, groups.tp)
+        self._scale = 1.0
+        # seed=None: the factories seed every parameter themselves (tensorpar's per-layer seeds).
+        self.executor = PipelineExecutor(self.plan, self.schedule, groups, self._scaled_loss, seed=None)
+        self.module: nn.Module = self.executor.chunks  # this stage's chunks, in virtual-stage order
+
+    @property
+    def is_first(self) -> bool:
+        return self.groups.pp.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.groups.pp.rank == self.groups.pp.size - 1
+
+    def _scaled_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # The loss in fp32 (as Engine.forward); the fp16 loss scale rides on it into backward.
+        return self._loss_fn(out.float(), targets) * self._scale
+
+    def _share_loss(self, local: float | None) -> float:
+        """The last stage's value on every rank of the pipeline group."""
+        t = torch.tensor([local if local is not None else 0.0], dtype=torch.float64)
+        comm.broadcast(t, src=self.groups.pp.size - 1, group=self.groups.pp)
+        return float(t.item())
+
+    def train_step(self, xs: list[torch.Tensor], ys: list[torch.Tensor], loss_scale: float = 1.0) -> float:
+        """Forward and backward of all micro-batches; returns their mean loss (unscaled) on every stage.
+
+        Gradients of ``loss_scale`` x the mean loss accumulate into the existing ``.grad``
+        (the engine's flat buffer), which the caller zeroes after its optimizer step.
+        """
+        self._scale = loss_scale
+        with autocast(self.config.precision):
+            loss = self.executor.step(inputs=xs if self.is_first else None, targets=ys if self.is_last else None,
+                                      zero_grad=False)
+        return self._share_loss(None if loss is None else loss / loss_scale)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """Mean loss of one batch: a forward-only pass along the virtual stages, on every stage."""
+        from capstan.pipeline.transport import HEADER_LEN, decode_header, encode_header
+
+        x, y = batch
+        pp, stages, sched = self.groups.pp, self.groups.pp.size, self.schedule
+        me = pp.rank
+        loss: float | None = None
+        for v in range(stages * sched.chunks):  # virtual stage v = chunk c of stage v % stages
+            if v % stages != me:
+                continue
+            chunk = v // stages
+            if v > 0:  # a header (dtype, shape), then the activation, from the previous virtual stage
+                h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+                comm.exchange([comm.P2POp("recv", h, (me - 1) % stages)], group=pp).wait()
+                shape, dtype = decode_header(h)
+                x = torch.empty(shape, dtype=dtype)
+                comm.exchange([comm.P2POp("recv", x, (me - 1) % stages)], group=pp).wait()
+            with autocast(self.config.precision):
+                out = self.module[chunk](x)
+            if v == stages * sched.chunks - 1:
+                loss = float(self._loss_fn(out.float(), y))
+            else:
+                out = out.contiguous()
+                comm.exchange([comm.P2POp("send", encode_header(out), (me + 1) % stages)], group=pp).wait()
+                comm.exchange([comm.P2POp("send", out, (me + 1) % stages)], group=pp).wait()
+        return self._share_loss(loss)
