@@ -1,28 +1,42 @@
-"""End-to-end training throughput of capstan.engine against plain PyTorch, DDP and FSDP2.
+"""End-to-end training throughput of capstan.engine against plain PyTorch, DDP, FSDP2 (and DeepSpeed).
 
-    hatch run python tools/bench_engine.py                 # single process + 2 ranks, 3 rounds
+From a clean checkout (the hatch env pins torch 2.13.0 CPU):
+
+    hatch run python tools/bench_engine.py                 # everything below, ~15 min on 2 busy cores
     hatch run python tools/bench_engine.py --only single   # capstan vs a plain PyTorch loop
     hatch run python tools/bench_engine.py --only dp2      # capstan dp=2 ZeRO-2 vs DDP vs FSDP2 (gloo)
-    hatch run python tools/bench_engine.py --layers 4 --d-model 256 --rounds 2 --steps 3   # quicker
+    hatch run python tools/bench_engine.py --layers 2 --d-model 128 --seq 64 --steps 2 --rounds 2   # smoke test
+    # optional DeepSpeed peers (ZeRO-2 / ZeRO-3, offload_optimizer cpu), from a separate throwaway venv:
+    python3 -m venv /tmp/dsvenv && /tmp/dsvenv/bin/pip install torch==2.13.0 deepspeed
+    hatch run python tools/bench_engine.py --deepspeed /tmp/dsvenv/bin/python
 
 Every system trains the same model: capstan's reference GPT
-(`capstan.tensorpar.build_gpt`, byte vocabulary, dropout 0, seed 1234), on the
-same batches (random bytes drawn from a generator seeded by the step), fp32,
-AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1 on matrices only), gradient
-clipping at 1.0, one thread per rank. The peers are:
+(`capstan.tensorpar.build_gpt`, default 6 layers, d_model 512, 8 heads, seq
+256, byte vocabulary, dropout 0, seed 1234: 19.2M parameters), on the same
+batches (random bytes from a generator seeded by the step; 4 sequences per
+rank per step), fp32, AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1 on
+matrices only), gradient clipping at 1.0, one thread per rank. The peers:
 
 * single: a plain PyTorch loop, `torch.optim.AdamW(fused=True)` and
   `clip_grad_norm_` (what capstan's engine does, written by hand);
 * dp2: `DistributedDataParallel` (fused AdamW) and FSDP2 (`fully_shard` per
-  layer + root on a 2-rank CPU mesh, AdamW foreach over DTensors), both over
-  gloo, against capstan `parallel.zero_stage = 2` over gloo.
+  layer + root on a 2-rank CPU mesh), both over gloo, against capstan
+  `parallel.zero_stage = 2` over gloo; with --deepspeed also DeepSpeed
+  ZeRO-2 and ZeRO-3 with `offload_optimizer: cpu` (DS_ACCELERATOR=cpu, gloo).
 
-Each (system, round) is a fresh set of processes started by
-`capstan.comm.testing.run_ranks`, so peak RSS (`ru_maxrss`) is that system's
-alone; systems are interleaved round by round (the machine is shared and
-noisy), and the report gives per-system medians and the per-round paired
-ratios. tokens/s counts every rank's tokens over the timed steps (after
-`--warmup` untimed ones), divided by the slowest rank's wall time.
+Two measurements (launched with `capstan.comm.testing.run_ranks`):
+
+1. interleaved (tokens/s): all systems live in the same process(es); each of
+   `--rounds` rounds runs `--steps` timed steps of every system back to back,
+   the order alternating by round, so each round's capstan/peer ratio is
+   paired over the same few seconds of machine load. Medians and per-round
+   ratios are printed.
+2. processes (peak RSS): each (system, round) is a fresh set of processes, so
+   `ru_maxrss` is that system's alone; tokens/s is printed too (noisier:
+   the systems run minutes apart). DeepSpeed runs only here (its own venv).
+
+tokens/s counts every rank's tokens over the timed steps (after `--warmup`
+untimed ones), divided by the slowest rank's wall time.
 """
 
 from __future__ import annotations
