@@ -80,7 +80,7 @@ def peak_rss() -> int:
 def plain_model(a: dict):
     from capstan import comm
     from capstan.engine.config_load import resolve
-    from capstan.engine.initialize import build_reference_model
+    from capstan.engine.build import build_reference_model
 
     cfg, _ = resolve(model_config(a), ())
     torch.manual_seed(cfg.train.seed)
@@ -105,7 +105,7 @@ def make_system(system: str, a: dict, world: int, rank: int):
     losses: list[float] = []
 
     if system == "capstan":
-        from capstan.engine.initialize import initialize
+        from capstan.engine.build import initialize
 
         engine = initialize(config=model_config(a))
         n_params = engine.optimizer.numel

@@ -28,7 +28,7 @@ __all__ = [
     "check_world", "initialize", "load_config", "open_data", "resolve", "train_batches", "val_batches",
 ]
 
-_LAZY = {"Engine": "engine", "StepInfo": "engine", "initialize": "initialize", "DataError": "data",
+_LAZY = {"Engine": "engine", "StepInfo": "engine", "initialize": "build", "DataError": "data",
          "open_data": "data", "train_batches": "data", "val_batches": "data"}
 
 
@@ -37,7 +37,6 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        # Importing the submodule `initialize` binds that name to the module; the function wins.
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

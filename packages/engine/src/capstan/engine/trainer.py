@@ -15,7 +15,7 @@ from . import checkpoint
 from .config import Config
 from .config_load import Sources, to_toml
 from .data import TokenData, train_batches, val_batches
-from .initialize import initialize, resolve_groups
+from .build import initialize, resolve_groups
 from .metrics import MetricsSink, human_bytes, plot_losses, progress_line
 
 __all__ = ["run"]
