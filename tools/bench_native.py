@@ -1,6 +1,13 @@
 """Benchmarks of capstan.native against torch and dd (not tests).
 
     hatch run python tools/bench_native.py [--params 100_000_000] [--io-gib 1] [--reps 5]
+        [--overlap-gib 2] [--deepspeed-python /tmp/dsvenv2/bin/python]
+
+--deepspeed-python runs DeepSpeedCPUAdam in that interpreter (a separate venv with
+deepspeed; never the workspace env) as a child process, stepping it interleaved
+with capstan's CPUAdam on the same number of params. --overlap-gib times a torch
+matmul loop alone and while capstan aio writes then reads that many GiB with 8
+requests in flight (0 skips it).
 
 Prints a markdown fragment (machine, medians, ratios) for its section of docs/benchmarks.md.
 Bytes per Adam param: 28 = param r/w 8 + exp_avg r/w 8 + exp_avg_sq r/w 8 + fp32 grad 4.
@@ -9,11 +16,14 @@ Bytes per Adam param: 28 = param r/w 8 + exp_avg r/w 8 + exp_avg_sq r/w 8 + fp32
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -50,31 +60,42 @@ def machine() -> str:
             f"{st.get('threads')} threads, {platform.platform()}")
 
 
+def interleaved(fns: list[tuple[str, object]], reps: int) -> list[tuple[str, float]]:
+    """Median seconds of each fn, one call of every fn per round (the machine is noisy)."""
+    for _, fn in fns:
+        fn()  # warm-up: page faults, thread pool start, optimizer state
+    times: dict[str, list[float]] = {name: [] for name, _ in fns}
+    for _ in range(reps):
+        for name, fn in fns:
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return [(name, statistics.median(times[name])) for name, _ in fns]
+
+
 def bench_adam(n: int, reps: int) -> list[tuple[str, float]]:
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen) * 1e-3
     m, v = torch.zeros(n), torch.zeros(n)
-    rows = []
     step = [0]
 
     def ours():
         step[0] += 1
         kernels.adam_update(p, g, m, v, step=step[0], **HP)
 
-    rows.append(("capstan adam_update (fp32 grads)", median_time(ours, reps)))
+    fns = [("capstan adam_update (fp32 grads)", ours)]
     for name, kw in (("default", {}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
         q = torch.nn.Parameter(p.clone())
         q.grad = g.clone()
         opt = torch.optim.AdamW([q], lr=1e-3, weight_decay=0.01, **kw)
-        rows.append((f"torch AdamW {name}", median_time(opt.step, reps)))
-        del opt, q
+        fns.append((f"torch AdamW {name}", opt.step))
     src = torch.empty(n * 14, dtype=torch.uint8)  # 14 B read + 14 B written = 28 B/param
     src.fill_(1)
     dst = torch.empty_like(src)
-    rows.append(("capstan copy_ of 28 B/param traffic", median_time(lambda: kernels.copy_(dst, src), reps)))
-    rows.append(("torch copy_ of 28 B/param traffic", median_time(lambda: dst.copy_(src), reps)))
-    return rows
+    fns.append(("capstan copy_ of 28 B/param traffic", lambda: kernels.copy_(dst, src)))
+    fns.append(("torch copy_ of 28 B/param traffic", lambda: dst.copy_(src)))
+    return interleaved(fns, reps)
 
 
 def bench_offload_step(n: int, reps: int) -> list[tuple[str, float]]:
@@ -108,15 +129,30 @@ def bench_offload_step(n: int, reps: int) -> list[tuple[str, float]]:
 
 
 def bench_casts(n: int, reps: int) -> list[tuple[str, float, int]]:
+    """Every op once per round, rounds interleaved (the machine is noisy); medians."""
     x = torch.randn(n)
     h = torch.empty(n, dtype=torch.bfloat16)
+    hf = torch.empty(n, dtype=torch.float16)
     f = torch.empty(n)
-    return [("capstan fp32->bf16", median_time(lambda: kernels.cast_(x, h), reps), 6 * n),
-            ("torch fp32->bf16", median_time(lambda: h.copy_(x), reps), 6 * n),
-            ("capstan bf16->fp32", median_time(lambda: kernels.cast_(h, f), reps), 6 * n),
-            ("torch bf16->fp32", median_time(lambda: f.copy_(h), reps), 6 * n),
-            ("capstan fp32 copy", median_time(lambda: kernels.copy_(f, x), reps), 8 * n),
-            ("torch fp32 copy", median_time(lambda: f.copy_(x), reps), 8 * n)]
+    ops = [("capstan fp32->bf16", lambda: kernels.cast_(x, h), 6 * n),
+           ("torch fp32->bf16", lambda: h.copy_(x), 6 * n),
+           ("capstan bf16->fp32", lambda: kernels.cast_(h, f), 6 * n),
+           ("torch bf16->fp32", lambda: f.copy_(h), 6 * n),
+           ("capstan fp32->fp16", lambda: kernels.cast_(x, hf), 6 * n),
+           ("torch fp32->fp16", lambda: hf.copy_(x), 6 * n),
+           ("capstan fp16->fp32", lambda: kernels.cast_(hf, f), 6 * n),
+           ("torch fp16->fp32", lambda: f.copy_(hf), 6 * n),
+           ("capstan fp32 copy", lambda: kernels.copy_(f, x), 8 * n),
+           ("torch fp32 copy", lambda: f.copy_(x), 8 * n)]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in ops}
+    for _, fn, _ in ops:
+        fn()  # warm-up: page faults, thread pool start
+    for _ in range(reps):
+        for name, fn, _ in ops:
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return [(name, statistics.median(times[name]), nbytes) for name, _, nbytes in ops]
 
 
 def bench_io(path: str, gib: int) -> list[tuple[str, float, int]]:
@@ -150,34 +186,183 @@ def bench_io(path: str, gib: int) -> list[tuple[str, float, int]]:
     return rows
 
 
+# Child-process side of --deepspeed-python: builds the same problem, then steps
+# DeepSpeedCPUAdam once per "step" line on stdin and answers with the seconds.
+_DS_CHILD = r"""
+import json, sys, time, torch
+torch.set_num_threads(int(sys.argv[2]))
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+n = int(sys.argv[1])
+gen = torch.Generator().manual_seed(0)
+p = torch.nn.Parameter(torch.randn(n, generator=gen))
+p.grad = torch.randn(n, generator=gen) * 1e-3
+opt = DeepSpeedCPUAdam([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                       adamw_mode=True)
+opt.step()  # warm-up: state allocation, page faults
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    t = time.perf_counter()
+    opt.step()
+    print(json.dumps({"s": time.perf_counter() - t}), flush=True)
+"""
+
+
+def bench_vs_deepspeed(n: int, reps: int, ds_python: str) -> list[tuple[str, float]]:
+    """capstan CPUAdam vs DeepSpeedCPUAdam (AdamW, fp32 grads), steps interleaved."""
+    from capstan.native.optim import CPUAdam
+    # deepspeed JIT-builds cpu_adam into TORCH_EXTENSIONS_DIR; the default
+    # (~/.cache/torch_extensions) is shared with any other deepspeed/torch install
+    # on the machine, which makes each rebuild it, so keep it inside that venv.
+    venv = os.path.dirname(os.path.dirname(os.path.abspath(ds_python)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()),
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                   os.path.join(venv, "torch_extensions")))
+    child = subprocess.Popen([ds_python, "-c", _DS_CHILD, str(n), str(torch.get_num_threads())],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                             cwd=tempfile.gettempdir())
+    try:
+        for line in child.stdout:  # skip deepspeed's log lines until ready
+            if line.startswith("{"):
+                break
+        else:
+            raise RuntimeError(f"deepspeed child exited with {child.wait()}")
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(n, generator=gen))
+        p.grad = torch.randn(n, generator=gen) * 1e-3
+        opt = CPUAdam([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                      adamw_mode=True)
+        opt.step()
+        ours, theirs = [], []
+        for _ in range(reps):
+            t = time.perf_counter()
+            opt.step()
+            ours.append(time.perf_counter() - t)
+            child.stdin.write("step\n")
+            child.stdin.flush()
+            theirs.append(json.loads(child.stdout.readline())["s"])
+    finally:
+        child.stdin.close()
+        child.wait()
+    return [("capstan CPUAdam.step", statistics.median(ours)),
+            ("DeepSpeedCPUAdam.step", statistics.median(theirs))]
+
+
+def _sequential_io(path: str, total: int, inflight: int, block: int = 8 << 20) -> None:
+    """Write then read `total` bytes sequentially, at most `inflight` requests queued."""
+    buf = aio.aligned_empty(inflight * block)
+    buf.fill_(5)
+    for mode in ("w+", "r"):
+        with aio.AsyncFile(path, mode) as f:
+            queue = []
+            for k, o in enumerate(range(0, total, block)):
+                if len(queue) == inflight:
+                    queue.pop(0).wait()
+                piece = buf[(k % inflight) * block:(k % inflight + 1) * block]
+                queue.append(f.write_from(piece, o) if mode == "w+" else f.read_into(piece, o))
+            for r in queue:
+                r.wait()
+            if mode == "w+":
+                f.fsync().wait()
+    os.unlink(path)
+
+
+def bench_overlap(path: str, gib: int, rounds: int = 5) -> list[tuple[str, float]]:
+    """torch matmul throughput alone vs while aio streams `gib` GiB (8 in flight).
+
+    Each round runs the matmul loop while a thread sleeps (alone) and then while a
+    thread does the I/O, for the same duration; the per-round ratio is the figure
+    (the shared machine's load drifts between rounds). Also the CPU the I/O itself
+    burns: process CPU time over a matmul-free write+read, as a share of all cores.
+    """
+    a = torch.randn(1024, 1024)
+    b = torch.randn(1024, 1024)
+
+    def matmuls_while(th: threading.Thread) -> float:
+        count, t0 = 0, time.perf_counter()
+        th.start()
+        while th.is_alive():
+            torch.mm(a, b)
+            count += 1
+        return (time.perf_counter() - t0) / max(count, 1)
+
+    for _ in range(20):
+        torch.mm(a, b)
+    total = gib << 30
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    _sequential_io(path, total, 8)
+    io_cpu, io_wall = time.process_time() - cpu0, time.perf_counter() - t0
+    alone, loaded, ratios = [], [], []
+    for _ in range(rounds):
+        alone.append(matmuls_while(threading.Thread(target=time.sleep, args=(io_wall,))))
+        loaded.append(matmuls_while(threading.Thread(target=_sequential_io,
+                                                     args=(path, total, 8))))
+        ratios.append(loaded[-1] / alone[-1])
+    return [("torch.mm 1024x1024 alone (s per matmul)", statistics.median(alone)),
+            (f"torch.mm while aio writes+reads {gib} GiB, 8 in flight (s per matmul)",
+             statistics.median(loaded)),
+            ("aio write+read alone: wall s", io_wall),
+            ("aio write+read alone: process CPU s (all threads)", io_cpu),
+            ("aio CPU share of the machine's cores", io_cpu / io_wall / (os.cpu_count() or 1)),
+            ("matmul slowdown during I/O (median of per-round ratios)",
+             statistics.median(ratios) - 1)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=int, default=100_000_000)
     ap.add_argument("--io-gib", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--overlap-gib", type=int, default=2)
+    ap.add_argument("--deepspeed-python", default=None,
+                    help="python of a separate venv with deepspeed (DeepSpeedCPUAdam comparison)")
+    ap.add_argument("--only", default="adam,offload,casts,io,overlap,deepspeed",
+                    help="comma-separated sections to run")
     args = ap.parse_args()
+    only = set(args.only.split(","))
     n = args.params
     print(f"Machine: {machine()}\n")
-    print(f"### Adam step, {n / 1e6:.0f}M fp32 params (median of {args.reps})\n")
-    print("| variant | s/step | Mparams/s | GB/s (28 B/param) | vs capstan |\n|---|---|---|---|---|")
-    rows = bench_adam(n, args.reps)
-    base = rows[0][1]
-    for name, t in rows:
-        print(f"| {name} | {t:.3f} | {n / t / 1e6:.0f} | {28 * n / t / 1e9:.2f} | {t / base:.2f}x |")
-    print(f"\n### Offloaded step (bf16 grads, unscale + overflow check, AdamW, bf16 out), {n / 1e6:.0f}M\n")
-    print("| variant | s/step | Mparams/s | vs capstan |\n|---|---|---|---|")
-    rows = bench_offload_step(n, args.reps)
-    for name, t in rows:
-        print(f"| {name} | {t:.3f} | {n / t / 1e6:.0f} | {t / rows[0][1]:.2f}x |")
-    print(f"\n### Casts and copies, {n / 1e6:.0f}M elements\n")
-    print("| op | s | GB/s (bytes read + written) |\n|---|---|---|")
-    for name, t, nbytes in bench_casts(n, args.reps):
-        print(f"| {name} | {t:.4f} | {nbytes / t / 1e9:.2f} |")
-    print(f"\n### Sequential file I/O, {args.io_gib} GiB in {args.dir}\n")
-    print("| op | s | GB/s |\n|---|---|---|")
-    for name, t, nbytes in bench_io(os.path.join(args.dir, "capstan-bench.bin"), args.io_gib):
-        print(f"| {name} | {t:.2f} | {nbytes / t / 1e9:.2f} |")
+    if "adam" in only:
+        print(f"### Adam step, {n / 1e6:.0f}M fp32 params (median of {args.reps})\n")
+        print("| variant | s/step | Mparams/s | GB/s (28 B/param) | vs capstan |\n|---|---|---|---|---|")
+        rows = bench_adam(n, args.reps)
+        base = rows[0][1]
+        for name, t in rows:
+            print(f"| {name} | {t:.3f} | {n / t / 1e6:.0f} | {28 * n / t / 1e9:.2f} | {t / base:.2f}x |")
+    if "deepspeed" in only and args.deepspeed_python:
+        print(f"\n### CPUAdam vs DeepSpeedCPUAdam, {n / 1e6:.0f}M fp32 params, AdamW, "
+              f"interleaved (median of {args.reps})\n")
+        print("| optimizer | s/step | Mparams/s | vs capstan |\n|---|---|---|---|")
+        rows = bench_vs_deepspeed(n, args.reps, args.deepspeed_python)
+        for name, t in rows:
+            print(f"| {name} | {t:.3f} | {n / t / 1e6:.0f} | {t / rows[0][1]:.2f}x |")
+    if "offload" in only:
+        print(f"\n### Offloaded step (bf16 grads, unscale + overflow check, AdamW, bf16 out), {n / 1e6:.0f}M\n")
+        print("| variant | s/step | Mparams/s | vs capstan |\n|---|---|---|---|")
+        rows = bench_offload_step(n, args.reps)
+        for name, t in rows:
+            print(f"| {name} | {t:.3f} | {n / t / 1e6:.0f} | {t / rows[0][1]:.2f}x |")
+    if "casts" in only:
+        print(f"\n### Casts and copies, {n / 1e6:.0f}M elements\n")
+        print("| op | s | GB/s (bytes read + written) | vs capstan copy |\n|---|---|---|---|")
+        rows = bench_casts(n, args.reps)
+        copy_bw = next(nb / t for name, t, nb in rows if name == "capstan fp32 copy")
+        for name, t, nbytes in rows:
+            print(f"| {name} | {t:.4f} | {nbytes / t / 1e9:.2f} | {nbytes / t / copy_bw:.0%} |")
+    if "io" in only:
+        print(f"\n### Sequential file I/O, {args.io_gib} GiB in {args.dir}\n")
+        print("| op | s | GB/s |\n|---|---|---|")
+        for name, t, nbytes in bench_io(os.path.join(args.dir, "capstan-bench.bin"), args.io_gib):
+            print(f"| {name} | {t:.2f} | {nbytes / t / 1e9:.2f} |")
+    if "overlap" in only and args.overlap_gib > 0:
+        print(f"\n### CPU left free by async I/O: torch matmul alone vs during aio "
+              f"({args.overlap_gib} GiB write + read, 8 requests in flight), 5 alternating rounds\n")
+        print("| measurement | value |\n|---|---|")
+        rows = bench_overlap(os.path.join(args.dir, "capstan-overlap.bin"), args.overlap_gib)
+        for name, t in rows[:4]:
+            print(f"| {name} | {t:.4f} |")
+        print(f"| {rows[4][0]} | {rows[4][1]:.1%} |")
+        print(f"| {rows[5][0]} | {rows[5][1]:+.1%} |")
 
 
 if __name__ == "__main__":

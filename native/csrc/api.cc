@@ -17,6 +17,11 @@ namespace {
 // costs more than the work.
 constexpr int64_t kGrain = 32768;
 constexpr int kMaxChunks = 1024;
+// Casts whose destination is at least this large use non-temporal stores:
+// the output would not stay in cache anyway, and streaming skips the read of
+// every destination line (write-allocate). Smaller outputs stay cacheable for
+// whatever consumes them next.
+constexpr int64_t kStreamBytes = 4 << 20;
 
 bool valid_dtype(int dt) { return dt == CAPSTAN_F32 || dt == CAPSTAN_BF16 || dt == CAPSTAN_F16; }
 int64_t dtype_size(int dt) { return dt == CAPSTAN_F32 ? 4 : 2; }
@@ -67,11 +72,12 @@ struct CastCtx {
   const void* src;
   void* dst;
   int sdt, ddt;
+  int stream;
 };
 
 void cast_chunk(void* p, int64_t b, int64_t e, int) {
   auto* c = (CastCtx*)p;
-  c->k->cast(c->src, c->sdt, c->dst, c->ddt, b, e);
+  c->k->cast(c->src, c->sdt, c->dst, c->ddt, b, e, c->stream);
 }
 
 struct CopyCtx {
@@ -165,7 +171,8 @@ int capstan_cast(const void* src, int src_dtype, void* dst, int dst_dtype, int64
   if (!src || !dst || n < 0) return CAPSTAN_EINVAL;
   if (!valid_dtype(src_dtype) || !valid_dtype(dst_dtype)) return CAPSTAN_EDTYPE;
   if (src_dtype == dst_dtype) return capstan_copy(dst, src, n * dtype_size(src_dtype));
-  CastCtx c{active_kernels(), src, dst, src_dtype, dst_dtype};
+  CastCtx c{active_kernels(), src, dst, src_dtype, dst_dtype,
+            n * dtype_size(dst_dtype) >= kStreamBytes};
   parallel_for(n, kGrain, cast_chunk, &c);
   return CAPSTAN_OK;
 }

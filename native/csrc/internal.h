@@ -43,7 +43,9 @@ struct AdamArgs {
 struct KernelTable {
   const char* name;
   void (*adam)(const AdamArgs* a, int64_t begin, int64_t end);
-  void (*cast)(const void* src, int sdt, void* dst, int ddt, int64_t begin, int64_t end);
+  // stream != 0: non-temporal stores in the vector loop (large casts only).
+  void (*cast)(const void* src, int sdt, void* dst, int ddt, int64_t begin, int64_t end,
+               int stream);
   void (*sum)(void* dst, int ddt, const void* const* srcs, int nsrc, int sdt, int64_t begin,
               int64_t end);
   double (*sumsq)(const void* src, int dt, int64_t begin, int64_t end);

@@ -20,7 +20,8 @@ struct VVec {
   }
   static void store(float* p, VVec a) { _mm256_storeu_ps(p, a.v); }
   // Integer round-to-nearest-even, same bits as capstan::f32_to_bf16.
-  static void store_bf16(uint16_t* p, VVec a) {
+  static void store_bf16(uint16_t* p, VVec a) { _mm_storeu_si128((__m128i*)p, to_bf16(a)); }
+  static __m128i to_bf16(VVec a) {
     __m256i u = _mm256_castps_si256(a.v);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
@@ -30,11 +31,24 @@ struct VVec {
     r = _mm256_blendv_epi8(r, nan, isnan);
     // packus works per 128-bit lane: [r0..3 r0..3 | r4..7 r4..7]; gather lanes 0 and 2.
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(packed);
   }
-  static void store_f16(uint16_t* p, VVec a) {
-    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  static void store_f16(uint16_t* p, VVec a) { _mm_storeu_si128((__m128i*)p, to_f16(a)); }
+  static __m128i to_f16(VVec a) {
+    return _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
+  // Non-temporal stores for large casts (see simd_avx512.h); p 32-byte aligned.
+  static void stream2(float* p, VVec a, VVec b) {
+    _mm256_stream_ps(p, a.v);
+    _mm256_stream_ps(p + W, b.v);
+  }
+  static void stream2_bf16(uint16_t* p, VVec a, VVec b) {
+    _mm256_stream_si256((__m256i*)p, _mm256_set_m128i(to_bf16(b), to_bf16(a)));
+  }
+  static void stream2_f16(uint16_t* p, VVec a, VVec b) {
+    _mm256_stream_si256((__m256i*)p, _mm256_set_m128i(to_f16(b), to_f16(a)));
+  }
+  static void fence() { _mm_sfence(); }
   static VVec fma(VVec a, VVec b, VVec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   static VVec sqrt(VVec a) { return {_mm256_sqrt_ps(a.v)}; }
   static float hsum(VVec a) {

@@ -23,18 +23,41 @@ struct VVec {
     return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))};
   }
   static void store(float* p, VVec a) { _mm512_storeu_ps(p, a.v); }
-  static void store_bf16(uint16_t* p, VVec a) {
+  static void store_bf16(uint16_t* p, VVec a) { _mm256_storeu_si256((__m256i*)p, to_bf16(a)); }
+  static __m256i to_bf16(VVec a) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16(a), 16)); }
+  // Integer round-to-nearest-even (same bits as capstan::f32_to_bf16), result
+  // in the high 16 bits of each lane: u + 0x7fff + ((u >> 16) & 1); NaN
+  // (unordered with itself) becomes 0xFFFF.
+  static __m512i round_bf16(VVec a) {
     __m512i u = _mm512_castps_si512(a.v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    __m512i nan = _mm512_set1_epi32(0xFFFF);  // see capstan::f32_to_bf16
-    __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                              _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_blend_epi32(isnan, r, nan);
-    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    __mmask16 isnan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, isnan, _mm512_set1_epi32(-1));
   }
   static void store_f16(uint16_t* p, VVec a) {
-    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256((__m256i*)p, to_f16(a));
+  }
+  // Non-temporal stores for large casts: the destination lines are written
+  // whole without being read first (no write-allocate). p must be 64-byte
+  // aligned; fence() after a run.
+  // The stream2 forms write 2*W elements: one whole 64-byte line per store.
+  static void stream2(float* p, VVec a, VVec b) {
+    _mm512_stream_ps(p, a.v);
+    _mm512_stream_ps(p + W, b.v);
+  }
+  static void stream2_bf16(uint16_t* p, VVec a, VVec b) {
+    // One vpermt2w gathers the 32 high halves of a's and b's lanes, in order.
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                         31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    _mm512_stream_si512((__m512i*)p, _mm512_permutex2var_epi16(round_bf16(a), odd, round_bf16(b)));
+  }
+  static void stream2_f16(uint16_t* p, VVec a, VVec b) {
+    _mm512_stream_si512((__m512i*)p, _mm512_inserti64x4(_mm512_castsi256_si512(to_f16(a)), to_f16(b), 1));
+  }
+  static void fence() { _mm_sfence(); }
+  static __m256i to_f16(VVec a) {
+    return _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
   static VVec fma(VVec a, VVec b, VVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static VVec sqrt(VVec a) { return {_mm512_sqrt_ps(a.v)}; }

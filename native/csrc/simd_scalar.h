@@ -14,6 +14,11 @@ struct SVec {
   static void store(float* p, SVec a) { *p = a.v; }
   static void store_bf16(uint16_t* p, SVec a) { *p = capstan::f32_to_bf16(a.v); }
   static void store_f16(uint16_t* p, SVec a) { *p = capstan::f32_to_f16(a.v); }
+  // No non-temporal stores in the scalar unit: plain stores, no fence.
+  static void stream2(float* p, SVec a, SVec b) { store(p, a); store(p + 1, b); }
+  static void stream2_bf16(uint16_t* p, SVec a, SVec b) { store_bf16(p, a); store_bf16(p + 1, b); }
+  static void stream2_f16(uint16_t* p, SVec a, SVec b) { store_f16(p, a); store_f16(p + 1, b); }
+  static void fence() {}
   static SVec sqrt(SVec a) { return {__builtin_sqrtf(a.v)}; }
   // Exact fused multiply-add: one instruction in the AVX units (-mfma), libm's
   // correctly rounded fmaf in the scalar unit; same result either way.

@@ -70,6 +70,45 @@ def test_bf16_f16_cross_cast(isa, gen, n):
     assert same_bits(out, h.float().to(torch.float16))
 
 
+# Destinations of 4 MiB and more take the non-temporal store path (api.cc
+# kStreamBytes): a scalar head up to a 64-byte boundary, the streamed vector
+# loop, then the plain tail. Offsets make dst and src start off the boundary.
+STREAM_N = (4 << 20) // 2 + 4099  # > 4 MiB of 16-bit output
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_streamed_f32_to_16_bit_identical_to_torch(isa, gen, offset, dtype):
+    x = random_f32_bits(STREAM_N + offset, gen)[offset:]
+    out = torch.empty(STREAM_N + offset, dtype=dtype)[offset:]
+    kernels.cast_(x, out)
+    ref = x.to(dtype)
+    if dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        nan = torch.isnan(x)
+        assert same_bits(out[~nan], ref[~nan]) and bool(torch.isnan(out[nan].float()).all())
+    else:
+        assert same_bits(out, ref)
+
+
+@pytest.mark.parametrize("offset", [0, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_streamed_16_to_f32_all_values(isa, offset, dtype):
+    reps = (4 << 20) // (4 << 16) + 1  # every 16-bit pattern, > 4 MiB of fp32 output
+    h = all_16bit(dtype).repeat(reps)
+    h = torch.cat([h, h[:offset + 17]])[offset:]
+    out = torch.empty(h.numel() + offset, dtype=torch.float32)[offset:]
+    kernels.cast_(h, out)
+    assert same_bits(out, h.float())
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_streamed_bf16_f16_cross_cast(isa, gen, offset):
+    h = torch.randn(STREAM_N + offset, generator=gen).to(torch.bfloat16)[offset:]
+    out = torch.empty(STREAM_N + offset, dtype=torch.float16)[offset:]
+    kernels.cast_(h, out)
+    assert same_bits(out, h.float().to(torch.float16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_copy(gen, dtype):
     src = torch.randint(-1000, 1000, (1_000_003,), generator=gen).to(dtype)
