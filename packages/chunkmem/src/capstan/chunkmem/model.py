@@ -117,8 +117,9 @@ class ChunkedModel(nn.Module):
         """
         need, what = 0, "nothing"
         grad_bytes = max((c.nbytes for lst in self.chunks.get(ChunkKind.GRAD, []) for c in lst), default=0)
+        hooked = {id(m) for m in self._hooked_modules()}
         for name, module in self.module.named_modules():
-            homes = self._module_homes(module) if not self._inside_atomic(module) else []
+            homes = self._module_homes(module) if id(module) in hooked else []
             chunks = {id(c): c for c in (self.chunk_of(h, ChunkKind.PARAM) for h in homes)}
             total = sum(c.nbytes for c in chunks.values()) + (grad_bytes if homes else 0)
             if total > need:
@@ -133,9 +134,6 @@ class ChunkedModel(nn.Module):
     def _transient_bytes(self) -> int:
         """Buffers outside chunks that the step needs at once (sharding's gather/reduce buffers)."""
         return 0
-
-    def _inside_atomic(self, module: nn.Module) -> bool:
-        return id(module) not in {id(m) for m in self._hooked_modules()}
 
     def _check_budget(self) -> None:
         capacity = self.manager.cpu.capacity

@@ -32,7 +32,7 @@ from capstan import comm
 from .config import Config
 from .config_load import uses_chunks
 from .pipe import PipelineStage
-from .precision import LossScaler, autocast
+from .precision import autocast, loss_scaler
 from .schedule_lr import lr_at
 from .zero import ZeroOptimizer, decays
 
@@ -66,7 +66,7 @@ class Engine:
         self.accum = config.train.grad_accum_steps
         self.global_step = 0  # optimizer steps taken
         self.micro_step = 0  # backward passes since the last optimizer step
-        self.scaler = LossScaler(config.precision) if config.precision.dtype == "fp16" else None
+        self.scaler = loss_scaler(config.precision) if config.precision.dtype == "fp16" else None
         self.chunked = uses_chunks(config)
         self._micro_losses: list[float] = []
         self._step_start: float | None = None

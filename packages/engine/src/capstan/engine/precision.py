@@ -13,9 +13,11 @@ import contextlib
 
 import torch
 
+from capstan.chunkmem.precision import DynamicLossScaler
+
 from .config import PrecisionConfig
 
-__all__ = ["LossScaler", "autocast"]
+__all__ = ["loss_scaler", "autocast"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -26,42 +28,7 @@ def autocast(p: PrecisionConfig, device: str = "cpu") -> contextlib.AbstractCont
     return torch.autocast(device, dtype=_DTYPES[p.dtype])
 
 
-class LossScaler:
-    """Dynamic loss scale (the DeepSpeed / Megatron scheme with hysteresis).
-
-    After `window` overflow-free steps the scale doubles; an overflow skips
-    the step, and the `hysteresis`-th overflow since the last change halves the
-    scale (never below `min_scale`).
-    """
-
-    def __init__(self, p: PrecisionConfig) -> None:
-        self.scale = float(p.initial_scale)
-        self.window, self.hysteresis, self.min_scale = p.window, p.hysteresis, p.min_scale
-        self.good_steps = 0
-        self.overflows_left = p.hysteresis
-        self.skipped_steps = 0
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.skipped_steps += 1
-            self.good_steps = 0
-            self.overflows_left -= 1
-            if self.overflows_left <= 0:
-                self.scale = max(self.scale / 2.0, self.min_scale)
-                self.overflows_left = self.hysteresis
-            return
-        self.good_steps += 1
-        if self.good_steps >= self.window:
-            self.scale *= 2.0
-            self.good_steps = 0
-            self.overflows_left = self.hysteresis
-
-    def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "good_steps": self.good_steps, "overflows_left": self.overflows_left,
-                "skipped_steps": self.skipped_steps}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.scale = float(state["scale"])
-        self.good_steps = int(state["good_steps"])
-        self.overflows_left = int(state["overflows_left"])
-        self.skipped_steps = int(state["skipped_steps"])
+def loss_scaler(p: PrecisionConfig) -> DynamicLossScaler:
+    """The fp16 dynamic loss scaler configured by `[precision]` (one implementation, in chunkmem)."""
+    return DynamicLossScaler(initial_scale=p.initial_scale, window=p.window, hysteresis=p.hysteresis,
+                             min_scale=p.min_scale)
