@@ -16,6 +16,7 @@ group, so plain PyTorch code keeps working next to capstan.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from datetime import timedelta
@@ -85,6 +86,9 @@ def init(backend: str | None = None, timeout: float | timedelta = 300.0, environ
         liveness.start()
     state.set_state(info, world, backend, td, liveness)
     set_rank_context(info.rank)
+    # A process group left alive at interpreter exit can abort the process in torch's teardown
+    # ("terminate called without an active exception", seen 1 in 8 under torchrun): tear down first.
+    atexit.register(shutdown)
     log.debug("initialized: %s, %s, backend %s", info.describe("rank"), info.describe("world_size"), backend)
     return world
 

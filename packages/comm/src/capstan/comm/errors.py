@@ -54,7 +54,11 @@ class Liveness:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop beating and wait for the thread: a store client destroyed at interpreter exit
+        while the thread is inside it aborts the process ("terminate called ...")."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * HEARTBEAT_S)
 
     def _beat(self) -> None:
         self._publish(f"{self.host} {os.getpid()} {time.time():.3f}")
