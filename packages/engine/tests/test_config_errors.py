@@ -78,7 +78,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (s + ["memory.offload=\"cpu\"", "--set", "memory.cpu_budget=4194304", "--set", "model.d_model=256"],
          "below the model states'"),
         (s + ["memory.offload=\"cpu\"", "--set", "parallel.tp=2"], "needs tp = 1 for now"),
-        (s + ["parallel.zero_stage=3", "--set", "checkpoint.every=5"], "checkpoints of chunked model states"),
+        (s + [f"checkpoint.load={tmp / 'no-such-run'}"], "no complete checkpoint there"),
         (s + ["memory.gpu_budget=1000000"], "memory.gpu_budget is not yet supported"),
         (s + ["data.max_bytes=10"], "data.max_bytes = 10 must be >= 1024"),
         (s + ["train.steps"], "expected section.key=value"),

@@ -1,4 +1,4 @@
-"""The `capstan` command line: `capstan train` and `capstan info`.
+"""The `capstan` command line: `capstan train`, `capstan info` and `capstan checkpoint inspect|export`.
 
     capstan train --config examples/tiny.toml [--set train.steps=10 ...] [--debug]
     mpirun -np 2 capstan train --config examples/tiny.toml
@@ -71,6 +71,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if cfg.log.tensorboard and find_spec("tensorboard") is None:
         raise ConfigError("log.tensorboard = true needs the tensorboard package (pip install tensorboard)")
     data = open_data(cfg)
+    if cfg.checkpoint.load:  # before any process group: a wrong path fails fast on every rank
+        from .checkpoint import CheckpointError, latest, read_manifest
+
+        found = latest(cfg.checkpoint.load)
+        if found is None:
+            raise CheckpointError(f"checkpoint.load = {cfg.checkpoint.load!r}: no complete checkpoint there")
+        read_manifest(found)
     from .trainer import run
 
     run(cfg, sources, data)
@@ -94,7 +101,34 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override one value (a TOML literal or a bare string); repeatable")
     train.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     train.set_defaults(func=_cmd_train)
+    ckpt = sub.add_parser("checkpoint", help="inspect or export a checkpoint (docs/checkpoints.md)")
+    ckpt_sub = ckpt.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    inspect = ckpt_sub.add_parser("inspect", help="layout, step, sizes; verifies every shard's checksum")
+    inspect.add_argument("dir", help="a step_* directory, or a directory of them (the newest)")
+    inspect.add_argument("--json", action="store_true", help="print as JSON")
+    inspect.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
+    inspect.set_defaults(func=_cmd_checkpoint_inspect)
+    export = ckpt_sub.add_parser("export", help="one consolidated safetensors file (+ config JSON), streamed")
+    export.add_argument("dir", help="a step_* directory, or a directory of them (the newest)")
+    export.add_argument("out", help="the .safetensors file to write")
+    export.set_defaults(func=_cmd_checkpoint_export)
     return parser
+
+
+def _cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
+    from .ckpt_tools import format_inspect, inspect
+
+    info = inspect(args.dir, verify=not args.no_verify)
+    sys.stdout.write((json.dumps(info) if args.json else format_inspect(info)) + "\n")
+    return 0
+
+
+def _cmd_checkpoint_export(args: argparse.Namespace) -> int:
+    from .ckpt_tools import export
+
+    out = export(args.dir, args.out)
+    print(f"wrote {out} and {out.parent / (out.stem + '.config.json')}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,6 +165,8 @@ class CheckpointConfig:
     """Most recent checkpoints kept; older ones are deleted after a newer one is complete."""
     resume: bool = False
     """Continue from the newest complete checkpoint in dir, if there is one."""
+    load: str | None = constraint(None, nullable=True)
+    """Start from this checkpoint (a step_* directory, or a directory of them: the newest), saved under any layout; resume from dir takes precedence when dir has one."""
 
 
 @dataclass(frozen=True, kw_only=True)

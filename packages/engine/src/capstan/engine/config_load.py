@@ -249,9 +249,6 @@ def _check_chunk_path(cfg: Config, sources: Sources) -> None:
     if p.tp > 1:
         raise ConfigError(f"{why} needs tp = 1 for now (the chunk optimizer's gradient norm is not yet "
                           f"reduced over tensor-parallel slices); got tp = {p.tp}")
-    if cfg.checkpoint.every:
-        raise ConfigError(f"{why}: checkpoints of chunked model states are not yet supported; "
-                          "set checkpoint.every = 0")
     chunk_bytes = mem.chunk_size * 4
     if mem.offload == "disk" and mem.cpu_budget is None:
         raise ConfigError("memory.offload = \"disk\" needs memory.cpu_budget (bytes of chunks kept in RAM)")

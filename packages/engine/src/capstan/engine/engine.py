@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -258,6 +259,19 @@ class Engine:
         if self.chunked:
             return self.module.state_tensors()
         return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+
+    # ---- checkpoints (checkpoint.py) ----------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        """Save a universal checkpoint of this step under `directory` (every rank calls it)."""
+        from . import checkpoint
+
+        return checkpoint.save(self, directory)
+
+    def load(self, path: str | Path) -> int:
+        """Load a checkpoint saved under any layout (a step directory, or the newest under `path`); returns its step."""
+        from . import checkpoint
+
+        return checkpoint.load(self, path)
 
     def close(self) -> None:
         if self.chunked:

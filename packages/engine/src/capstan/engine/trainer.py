@@ -38,6 +38,9 @@ def run(cfg: Config, sources: Sources, data: TokenData) -> list[dict]:
         start = checkpoint.load_latest(engine, ckpt_root)
         if start:
             comm.log_rank0(log, "resumed from step %d (%s)", start, ckpt_root)
+    if not start and cfg.checkpoint.load:
+        start = checkpoint.load(engine, cfg.checkpoint.load)
+        comm.log_rank0(log, "loaded step %d from %s", start, cfg.checkpoint.load)
     sink = MetricsSink(run_dir, rank0, cfg.log.tensorboard, append=start > 0)
     if rank0:
         (run_dir / "config.resolved.toml").write_text(to_toml(cfg, derived))
@@ -64,7 +67,7 @@ def run(cfg: Config, sources: Sources, data: TokenData) -> list[dict]:
                 eta = (t.steps - info.step) * sum(recent) / len(recent)
                 comm.log_rank0(log, "%s", progress_line(record, t.steps, eta))
             if cfg.checkpoint.every and (info.step % cfg.checkpoint.every == 0 or last):
-                checkpoint.save(engine, ckpt_root)
+                engine.save(ckpt_root)
     finally:
         sink.close()
         engine.close()

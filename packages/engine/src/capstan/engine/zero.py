@@ -189,21 +189,6 @@ class ZeroOptimizer:
             tensors.append(self.shard_grad)
         return sum(x.numel() * x.element_size() for x in tensors)
 
-    def state_dict(self) -> dict[str, object]:
-        return {"flat_param": self.flat_param.clone(), "exp_avg": self.exp_avg.clone(),
-                "exp_avg_sq": self.exp_avg_sq.clone(), "step": self.step_count,
-                "layout": (self.numel, self.padded, self.lo, self.hi, self.stage)}
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        layout = (self.numel, self.padded, self.lo, self.hi, self.stage)
-        if tuple(state["layout"]) != layout:  # type: ignore[arg-type]
-            raise ValueError(f"checkpoint layout (numel, padded, shard lo, hi, stage) {tuple(state['layout'])} "
-                             f"differs from this run's {layout}")
-        self.flat_param.copy_(state["flat_param"])  # type: ignore[arg-type]
-        self.exp_avg.copy_(state["exp_avg"])  # type: ignore[arg-type]
-        self.exp_avg_sq.copy_(state["exp_avg_sq"])  # type: ignore[arg-type]
-        self.step_count = int(state["step"])  # type: ignore[arg-type]
-
 
 def _offsets(params: list[torch.Tensor]) -> list[int]:
     out, pos = [], 0

@@ -1,0 +1,67 @@
+"""Read and write one parameter's training state in a `ChunkedModel`: for checkpoints.
+
+A checkpoint wants, per parameter, three fp32 tensors: the parameter (the
+master copy in mixed precision), and Adam's ``exp_avg`` and ``exp_avg_sq``.
+These live at the parameter's slot in sibling chunks, which may be on disk;
+each call brings the chunk in through the manager (so the RAM budget holds)
+and releases it. Only chunks this rank owns have optimizer state
+(`owned_homes`); with ZeRO-3 sharding every parameter is owned by exactly one
+data-parallel rank.
+
+    for home in owned_homes(model):
+        t = read_state(model, home, "exp_avg")       # a copy, fp32
+        write_state(model, home, "exp_avg", t)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model import ChunkedModel, ParamHome
+from .states import ChunkKind
+
+__all__ = ["FIELDS", "owned_homes", "read_state", "write_state"]
+
+FIELDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def owned_homes(model: ChunkedModel) -> list[ParamHome]:
+    """The parameters whose chunks (and optimizer state) this rank keeps, in registration order."""
+    owned = {(g, i) for g in range(len(model.chunks[ChunkKind.PARAM])) for i in model.owned_indices(g)}
+    return [h for h in model.homes.values() if (h.group, h.index) in owned]
+
+
+def _kind(model: ChunkedModel, field: str) -> ChunkKind:
+    if field == "param":
+        return ChunkKind.MASTER if model.mixed else ChunkKind.PARAM
+    if field == "exp_avg":
+        return ChunkKind.EXP_AVG
+    if field == "exp_avg_sq":
+        return ChunkKind.EXP_AVG_SQ
+    raise ValueError(f"unknown state field {field!r}; expected one of {FIELDS}")
+
+
+def read_state(model: ChunkedModel, home: ParamHome, field: str) -> torch.Tensor:
+    """A fp32 copy of `field` of the parameter at `home` (an owned one)."""
+    chunk = model.chunk_of(home, _kind(model, field))
+    model.manager.access(chunk.chunk_id)
+    try:
+        return chunk.view(home.slot).float().clone()
+    finally:
+        model.manager.release(chunk.chunk_id)
+
+
+def write_state(model: ChunkedModel, home: ParamHome, field: str, value: torch.Tensor) -> None:
+    """Set `field` of the parameter at `home` (an owned one); a parameter also updates its 16-bit copy."""
+    if tuple(value.shape) != tuple(home.slot.shape):
+        raise ValueError(f"{home.name}: {field} of shape {tuple(value.shape)}, expected {tuple(home.slot.shape)}")
+    kinds = [_kind(model, field)]
+    if field == "param" and model.mixed:
+        kinds.append(ChunkKind.PARAM)
+    for kind in kinds:
+        chunk = model.chunk_of(home, kind)
+        model.manager.access(chunk.chunk_id, write=True)
+        try:
+            chunk.view(home.slot).copy_(value)
+        finally:
+            model.manager.release(chunk.chunk_id)

@@ -1,0 +1,265 @@
+"""What one rank's training state is, in layout-independent terms: for universal checkpoints.
+
+Every parameter is known by its *canonical name*: its name in the one-process
+model (``layers.3.attn.qkv.weight`` for the reference GPT; a pipeline stage's
+``<chunk>.<global layer>.…`` names map back to ``layers.<global layer>.…``).
+For each one this rank holds a *local tensor*: the whole parameter, or its
+tensor-parallel slice (``param.tp_dim``, with ``tp_fused`` separately split
+blocks, e.g. q/k/v, and zero padding rows of a padded vocabulary). Of the
+local tensor's flat elements, this rank *owns* a range for the checkpoint:
+
+* replicated parameters (``tp_dim is None``) are written by tp rank 0 only;
+* ZeRO 0 (every dp rank holds everything): dp rank 0 writes;
+* ZeRO 1/2: the intersection of the parameter with this rank's flat shard;
+* chunks (ZeRO-3 / offload): the parameters of the chunks this rank owns.
+
+`merge_tp` and `slice_tp` convert between local slices and the full
+(logical, unpadded) tensor, so state written under one (dp, tp, pp, ZeRO,
+offload) can be read under any other.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .engine import Engine
+
+__all__ = ["LocalParam", "StateView", "state_view", "merge_tp", "slice_tp", "FIELDS", "rng_generators"]
+
+FIELDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class LocalParam:
+    """One parameter as this rank holds it."""
+
+    name: str  # canonical
+    local_shape: tuple[int, ...]
+    full_shape: tuple[int, ...]  # logical, unpadded, unsliced
+    tp_dim: int | None
+    tp_fused: int
+    tp_rank: int
+    tp_size: int
+    own: tuple[int, int]  # flat range of the local tensor this rank writes (empty: start == end)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def describe(self) -> dict[str, object]:
+        return {"shape": list(self.full_shape), "tp_dim": self.tp_dim, "tp_fused": self.tp_fused}
+
+
+def _logical_rows(module: nn.Module) -> int | None:
+    """The unpadded size of a vocabulary-padded layer's dim 0 (tensorpar's padded embedding and head)."""
+    if hasattr(module, "num_embeddings_padded"):
+        return int(module.num_embeddings)  # type: ignore[arg-type]
+    if getattr(module, "out_features_padded", None) not in (None, getattr(module, "out_features", None)):
+        return int(module.out_features)  # type: ignore[arg-type]
+    return None
+
+
+def _describe(name: str, p: nn.Parameter, shape: tuple[int, ...], owner: nn.Module, tp_rank: int,
+              tp_size: int) -> LocalParam:
+    tp_dim = getattr(p, "tp_dim", None)
+    fused = int(getattr(p, "tp_fused", 1) or 1)
+    full = list(shape)
+    if tp_dim is not None:
+        full[tp_dim] *= tp_size
+        rows = _logical_rows(owner)
+        if tp_dim == 0 and rows is not None:
+            full[0] = rows
+    return LocalParam(name, tuple(shape), tuple(full), tp_dim, fused, tp_rank, tp_size, (0, 0))
+
+
+def canonical(name: str, pipelined: bool) -> str:
+    """A stage module's name ``<chunk>.<global layer>.rest`` -> ``layers.<global layer>.rest``."""
+    if pipelined:
+        m = re.match(r"^(?:module\.)?\d+\.(\d+)\.(.*)$", name)
+        if m is None:
+            raise ValueError(f"pipeline stage parameter {name!r} is not named <chunk>.<layer>.<name>")
+        return f"layers.{m.group(1)}.{m.group(2)}"
+    return name
+
+
+def _raw_module(engine: Engine) -> nn.Module:
+    mod = engine.module
+    return getattr(mod, "module", mod) if engine.chunked else mod
+
+
+def _owners(module: nn.Module) -> dict[int, tuple[str, nn.Module]]:
+    """id(param) -> (its name in `module`, the module that holds it directly)."""
+    out: dict[int, tuple[str, nn.Module]] = {}
+    for mod_name, mod in module.named_modules():
+        for attr, p in mod.named_parameters(recurse=False):
+            out.setdefault(id(p), (f"{mod_name}.{attr}" if mod_name else attr, mod))
+    return out
+
+
+class StateView:
+    """Reads and writes this rank's part of every parameter's state (see the module docstring)."""
+
+    params: list[LocalParam]
+
+    def read(self, lp: LocalParam, field: str) -> torch.Tensor:
+        """Flat fp32 elements ``lp.own`` of `field` of the local tensor."""
+        raise NotImplementedError
+
+    def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
+        """Set `field` from the whole local tensor (this rank keeps the part it holds)."""
+        raise NotImplementedError
+
+    def finish_load(self) -> None:
+        """Called after every `write`."""
+
+    optimizer_step: int
+
+
+class FlatView(StateView):
+    """`ZeroOptimizer`'s flat buffers (ZeRO 0-2)."""
+
+    def __init__(self, engine: Engine) -> None:
+        opt = engine.optimizer
+        self.opt = opt
+        g = engine.groups
+        owners = _owners(engine.module)
+        self.params, self._offset = [], {}
+        pos = 0
+        for p in opt.params:
+            local_name, owner = owners[id(p)]
+            lp = _describe(canonical(local_name, engine.pipeline is not None), p, tuple(p.shape), owner,
+                           g.tp.rank, g.tp.size)
+            n = p.numel()
+            lo, hi = max(pos, opt.lo), min(pos + n, opt.hi)
+            writes = (lp.tp_dim is not None or g.tp.rank == 0) and (opt.stage > 0 or g.dp.rank == 0)
+            lp.own = (lo - pos, hi - pos) if writes and lo < hi else (0, 0)
+            self.params.append(lp)
+            self._offset[lp.name] = (pos, p)
+            pos += n
+
+    def _moment(self, field: str) -> torch.Tensor:
+        return self.opt.exp_avg if field == "exp_avg" else self.opt.exp_avg_sq
+
+    def read(self, lp: LocalParam, field: str) -> torch.Tensor:
+        pos, _ = self._offset[lp.name]
+        a, b = lp.own
+        if field == "param":
+            return self.opt.flat_param[pos + a : pos + b].clone()
+        return self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo].clone()
+
+    def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
+        pos, p = self._offset[lp.name]
+        flat = local.reshape(-1)
+        if field == "param":
+            self.opt.flat_param[pos : pos + flat.numel()].copy_(flat)
+            return
+        lo, hi = max(pos, self.opt.lo), min(pos + flat.numel(), self.opt.hi)
+        if lo < hi:
+            self._moment(field)[lo - self.opt.lo : hi - self.opt.lo].copy_(flat[lo - pos : hi - pos])
+
+    @property  # type: ignore[override]
+    def optimizer_step(self) -> int:
+        return self.opt.step_count
+
+    @optimizer_step.setter
+    def optimizer_step(self, value: int) -> None:
+        self.opt.step_count = value
+
+
+class ChunkView(StateView):
+    """A `ChunkedModel` / `ShardedChunkedModel` with its `ChunkAdam` (ZeRO-3, offload)."""
+
+    def __init__(self, engine: Engine) -> None:
+        from capstan.chunkmem.state_io import owned_homes
+
+        self.model, self.opt = engine.module, engine.optimizer
+        g = engine.groups
+        owners = _owners(_raw_module(engine))
+        mine = {id(h.param) for h in owned_homes(self.model)}
+        self.params, self._homes = [], {}
+        for home in self.model.homes.values():
+            _, owner = owners[id(home.param)]
+            lp = _describe(canonical(home.name, engine.pipeline is not None), home.param, tuple(home.slot.shape),
+                           owner, g.tp.rank, g.tp.size)
+            if id(home.param) in mine and (lp.tp_dim is not None or g.tp.rank == 0):
+                lp.own = (0, lp.numel)
+            self.params.append(lp)
+            self._homes[lp.name] = (home, id(home.param) in mine)
+
+    def read(self, lp: LocalParam, field: str) -> torch.Tensor:
+        from capstan.chunkmem.state_io import read_state
+
+        home, _ = self._homes[lp.name]
+        return read_state(self.model, home, field).reshape(-1)[lp.own[0] : lp.own[1]]
+
+    def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
+        from capstan.chunkmem.state_io import write_state
+
+        home, owned = self._homes[lp.name]
+        if owned:
+            write_state(self.model, home, field, local.reshape(home.slot.shape))
+
+    def finish_load(self) -> None:
+        drop = getattr(self.model, "drop_remote", None)
+        if drop is not None:
+            drop()  # gathered copies of remote chunks predate the load
+
+    @property  # type: ignore[override]
+    def optimizer_step(self) -> int:
+        return self.opt.groups[0].step
+
+    @optimizer_step.setter
+    def optimizer_step(self, value: int) -> None:
+        for group in self.opt.groups:
+            group.step = value
+
+
+def state_view(engine: Engine) -> StateView:
+    return ChunkView(engine) if engine.chunked else FlatView(engine)
+
+
+def _blocks(t: torch.Tensor, dim: int, fused: int) -> list[torch.Tensor]:
+    return list(t.chunk(fused, dim)) if fused > 1 else [t]
+
+
+def merge_tp(slices: list[torch.Tensor], tp_dim: int | None, fused: int, full_shape: tuple[int, ...]) -> torch.Tensor:
+    """The full logical tensor from the local slices of tp ranks 0..n-1 (padding rows dropped)."""
+    if tp_dim is None:
+        return slices[0]
+    per_rank = [_blocks(s, tp_dim, fused) for s in slices]
+    blocks = [torch.cat([parts[b] for parts in per_rank], tp_dim) for b in range(fused)]
+    full = torch.cat(blocks, tp_dim) if fused > 1 else blocks[0]
+    return full.narrow(tp_dim, 0, full_shape[tp_dim]).contiguous()
+
+
+def slice_tp(full: torch.Tensor, lp: LocalParam) -> torch.Tensor:
+    """This rank's local slice of the full logical tensor (zero rows appended up to the padded size)."""
+    if lp.tp_dim is None:
+        return full
+    d, fused = lp.tp_dim, lp.tp_fused
+    padded = lp.local_shape[d] * lp.tp_size
+    if full.shape[d] < padded:
+        pad_shape = list(full.shape)
+        pad_shape[d] = padded - full.shape[d]
+        full = torch.cat([full, torch.zeros(pad_shape, dtype=full.dtype)], d)
+    per = lp.local_shape[d] // fused
+    parts = [b.narrow(d, lp.tp_rank * per, per) for b in _blocks(full, d, fused)]
+    return torch.cat(parts, d).contiguous() if fused > 1 else parts[0].contiguous()
+
+
+def rng_generators(engine: Engine) -> Iterator[tuple[str, torch.Generator]]:
+    """The dropout generators of tensorpar's layers (replicated and per-tp-rank streams), by key."""
+    seen: list[int] = []
+    for mod in _raw_module(engine).modules():
+        rng = getattr(mod, "rng", None)
+        if rng is None or not hasattr(rng, "tensor_parallel") or id(rng) in seen:
+            continue
+        seen.append(id(rng))
+        yield f"rng.tp{len(seen) - 1}.replicated", rng.replicated()
+        yield f"rng.tp{len(seen) - 1}.tensor_parallel", rng.tensor_parallel()
