@@ -1,8 +1,9 @@
-"""The `capstan` command line: `capstan train` and `capstan info`.
+"""The `capstan` command line: `capstan train`, `capstan info` and `capstan launch` (launch.py).
 
     capstan train --config examples/tiny.toml [--set train.steps=10 ...] [--debug]
     mpirun -np 2 capstan train --config examples/tiny.toml
     torchrun --standalone --nproc_per_node 2 -m capstan.engine.cli train --config examples/tiny.toml
+    capstan launch -np 2 -- capstan train --config examples/tiny.toml
 
 Bad input (config, data, launch environment, a budget the model cannot fit)
 is one line on stderr and exit code 2, on every rank, checked before any
@@ -94,10 +95,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override one value (a TOML literal or a bare string); repeatable")
     train.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     train.set_defaults(func=_cmd_train)
+    from .launch import add_parser as add_launch_parser  # `capstan launch` lives in launch.py
+
+    add_launch_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .launch import rank_started, rank_finished  # status files for `capstan launch` (a no-op otherwise)
+
+    rank_started()
+    code = 1
+    try:
+        code = _main(argv)
+        return code
+    finally:
+        rank_finished(code)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
