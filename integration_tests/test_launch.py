@@ -34,10 +34,6 @@ def _train(run_dir: Path, steps: int, *extra: str) -> list[str]:
             "--set", f"log.run_dir=\"{run_dir}\"", "--set", "log.every=1", *extra]
 
 
-def _losses(run_dir: Path) -> list[float]:
-    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _wait_for(pred, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not pred():

@@ -123,9 +123,7 @@ def tp_from_command(command: list[str]) -> int:
 
     A config the ranks will reject is not this command's business: each rank reports it (exit 2)."""
     config, sets = None, []
-    it = iter(range(len(command)))
-    for i in it:
-        arg = command[i]
+    for i, arg in enumerate(command):
         if arg == "--config" and i + 1 < len(command):
             config = command[i + 1]
         elif arg.startswith("--config="):
