@@ -45,7 +45,12 @@ def is_initialized() -> bool:
     return state.is_initialized()
 
 
-def init(backend: str | None = None, timeout: float | timedelta = 300.0, environ: dict[str, str] | None = None) -> Group:
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_VAR = "CAPSTAN_COMM_TIMEOUT"
+
+
+def init(backend: str | None = None, timeout: float | timedelta | None = None,
+         environ: dict[str, str] | None = None) -> Group:
     """Discover the launch, rendezvous, and initialize torch.distributed. Returns the world group.
 
     backend: None picks nccl with CUDA, else the measured CPU default (mpi under
@@ -53,13 +58,20 @@ def init(backend: str | None = None, timeout: float | timedelta = 300.0, environ
         force one. "mpi" reroutes only capstan's own CPU collectives through
         mpi4py; torch.distributed still gets a gloo world group.
     timeout: seconds (or a timedelta) after which a collective or the
-        rendezvous fails with an error instead of waiting for a dead peer.
+        rendezvous fails with an error instead of waiting for a dead peer;
+        None: ``CAPSTAN_COMM_TIMEOUT`` seconds if set, else 300.
     """
     if state.is_initialized():
         return state.world()
     backend = backend or os.environ.get("CAPSTAN_COMM_BACKEND") or None
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown comm backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_VAR, "")
+        try:
+            timeout = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise LaunchError(f"environment variable {TIMEOUT_VAR}={raw!r} is not a number of seconds") from None
     td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     if td.total_seconds() <= 0:
         raise ValueError(f"comm timeout must be positive, got {td.total_seconds()} s")

@@ -1,8 +1,10 @@
-"""The `capstan` command line: `capstan train`, `capstan info` and `capstan checkpoint inspect|export`.
+"""The `capstan` command line: `capstan train`, `capstan info`, `capstan launch` (launch.py) and
+`capstan checkpoint inspect|export` (ckpt_tools.py).
 
     capstan train --config examples/tiny.toml [--set train.steps=10 ...] [--debug]
     mpirun -np 2 capstan train --config examples/tiny.toml
     torchrun --standalone --nproc_per_node 2 -m capstan.engine.cli train --config examples/tiny.toml
+    capstan launch -np 2 -- capstan train --config examples/tiny.toml
 
 Bad input (config, data, launch environment, a budget the model cannot fit)
 is one line on stderr and exit code 2, on every rank, checked before any
@@ -112,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("dir", help="a step_* directory, or a directory of them (the newest)")
     export.add_argument("out", help="the .safetensors file to write")
     export.set_defaults(func=_cmd_checkpoint_export)
+    from .launch import add_parser as add_launch_parser  # `capstan launch` lives in launch.py
+
+    add_launch_parser(sub)
     return parser
 
 
@@ -132,6 +137,18 @@ def _cmd_checkpoint_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .launch import rank_started, rank_finished  # status files for `capstan launch` (a no-op otherwise)
+
+    rank_started()
+    code = 1
+    try:
+        code = _main(argv)
+        return code
+    finally:
+        rank_finished(code)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
@@ -141,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"capstan: error: {exc} (see capstan --help)", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as exc:
+        from capstan.comm import CommError
+
+        if isinstance(exc, CommError) and not debug:
+            # A lost peer is not a capstan bug: one line naming it (exit 1), not a traceback per rank.
+            print(f"capstan: error: {' '.join(str(exc).split())}", file=sys.stderr)
+            return 1
         if debug or not isinstance(exc, _bad_input_types()):
             raise
         text = " ".join(str(exc).split())  # exactly one line, whatever the message held
