@@ -75,25 +75,25 @@ def main() -> None:
              "--set", f"memory.chunk_size={args.chunk}", "--set", f"memory.disk_dir=\"{work / 'chunks'}\"",
              "--set", "checkpoint.every=1", "--set", f"log.run_dir=\"{work / 'run'}\"",
              "--set", "data.max_bytes=200000"]
+    mib = 1 << 20
     t_train, rss_train = _measure(train, env)
     ck = work / "run" / "checkpoints"
     ck_bytes = sum(p.stat().st_size for p in ck.rglob("*") if p.is_file())
     shutil.rmtree(work / "chunks", ignore_errors=True)
-    t_export, rss_export = _measure([*capstan, "checkpoint", "export", str(ck), str(work / "model.safetensors")], env)
-    t_inspect, rss_inspect = _measure([*capstan, "checkpoint", "inspect", str(ck)], env)
-    t_naive, rss_naive = _measure([sys.executable, "-c", NAIVE, str(ck), str(work / "naive.pt")], env)
-    out_bytes = (work / "model.safetensors").stat().st_size
-    bound = 2 * args.chunk * 4 + (1 << 30)
-    mib = 1 << 20
-    print(f"model: {args.layers} layers, d_model {args.d_model}: exported {out_bytes / 4 / 1e6:.1f}M parameters")
     print(f"checkpoint {ck_bytes / mib:.0f} MiB = {ck_bytes / args.budget:.1f}x the RAM budget of "
-          f"{args.budget / mib:.0f} MiB; chunk {args.chunk * 4 / mib:.0f} MiB")
-    print(f"train 1 step + save   {t_train:7.1f} s   peak RSS {rss_train / mib:7.0f} MiB")
+          f"{args.budget / mib:.0f} MiB; chunk {args.chunk * 4 / mib:.0f} MiB", flush=True)
+    print(f"train 1 step + save   {t_train:7.1f} s   peak RSS {rss_train / mib:7.0f} MiB", flush=True)
+    t_export, rss_export = _measure([*capstan, "checkpoint", "export", str(ck), str(work / "model.safetensors")], env)
+    bound = 2 * args.chunk * 4 + (1 << 30)
+    out_params = (work / "model.safetensors").stat().st_size / 4 / 1e6
     print(f"export (streamed)     {t_export:7.1f} s   peak RSS {rss_export / mib:7.0f} MiB   "
-          f"(bound 2 chunks + 1 GiB = {bound / mib:.0f} MiB: {'met' if rss_export <= bound else 'NOT met'})")
-    print(f"inspect (sha256)      {t_inspect:7.1f} s   peak RSS {rss_inspect / mib:7.0f} MiB")
+          f"(bound 2 chunks + 1 GiB = {bound / mib:.0f} MiB: {'met' if rss_export <= bound else 'NOT met'}; "
+          f"{out_params:.1f}M parameters)", flush=True)
+    t_inspect, rss_inspect = _measure([*capstan, "checkpoint", "inspect", str(ck)], env)
+    print(f"inspect (sha256)      {t_inspect:7.1f} s   peak RSS {rss_inspect / mib:7.0f} MiB", flush=True)
+    t_naive, rss_naive = _measure([sys.executable, "-c", NAIVE, str(ck), str(work / "naive.pt")], env)
     print(f"naive in-memory peer  {t_naive:7.1f} s   peak RSS {rss_naive / mib:7.0f} MiB   "
-          f"(export uses {rss_export / rss_naive:.2f}x of it)")
+          f"(export uses {rss_export / rss_naive:.2f}x of it)", flush=True)
 
 
 if __name__ == "__main__":
