@@ -27,6 +27,7 @@ import torch
 from .chunk import Chunk
 from .disk import DiskStore
 from .eviction import EvictionPolicy, make_policy
+from .nonmodel import check_memory_limit, nonmodel_ahead, return_freed_memory
 from .tiers import BudgetError, Tier
 
 __all__ = ["ChunkManager", "BudgetError"]
@@ -52,10 +53,19 @@ class ChunkManager:
     """Places chunks between the cpu tier (budget `cpu_budget` bytes) and an optional disk tier."""
 
     def __init__(self, cpu_budget: int | None, disk: DiskStore | None = None, eviction: str = "belady",
-                 prefetch: int = 2, audit: bool = False) -> None:
+                 prefetch: int = 2, audit: bool = False, memory_limit: int | None = None) -> None:
         if cpu_budget is not None and cpu_budget <= 0:
             raise ValueError(f"cpu budget must be positive, got {cpu_budget}")
+        if memory_limit is not None and (cpu_budget is None or memory_limit < cpu_budget):
+            raise ValueError(f"memory_limit ({memory_limit} bytes) needs a cpu budget for the warm-up step "
+                             f"that is no larger (got {cpu_budget})")
         self.cpu = Tier("cpu", cpu_budget)
+        # Chunks + non-model memory; after warm-up the chunks' capacity follows the trace (nonmodel.py).
+        self.memory_limit = memory_limit
+        if memory_limit is not None:
+            return_freed_memory()
+        self.warmup_budget = cpu_budget
+        self._pinned: list[int] = []  # warm-up: bytes of chunks in use at each moment
         self.disk_tier = Tier("disk", None)
         self.disk = disk
         self.policy: EvictionPolicy = make_policy(eviction)
@@ -207,6 +217,12 @@ class ChunkManager:
             if reading:  # a prefetch holds budget: let it land, then it can be evicted
                 self._finish_read(reading[0])
                 continue
+            if self.memory_limit is not None and self.trace is not None:
+                raise BudgetError(
+                    f"memory limit of {self.memory_limit} bytes is too small at moment {self.moment}: "
+                    f"{nonmodel_ahead(self.nonmodel, self.moment)} bytes of non-model memory leave "
+                    f"{self.cpu.capacity} for chunks, but {self.cpu.resident} bytes are in use and {nbytes} more "
+                    "are needed now")
             raise BudgetError(
                 f"cpu budget of {self.cpu.capacity} bytes is too small: {self.cpu.resident} bytes are in use "
                 f"and {nbytes} more are needed now; the minimum for this model is "
@@ -292,6 +308,11 @@ class ChunkManager:
         if self.trace is None:
             self._recording.append(chunk_id)
             self.nonmodel.append(max(0, _rss_bytes() - self._rss_base - self.cpu.resident))
+            if self.memory_limit is not None:
+                pinned = sum(e.chunk.nbytes for e in self.entries.values() if e.pins and e.chunk.payload is not None)
+                self._pinned.append(pinned + (0 if self.entries[chunk_id].pins else self.entries[chunk_id].chunk.nbytes))
+        elif self.memory_limit is not None:
+            self._follow_nonmodel(chunk_id)
         self.cpu.stats.timeline.append(self.cpu.resident)
         if self.record_disk_timeline:  # O(chunks) per moment: only when asked (tools/plot_memory.py)
             self.disk_tier.stats.timeline.append(sum(e.chunk.nbytes for e in self.entries.values() if e.disk_valid))
@@ -300,6 +321,8 @@ class ChunkManager:
     def end_step(self) -> None:
         """Close a training step: the first one becomes the trace that drives the following ones."""
         if self.trace is None:
+            if self.memory_limit is not None:
+                check_memory_limit(self.memory_limit, self._pinned, self.nonmodel)
             self.trace = list(self._recording)
             self.policy.set_trace(self.trace)
         self.step += 1
@@ -312,6 +335,21 @@ class ChunkManager:
     def _after_move(self) -> None:
         if self.audit_moves:
             self.audit()
+
+    # ---- non-model memory (PatrickStar's chunkable memory) -------------------------------------------
+    def chunk_capacity_at(self, moment: int) -> int | None:
+        """Bytes chunks may hold at `moment`: the cpu budget, or with a memory limit after warm-up,
+        the limit minus the non-model memory the warm-up step measured there (see nonmodel.py)."""
+        if self.memory_limit is None or self.trace is None:
+            return self.warmup_budget
+        return self.memory_limit - nonmodel_ahead(self.nonmodel, moment)
+
+    def _follow_nonmodel(self, chunk_id: int) -> None:
+        """Set the cpu tier's capacity for this moment, evicting down to it if activations grew."""
+        cap = self.chunk_capacity_at(self.moment)
+        self.cpu.capacity = cap
+        if cap is not None and self.cpu.resident > cap:
+            self._make_room(0, protect=chunk_id)
 
     def audit(self) -> None:
         """Recompute the cpu tier's bytes from the chunks and check them against the counter and budget."""
@@ -337,6 +375,7 @@ class ChunkManager:
                      "bytes_out": self.disk_tier.stats.bytes_out},
             "moved_bytes": self.cpu.stats.bytes_in + self.cpu.stats.bytes_out,
             "nonmodel_peak_bytes": max(self.nonmodel, default=0),
+            "chunk_capacity_bytes": self.cpu.capacity,
             **self.counters,
         }
 
