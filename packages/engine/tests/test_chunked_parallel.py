@@ -12,7 +12,9 @@ reference with twice the accumulation, so both see the same sequences.
 
 Layouts (dp, tp, pp): (1,2,1) ZeRO-3; (1,1,2) ZeRO-3; on 4 ranks (2,2,1)
 disk with a small cpu budget, (2,1,2) disk (ZeRO-3 over each stage's dp
-group) and (1,2,2) offload cpu.
+group) and (1,2,2) offload cpu. fp16 at (1,1,2) ZeRO-3 from an overflowing
+loss scale: both stages skip the same steps (the overflow flag is reduced
+over pp), the scale halves per skip, then training proceeds.
 """
 
 from __future__ import annotations
@@ -41,13 +43,20 @@ def _disk(budget_chunks: int) -> dict:
             "disk_dir": tempfile.mkdtemp(prefix="capstan-compose-")}
 
 
-def _trajectory(config: dict) -> dict:
+def _trajectory(config: dict, steps: int = STEPS) -> dict:
     engine = initialize(config=config)
     it = train_batches(open_data(engine.config), engine.config, engine.groups.dp.size, engine.groups.dp.rank)
-    infos = [engine.train_batch(it) for _ in range(STEPS)]
+    infos = [engine.train_batch(it) for _ in range(steps)]
     engine.close()
     return {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos],
-            "moved": infos[-1].mem["mem.moved_bytes"]}
+            "moved": infos[-1].mem["mem.moved_bytes"], "skipped": [i.skipped for i in infos],
+            "scale": [i.loss_scale for i in infos]}
+
+
+def _fp16_pipeline() -> dict:
+    cfg = _cfg(parallel={"dp": 1, "pp": 2, "zero_stage": 3}, memory={"chunk_size": CHUNK})
+    cfg["precision"] = {"dtype": "fp16", "initial_scale": 2.0 ** 20, "hysteresis": 1}
+    return _trajectory(cfg, steps=10)
 
 
 # name -> (config, reference config: one process, no chunks)
@@ -65,7 +74,10 @@ FOUR = {
 
 def _layouts(which: str) -> dict:
     torch.set_num_threads(1)
-    return {name: _trajectory(cfg) for name, (cfg, _) in (TWO if which == "2" else FOUR).items()}
+    out = {name: _trajectory(cfg) for name, (cfg, _) in (TWO if which == "2" else FOUR).items()}
+    if which == "2":
+        out["fp16"] = _fp16_pipeline()
+    return out
 
 
 def _check(results: list[dict], layouts: dict) -> None:
@@ -83,7 +95,14 @@ def _check(results: list[dict], layouts: dict) -> None:
 
 def test_chunked_tp_and_pp_on_two_ranks_equal_one_process() -> None:
     torch.set_num_threads(1)
-    _check(run_ranks(_layouts, 2, "2", timeout=240), TWO)
+    results = run_ranks(_layouts, 2, "2", timeout=240)
+    _check(results, TWO)
+    a, b = (r["fp16"] for r in results)
+    assert a["skipped"] == b["skipped"] and a["loss"] == b["loss"]  # the stages agree on every skip
+    first_ok = a["skipped"].index(False)
+    assert first_ok >= 1 and not any(a["skipped"][first_ok:])
+    assert a["scale"][first_ok] == 2.0 ** 20 / 2 ** first_ok  # halved once per overflow (hysteresis 1)
+    assert a["loss"][-1] < a["loss"][0]
 
 
 def test_chunked_dp_tp_pp_on_four_ranks_equal_one_process() -> None:

@@ -172,7 +172,8 @@ class ChunkedModel(nn.Module):
         """When RAM is unbounded and there is no disk tier, nothing ever moves: each `param.grad`
         is bound to its GRAD chunk slot once, so autograd accumulates straight into the chunk
         (no per-step gradient allocation, no copy into the chunk)."""
-        self.resident_grads = (self.grad_chunks and self.manager.cpu.capacity is None
+        # Not in mixed precision: autograd's gradient of a 16-bit parameter is 16-bit, the chunk fp32.
+        self.resident_grads = (self.grad_chunks and not self.mixed and self.manager.cpu.capacity is None
                                and self.manager.disk is None and type(self)._grad_arrived is ChunkedModel._grad_arrived)
         if not self.resident_grads:
             return

@@ -21,6 +21,7 @@ is `zero_grad`).
 from __future__ import annotations
 
 import math
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
@@ -69,8 +70,10 @@ class ChunkAdam:
                 if chunk.used == 0:
                     continue
                 mgr.access(chunk.chunk_id)
-                yield g, chunk, chunk.used
-                mgr.release(chunk.chunk_id)
+                try:
+                    yield g, chunk, chunk.used
+                finally:  # also when the consumer stops early (`any` in has_overflow)
+                    mgr.release(chunk.chunk_id)
 
     def grad_norm(self) -> float:
         """Global L2 norm of all (still scaled) gradients: one pass over the gradient chunks.
@@ -84,7 +87,8 @@ class ChunkAdam:
 
     def has_overflow(self) -> bool:
         """True if any gradient on any rank (shard and outer groups) is inf/NaN."""
-        local = any(kernels.has_nonfinite(c.payload[:n]) for _, c, n in self._each_grad())  # type: ignore[index]
+        with closing(self._each_grad()) as grads:  # stopping at the first overflow releases its chunk
+            local = any(kernels.has_nonfinite(c.payload[:n]) for _, c, n in grads)  # type: ignore[index]
         return self.model.reduce_any(local)
 
     def step(self, grad_clip: float | None = None, loss_scale: float = 1.0,
