@@ -190,3 +190,28 @@ def test_activation_checkpointing_with_chunks_on_disk(tmp_path) -> None:
     assert _rel(got, want) <= 1e-6
     assert manager.stats()["disk"]["bytes_out"] > 0
     manager.close()
+
+
+def test_norm_weights_and_backward_driven_outside() -> None:
+    # Two parameter groups; weight 0 drops group 1 from the norm (a caller's replicated group on a
+    # rank that does not count it). Backward runs as a pipeline executor would: forwards of two
+    # micro-batches inside saved_tensors(), torch.autograd.backward on each, then finish_backward().
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    ref.load_state_dict(net.state_dict())
+    xs = [torch.randn(3, 8) for _ in range(2)]
+    for x in xs:
+        ref(x).square().mean().backward()
+    want = math.sqrt(sum(float(p.grad.square().sum()) for p in ref[0].parameters()))
+    model = ChunkedModel(net, ChunkManager(None), 256, param_groups=[["0.weight", "0.bias"], ["2.weight", "2.bias"]],
+                         norm_weights=[1.0, 0.0], accumulate_grads=True)
+    with model.saved_tensors():
+        outs = [model.module(x).square().mean() for x in xs]
+    for out in outs:
+        torch.autograd.backward(out)
+    model.finish_backward()
+    assert all(h.pins == 0 for h in model.homes.values())
+    assert ChunkAdam(model).grad_norm() == pytest.approx(want, rel=1e-6)
+    with pytest.raises(ValueError, match="1 norm weights for 2 parameter groups"):
+        ChunkedModel(nn.Linear(2, 2), ChunkManager(None), 256, param_groups=[["weight"], ["bias"]], norm_weights=[1.0])

@@ -131,8 +131,6 @@ def test_four_rank_layouts_equal_one_process() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
-    (["parallel.pp=2", "parallel.zero_stage=3"], "not yet supported with pipeline parallelism"),
-    (["parallel.pp=2", "memory.offload=\"cpu\""], "not yet supported with pipeline parallelism"),
     (["parallel.pp=4", "parallel.virtual_stages=2", "parallel.schedule=\"interleaved\""],
      "8 pipeline parts, but the model has only 5 layers"),
     (["parallel.pp=2", "parallel.schedule=\"interleaved\""], "needs parallel.virtual_stages >= 2"),
@@ -143,6 +141,14 @@ def test_pipeline_config_errors(overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError, match=None) as err:
         resolve(_cfg(), overrides)
     assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [["parallel.zero_stage=3"], ["memory.offload=\"cpu\""],
+                                       ["parallel.tp=2", "memory.offload=\"disk\"", "memory.cpu_budget=8000000"]])
+def test_pipeline_accepts_chunked_memory(overrides: list[str]) -> None:
+    # Chunked memory composes with pp (test_chunked_parallel.py runs it): the loader lets it through.
+    cfg = resolve(_cfg(), ["parallel.pp=2", *overrides])[0]
+    assert cfg.parallel.pp == 2
 
 
 def test_pipeline_needs_the_reference_model() -> None:

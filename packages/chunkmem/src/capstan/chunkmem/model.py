@@ -19,15 +19,30 @@ Hooks move the data (PatrickStar's scheme):
 
 Activation checkpointing works because recomputation simply runs the
 forward hooks again inside backward.
+
+Driving backward from outside (a pipeline schedule calls
+`torch.autograd.backward` on stage outputs, several micro-batches in
+flight): run the forwards and backwards inside `saved_tensors()` and call
+`finish_backward()` once they are all done, instead of `forward`/`backward`.
+
+Gradient norm over other parallel axes: `norm_weights` (one factor per
+parameter group, e.g. 0 for a group replicated on another rank that counts
+it already) and `outer_groups` (process groups whose ranks hold disjoint or
+sliced parameters: tensor- and pipeline-parallel groups) make `reduce_sq`
+and `reduce_any` global; chunkmem knows nothing of what the groups are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from capstan import comm
+from capstan.comm import Group
 
 from .chunk import Chunk, TensorSlot
 from .layout import ModuleSpec, ParamSpec, plan_layout
@@ -79,9 +94,15 @@ class ChunkedModel(nn.Module):
                  param_groups: list[list[str]] | None = None,
                  atomic_types: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,),
                  dtype: torch.dtype = torch.float32, accumulate_grads: bool = False,
-                 init_fn: Callable[[nn.Module], None] | None = None) -> None:
+                 init_fn: Callable[[nn.Module], None] | None = None,
+                 norm_weights: Sequence[float] | None = None, outer_groups: Sequence[Group] = ()) -> None:
         super().__init__()
         self.init_fn = init_fn
+        n_groups = max(1, len(param_groups or []))
+        if norm_weights is not None and len(norm_weights) != n_groups:
+            raise ValueError(f"{len(norm_weights)} norm weights for {n_groups} parameter groups")
+        self.norm_weights = [float(w) for w in norm_weights] if norm_weights is not None else [1.0] * n_groups
+        self.outer_groups = tuple(outer_groups)
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"chunk dtype must be float32, bfloat16 or float16, got {dtype}")
         self.dtype = dtype
@@ -151,7 +172,8 @@ class ChunkedModel(nn.Module):
         """When RAM is unbounded and there is no disk tier, nothing ever moves: each `param.grad`
         is bound to its GRAD chunk slot once, so autograd accumulates straight into the chunk
         (no per-step gradient allocation, no copy into the chunk)."""
-        self.resident_grads = (self.grad_chunks and self.manager.cpu.capacity is None
+        # Not in mixed precision: autograd's gradient of a 16-bit parameter is 16-bit, the chunk fp32.
+        self.resident_grads = (self.grad_chunks and not self.mixed and self.manager.cpu.capacity is None
                                and self.manager.disk is None and type(self)._grad_arrived is ChunkedModel._grad_arrived)
         if not self.resident_grads:
             return
@@ -278,9 +300,29 @@ class ChunkedModel(nn.Module):
         """Chunk indices of group `g` whose optimizer state this rank keeps (all, unsharded)."""
         return list(range(len(self.chunks[ChunkKind.PARAM][g])))
 
+    def _reduction_groups(self) -> list[Group]:
+        """Groups a gradient statistic is reduced over: the shard group (sharding.py), then the outer ones."""
+        return [g for g in self.outer_groups if g.size > 1]
+
     def reduce_sq(self, local_sum_of_squares: float) -> float:
-        """Sum of squared gradients over all shards (unsharded: the local sum)."""
-        return local_sum_of_squares
+        """Sum of (already weighted) squared gradients over all shards and the outer groups."""
+        groups = self._reduction_groups()
+        if not groups:
+            return local_sum_of_squares
+        t = torch.tensor([local_sum_of_squares], dtype=torch.float64)
+        for group in groups:
+            comm.all_reduce(t, group=group)
+        return float(t.item())
+
+    def reduce_any(self, flag: bool) -> bool:
+        """True if `flag` is set on any rank of the shard and outer groups (an overflow anywhere)."""
+        groups = self._reduction_groups()
+        if not groups:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        for group in groups:
+            comm.all_reduce(t, op="max", group=group)
+        return bool(t.item())
 
     def chunk_of(self, home: ParamHome, kind: ChunkKind) -> Chunk:
         return self.chunks[kind][home.group][home.index]
@@ -407,14 +449,25 @@ class ChunkedModel(nn.Module):
                 home.grad_in_slot = True
 
     # ---- training-step API ----------------------------------------------------------------------
+    def saved_tensors(self) -> AbstractContextManager[None]:
+        """The saved-tensor hooks `forward` runs under: views of parameter chunks that autograd saves
+        are kept as references (saved.py). Wrap forwards made by calling submodules directly (a
+        pipeline executor running this model's stage chunks) in it."""
+        return torch.autograd.graph.saved_tensors_hooks(self.saver.pack, self.saver.unpack)
+
     def forward(self, *args: object, **kwargs: object) -> object:
-        # Views of parameter chunks that autograd saves are kept as references (saved.py).
-        with torch.autograd.graph.saved_tensors_hooks(self.saver.pack, self.saver.unpack):
+        with self.saved_tensors():
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward through the chunked model; every parameter ends released, its gradient in chunks."""
         loss.backward()
+        self.finish_backward()
+
+    def finish_backward(self) -> None:
+        """End of a backward driven elsewhere (e.g. `torch.autograd.backward` on pipeline stage outputs,
+        one call per micro-batch): call once after the last of them. Releases parameters that got no
+        gradient, and (sharded) reduces the gradients still buffered to their owners."""
         for home in self.homes.values():  # parameters that received no gradient this time
             if home.pins:
                 self._release(home, TensorState.HOLD, all_pins=True)

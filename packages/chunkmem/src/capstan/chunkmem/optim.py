@@ -21,6 +21,7 @@ is `zero_grad`).
 from __future__ import annotations
 
 import math
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
@@ -58,26 +59,37 @@ class ChunkAdam:
     def _grad_kind(self) -> ChunkKind:
         return ChunkKind.GRAD if self.model.grad_chunks else ChunkKind.PARAM
 
-    def _each_grad(self):  # noqa: ANN202 - yields (chunk, used) of every owned gradient source
+    def _each_grad(self, weighted: bool = False):  # noqa: ANN202 - yields (group, chunk, used) of owned gradients
+        """Every owned gradient chunk; with `weighted`, only groups whose norm weight is not 0."""
         mgr = self.model.manager
         for g, group in enumerate(self.model.chunks[self._grad_kind()]):
+            if weighted and self.model.norm_weights[g] == 0:
+                continue
             for i in self.model.owned_indices(g):
                 chunk = group[i]
                 if chunk.used == 0:
                     continue
                 mgr.access(chunk.chunk_id)
-                yield chunk, chunk.used
-                mgr.release(chunk.chunk_id)
+                try:
+                    yield g, chunk, chunk.used
+                finally:  # also when the consumer stops early (`any` in has_overflow)
+                    mgr.release(chunk.chunk_id)
 
     def grad_norm(self) -> float:
-        """Global L2 norm of all (still scaled) gradients: one pass over the gradient chunks."""
-        total = sum(kernels.sumsq(c.payload[:n]) for c, n in self._each_grad())  # type: ignore[index]
+        """Global L2 norm of all (still scaled) gradients: one pass over the gradient chunks.
+
+        Each parameter group's sum of squares enters with its norm weight (a group replicated on
+        the ranks of an outer group counts on one of them), then the sum is reduced over the shard
+        group and the model's outer groups."""
+        w = self.model.norm_weights
+        total = sum(w[g] * kernels.sumsq(c.payload[:n]) for g, c, n in self._each_grad(weighted=True))  # type: ignore[index]
         return math.sqrt(self.model.reduce_sq(total))
 
     def has_overflow(self) -> bool:
-        """True if any gradient on any rank is inf/NaN."""
-        local = any(kernels.has_nonfinite(c.payload[:n]) for c, n in self._each_grad())  # type: ignore[index]
-        return self.model.reduce_sq(1.0 if local else 0.0) > 0
+        """True if any gradient on any rank (shard and outer groups) is inf/NaN."""
+        with closing(self._each_grad()) as grads:  # stopping at the first overflow releases its chunk
+            local = any(kernels.has_nonfinite(c.payload[:n]) for _, c, n in grads)  # type: ignore[index]
+        return self.model.reduce_any(local)
 
     def step(self, grad_clip: float | None = None, loss_scale: float = 1.0,
              check_overflow: bool = False) -> tuple[float | None, bool]:

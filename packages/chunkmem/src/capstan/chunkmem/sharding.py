@@ -48,6 +48,7 @@ class ShardedChunkedModel(ChunkedModel):
         self._gathered: dict[tuple[int, int], torch.Tensor] = {}  # (param group, unit) -> buffer
         self._grad_bufs: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_missing: dict[tuple[int, int], int] = {}
+        self._grad_expected: dict[tuple[int, int], int] = {}
         self._current: tuple[int, int] | None = None
         super().__init__(module, manager, chunk_size, **kwargs)  # type: ignore[arg-type]
         self._reset_grad_counts()
@@ -65,9 +66,8 @@ class ShardedChunkedModel(ChunkedModel):
     def owned_indices(self, g: int) -> list[int]:
         return [i for i in range(len(self.chunks[ChunkKind.PARAM][g])) if self.owned(i)]
 
-    def reduce_sq(self, local_sum_of_squares: float) -> float:
-        t = torch.tensor([local_sum_of_squares], dtype=torch.float64)
-        return float(comm.all_reduce(t, group=self.group).item())
+    def _reduction_groups(self) -> list[Group]:
+        return [self.group, *super()._reduction_groups()]
 
     def _transient_bytes(self) -> int:
         # A gathered unit (16-bit or fp32 parameters) and a gradient unit (fp32) may coexist.
@@ -171,6 +171,9 @@ class ShardedChunkedModel(ChunkedModel):
         self._grad_missing[key] -= 1
         if self._grad_missing[key] == 0:
             self._flush(key)
+            # Several backwards may run before `finish_backward` (a pipeline's micro-batches): the
+            # next one's gradients of this unit are counted afresh, so they are reduced as eagerly.
+            self._grad_missing[key] = self._grad_expected[key]
 
     def _flush(self, key: tuple[int, int]) -> None:
         """Average a unit's gradients over the group into the owners' GRAD chunks (symmetric)."""
@@ -206,6 +209,7 @@ class ShardedChunkedModel(ChunkedModel):
             if home.param.requires_grad:
                 key = self._grad_key(home)
                 self._grad_missing[key] = self._grad_missing.get(key, 0) + 1
+        self._grad_expected = dict(self._grad_missing)
 
     def drop_remote(self) -> None:
         """Free every gathered remote chunk (e.g. after an eval forward)."""

@@ -110,9 +110,9 @@ class ParallelConfig:
     tp: int = constraint(1, ge=1)
     """Tensor-parallel ranks per replica (Megatron-style slicing of every layer)."""
     pp: int = constraint(1, ge=1)
-    """Pipeline stages: the reference GPT's layers are partitioned by parameter count and each rank builds only its stage; the grad_accum_steps micro-batches are the pipeline's microbatches. Not with chunked memory (offload, ZeRO-3) yet."""
+    """Pipeline stages: the reference GPT's layers are partitioned by parameter count and each rank builds only its stage; the grad_accum_steps micro-batches are the pipeline's microbatches. Works with every zero_stage and offload: each stage's chunks have their own chunk manager (docs/parallelism.md)."""
     zero_stage: int = constraint(0, ge=0, le=3)
-    """0: all-reduce gradients; 1: shard optimizer state over dp; 2: also reduce-scatter gradients; 3: chunk memory (single process for now)."""
+    """0: all-reduce gradients; 1: shard optimizer state over dp; 2: also reduce-scatter gradients; 3: parameters, gradients and Adam moments in chunks sharded over dp (capstan.chunkmem; with any tp and pp)."""
     schedule: str = constraint("1f1b", choices=("gpipe", "1f1b", "interleaved"))
     """Pipeline schedule when pp > 1: "gpipe" (all forwards, then all backwards), "1f1b" (at most pp - stage micro-batches in flight) or "interleaved" (virtual_stages chunks per rank; grad_accum_steps must be a multiple of pp)."""
     virtual_stages: int = constraint(1, ge=1)

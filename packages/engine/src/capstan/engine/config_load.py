@@ -222,11 +222,6 @@ def check_cross(cfg: Config, sources: Sources) -> None:
 def _check_pipeline(cfg: Config, sources: Sources) -> None:
     """pp > 1: what the engine's pipeline (pipe.py) can run."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if uses_chunks(cfg):
-        raise ConfigError(f"parallel.pp = {p.pp} with memory.offload = {cfg.memory.offload!r}, parallel.zero_stage = "
-                          f"{p.zero_stage}: chunked memory (offload or ZeRO-3) is not yet supported with pipeline "
-                          "parallelism (each stage's parameters would need their own chunk manager); use "
-                          "zero_stage 0-2 without offload, or pp = 1")
     parts = p.pp * p.virtual_stages
     layers = m.n_layers + 3  # embedding, blocks, final norm, head
     if layers < parts:
@@ -246,9 +241,6 @@ def _check_pipeline(cfg: Config, sources: Sources) -> None:
 def _check_chunk_path(cfg: Config, sources: Sources) -> None:
     p, mem = cfg.parallel, cfg.memory
     why = f"memory.offload = {mem.offload!r}, parallel.zero_stage = {p.zero_stage}"
-    if p.tp > 1:
-        raise ConfigError(f"{why} needs tp = 1 for now (the chunk optimizer's gradient norm is not yet "
-                          f"reduced over tensor-parallel slices); got tp = {p.tp}")
     chunk_bytes = mem.chunk_size * 4
     if mem.offload == "disk" and mem.cpu_budget is None:
         raise ConfigError("memory.offload = \"disk\" needs memory.cpu_budget (bytes of chunks kept in RAM)")

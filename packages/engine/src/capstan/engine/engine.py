@@ -6,12 +6,16 @@ Two state holders sit behind the same three calls
 * `ZeroOptimizer` (zero.py): plain tensors in a flat fp32 buffer, data
   parallelism with ZeRO 0/1/2, tensor parallelism through tensorpar's layers;
 * capstan.chunkmem (`ChunkedModel` + `ChunkAdam`): parameters, gradients and
-  Adam moments in chunks with a RAM budget and a disk tier (one process, fp32).
+  Adam moments in chunks with a RAM budget and a disk tier; sharded over dp
+  (`ShardedChunkedModel`, ZeRO-3) when dp > 1; the gradient norm is weighted
+  per (tp-sliced?, decayed?) chunk list and reduced over tp and pp.
 
 With ``parallel.pp > 1`` the model is this rank's `PipelineStage` (pipe.py):
 `train_batch` hands the step's ``grad_accum_steps`` micro-batches to the
-pipeline schedule as its microbatches, and `ZeroOptimizer` steps the stage's
-own parameters over dp (the gradient norm is summed over the stages).
+pipeline schedule as its microbatches, and `ZeroOptimizer` (or the chunked
+model, which the executor's calls run through) steps the stage's own
+parameters over dp (the gradient norm is summed over the stages).
+See docs/parallelism.md for every combination.
 
 `engine.step()` acts only at the end of gradient accumulation; it averages
 gradients over dp, computes the global norm, skips the step on an fp16
@@ -85,19 +89,31 @@ class Engine:
         rank = self.groups.world.rank
         disk = DiskStore(mem.disk_dir, rank=rank) if mem.offload == "disk" else None
         self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction)
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        params = dict(model.named_parameters())
-        decay = [n for n in names if decays(params[n])]
-        plain = [n for n in names if not decays(params[n])]
+        named = dict(model.named_parameters())
+        names = [n for n, p in named.items() if p.requires_grad]
+        # One chunk list per (tp-sliced?, decayed?), as zero.py's segments: each list has one set of
+        # Adam hyper-parameters and one weight in the global gradient norm. Replicated parameters
+        # (tp_dim None: identical on every tp rank) count on tp rank 0 only, sliced ones on every
+        # tp rank; the sum then runs over tp and pp (stages hold disjoint parameters).
+        param_groups, adam, weights = [], [], []
+        for sliced in (True, False):
+            for decay in (True, False):
+                members = [n for n in names
+                           if (getattr(named[n], "tp_dim", None) is not None) == sliced and decays(named[n]) == decay]
+                if not members:
+                    continue
+                param_groups.append(members)
+                adam.append(AdamGroup(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                      weight_decay=t.weight_decay if decay else 0.0))
+                weights.append(1.0 if sliced or self.groups.tp.rank == 0 else 0.0)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.config.precision.dtype]
-        kwargs = dict(param_groups=[decay, plain], dtype=dtype, accumulate_grads=self.accum > 1)
-        if self.groups.dp.size > 1:  # ZeRO-3 through chunks: each dp rank owns 1/dp of them
+        kwargs = dict(param_groups=param_groups, dtype=dtype, accumulate_grads=self.accum > 1,
+                      norm_weights=weights, outer_groups=(self.groups.tp, self.groups.pp))
+        if self.groups.dp.size > 1:  # ZeRO-3 through chunks: each dp rank owns 1/dp of them (of its stage)
             self.module = ShardedChunkedModel(model, self.manager, mem.chunk_size, group=self.groups.dp, **kwargs)
         else:
             self.module = ChunkedModel(model, self.manager, mem.chunk_size, **kwargs)
-        self.optimizer = ChunkAdam(self.module, groups=[
-            AdamGroup(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay),
-            AdamGroup(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=0.0)])
+        self.optimizer = ChunkAdam(self.module, groups=adam)
         self._stepping = False
 
     # ---- the three-call API ------------------------------------------------------------------------
@@ -218,12 +234,23 @@ class Engine:
 
     def _pipeline_micro_batches(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """All micro-batches through the pipeline schedule: what `accum` forward/backward calls do at pp = 1."""
-        assert self.pipeline is not None and not self.chunked
+        assert self.pipeline is not None
         self._step_start = time.perf_counter()
         batches = [next(data_iter) for _ in range(self.accum)]  # every stage reads alike; the ends use them
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        loss = self.pipeline.train_step([x for x, _ in batches], [y for _, y in batches], scale)
-        self.optimizer.after_backward()  # gradients of the whole mean loss are in the flat buffer
+        if self.chunked:
+            # The executor calls this stage's modules itself, so the chunk hooks fetch parameters;
+            # the saved-tensor hooks must be active around its forwards, and the end of backward
+            # (release, gradient reductions of sharded chunks) runs once after its last backward.
+            if not self._stepping:
+                self.manager.begin_step()
+                self._stepping = True
+            with self.module.saved_tensors():
+                loss = self.pipeline.train_step([x for x, _ in batches], [y for _, y in batches], scale)
+            self.module.finish_backward()
+        else:
+            loss = self.pipeline.train_step([x for x, _ in batches], [y for _, y in batches], scale)
+            self.optimizer.after_backward()  # gradients of the whole mean loss are in the flat buffer
         self._micro_losses = [loss]  # the mean over the micro-batches, shared by the last stage
         self.micro_step = self.accum
 
