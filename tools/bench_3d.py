@@ -16,8 +16,8 @@ Layouts (dp, tp, pp) = (2,1,1), (1,2,1), (1,1,2), each against its PyTorch peer:
   DeviceMesh("cpu", [0, 1]): ColwiseParallel on q, k, v and fc, RowwiseParallel
   on the attention output and MLP projections, the token embedding
   RowwiseParallel (vocabulary split, as torchtitan does) and the head
-  ColwiseParallel with replicated (gathered) logits; AdamW foreach over the
-  DTensor parameters, fused over the replicated plain ones (positions, norms),
+  ColwiseParallel with replicated (gathered) logits; fused AdamW over the
+  DTensor parameters and another over the replicated plain ones (positions, norms),
   gradient norm from the local shards plus one all-reduce;
 * (1,1,2): capstan `parallel.pp = 2`, schedule 1f1b, `--microbatches`
   micro-batches (grad_accum_steps) vs `torch.distributed.pipelining`
@@ -257,9 +257,10 @@ def make_peer(a: dict, axis: str, rank: int, world: int):
         params = list(model.parameters())
         dparams = [p for p in params if isinstance(p, DTensor)]
         plain = [p for p in params if not isinstance(p, DTensor)]
-        # One optimizer cannot mix DTensor and plain tensors in foreach/fused kernels.
-        opts = [adamw(dparams, foreach=True), adamw(plain, fused=True)]
-        note = f"{len(dparams)} DTensor params (AdamW foreach), {len(plain)} replicated plain (fused)"
+        # One optimizer cannot mix DTensor and plain tensors: torch 2.13 raises "aten._fused_adamw_
+        # (_foreach_mul_, _foreach_norm for clip_grad_norm_) got mixed torch.Tensor and DTensor".
+        opts = [adamw(dparams, fused=True), adamw(plain, fused=True)]
+        note = f"{len(dparams)} DTensor params + {len(plain)} replicated plain, fused AdamW each"
 
         def step() -> None:
             x, y = next(data)
