@@ -34,7 +34,8 @@ def test_training_is_deterministic_and_round_trips(tmp_path: Path) -> None:
 def _argv(run_dir: Path, *extra: str) -> list[str]:
     sets = {"model.n_layers": "1", "model.n_heads": "2", "model.d_model": "32", "model.seq_len": "32",
             "model.vocab_size": str(VOCAB), "data.tokenizer": '"bpe"', "data.max_bytes": "60000",
-            "train.steps": "12", "train.micro_batch_size": "8", "train.lr": "0.01", "train.warmup_steps": "1", "train.lr_schedule": "\"constant\"",
+            "train.steps": "12", "train.micro_batch_size": "8", "train.lr": "0.01", "train.warmup_steps": "1",
+            "train.lr_schedule": '"constant"',
             "log.run_dir": str(run_dir), "log.every": "100"}
     out = ["train", "--config", str(run_dir.parent / "empty.toml")]
     for k, v in sets.items():

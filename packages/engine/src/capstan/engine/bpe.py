@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ def save_bpe(tok: Any, path: str | Path) -> Path:
     """Write tokenizer.json atomically (temp file + rename: a reader never sees half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # unique per rank
     tmp.write_text(tok.to_str(pretty=True), encoding="utf-8")
     os.replace(tmp, path)
     return path

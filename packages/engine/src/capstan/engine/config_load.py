@@ -202,6 +202,9 @@ def check_cross(cfg: Config, sources: Sources) -> None:
         raise ConfigError(f"model.vocab_size = {m.vocab_size} is smaller than the byte tokenizer's 256 ids")
     if d.tokenizer == "bpe" and not d.source.endswith(".bin"):
         _check_bpe(cfg)
+    if d.tokenizer_file is not None and d.tokenizer != "bpe":
+        raise ConfigError(f"data.tokenizer_file is set but data.tokenizer = {d.tokenizer!r}: it only applies to "
+                          "data.tokenizer = \"bpe\"")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} must not exceed train.lr = {t.lr}")
     if t.warmup_steps > t.steps:
