@@ -39,7 +39,7 @@ from . import bpe
 from .config import Config, DataConfig
 
 __all__ = ["DataError", "TokenData", "open_data", "read_text_source", "stdlib_text", "byte_tokenize",
-           "bpe_tokenizer",            "step_starts", "micro_batch", "train_batches", "val_batches", "BYTE_VOCAB"]
+           "bpe_tokenizer", "step_starts", "micro_batch", "train_batches", "val_batches", "BYTE_VOCAB"]
 
 BYTE_VOCAB = 256
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
