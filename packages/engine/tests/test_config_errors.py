@@ -49,6 +49,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
     bad_json = _write(tmp, "bad.json", json.dumps({"train": {"stepz": 3}}))
     bad_toml = _write(tmp, "bad.toml", "[train\nsteps = 3")
     not_table = _write(tmp, "nt.toml", "train = 5")
+    bad_tok = _write(tmp, "bad-tokenizer.json", "{not json")
     s = ["train", "--config", good, "--set"]
     return [
         (s + ["train.lrr=0.1"], "did you mean 'train.lr'"),
@@ -72,6 +73,11 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (s + ["train.min_lr=1.0"], "train.min_lr = 1.0 must not exceed train.lr"),
         (s + ["train.warmup_steps=9"], "train.warmup_steps = 9 exceeds train.steps = 2"),
         (s + ["model.vocab_size=100"], "smaller than the byte tokenizer's 256 ids"),
+        (s + ["data.tokenizer=\"bpe\""], "model.vocab_size = 256 leaves data.tokenizer = \"bpe\" no merges"),
+        (s + ["data.tokenizer=\"bpe\"", "--set", f"data.tokenizer_file={tmp / 'no-tok.json'}"],
+         "no-tok.json' does not exist"),
+        (s + ["data.tokenizer=\"bpe\"", "--set", f"data.tokenizer_file={bad_tok}"], "cannot load the tokenizer"),
+        (s + [f"data.tokenizer_file={bad_tok}"], "it only applies to data.tokenizer = \"bpe\""),
         (s + ["memory.offload=\"disk\""], "needs memory.cpu_budget"),
         (s + ["memory.cpu_budget=1000000"], "memory.cpu_budget only applies to chunked memory"),
         (s + ["memory.offload=\"disk\"", "--set", "memory.cpu_budget=1000"], "cannot hold one chunk"),
@@ -105,6 +111,18 @@ def test_every_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.C
         assert code == 2, (argv, out.err)
         assert len(lines) == 1, (argv, out.err)
         assert lines[0].startswith("capstan: error:") and expected in lines[0], (argv, lines[0])
+
+
+def test_bpe_without_the_tokenizers_package_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tokenizers" else real(name, *a))
+    good = _write(tmp_path, "good.toml", GOOD)
+    code = cli.main(["train", "--config", good, "--set", "data.tokenizer=\"bpe\"", "--set", "model.vocab_size=512"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "pip install tokenizers" in lines[0], lines
 
 
 def _capstan() -> list[str]:

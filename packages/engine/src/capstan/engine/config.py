@@ -44,7 +44,7 @@ class ModelConfig:
     seq_len: int = constraint(64, ge=2)
     """Tokens per training sequence (and rows of the position embedding)."""
     vocab_size: int = constraint(256, ge=2)
-    """Token ids; at least the tokenizer's vocabulary (256 for "byte"), need not divide by tp."""
+    """Token ids; at least the tokenizer's vocabulary (256 for "byte"; for "bpe", the vocabulary it trains), need not divide by tp."""
     dropout: float = constraint(0.0, ge=0.0, lt=1.0)
     """Dropout on embeddings, attention probabilities and residual branches."""
 
@@ -55,8 +55,10 @@ class DataConfig:
 
     source: str = "stdlib"
     """"stdlib" (the running Python's standard library source, on every machine), a text file, a folder of text files, or a pre-tokenized `.bin` file."""
-    tokenizer: str = constraint("byte", choices=("byte",))
-    """Text to ids: "byte" maps each UTF-8 byte to its value (vocabulary 256). Not used for `.bin`."""
+    tokenizer: str = constraint("byte", choices=("byte", "bpe"))
+    """Text to ids: "byte" maps each UTF-8 byte to its value (vocabulary 256); "bpe" is a byte-level BPE with model.vocab_size ids (more than 256), trained deterministically on the training split and saved as log.run_dir/tokenizer.json (needs the tokenizers package: capstan-engine[bpe]). Not used for `.bin`."""
+    tokenizer_file: str | None = constraint(None, nullable=True)
+    """With tokenizer = "bpe": load this tokenizer.json (a previous run's, or a pretrained byte-level BPE) instead of training one; it is copied to log.run_dir. Unset: on checkpoint.resume, reuse log.run_dir/tokenizer.json if present, else train."""
     bin_dtype: str = constraint("uint16", choices=("uint16", "uint32"))
     """Element type of a pre-tokenized `.bin` file (a flat array of token ids)."""
     max_bytes: int = constraint(4_000_000, ge=1024)

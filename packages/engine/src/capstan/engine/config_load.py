@@ -200,6 +200,11 @@ def check_cross(cfg: Config, sources: Sources) -> None:
                           f"(tp from {_src(sources, 'parallel.tp')})")
     if d.tokenizer == "byte" and not d.source.endswith(".bin") and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size = {m.vocab_size} is smaller than the byte tokenizer's 256 ids")
+    if d.tokenizer == "bpe" and not d.source.endswith(".bin"):
+        _check_bpe(cfg)
+    if d.tokenizer_file is not None and d.tokenizer != "bpe":
+        raise ConfigError(f"data.tokenizer_file is set but data.tokenizer = {d.tokenizer!r}: it only applies to "
+                          "data.tokenizer = \"bpe\"")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} must not exceed train.lr = {t.lr}")
     if t.warmup_steps > t.steps:
@@ -217,6 +222,22 @@ def check_cross(cfg: Config, sources: Sources) -> None:
     elif mem.cpu_budget is not None:
         raise ConfigError("memory.cpu_budget only applies to chunked memory: set memory.offload = \"cpu\" "
                           "or \"disk\" (or parallel.zero_stage = 3)")
+
+
+def _check_bpe(cfg: Config) -> None:
+    """data.tokenizer = "bpe": the package is there, and a vocabulary to train or a file to load."""
+    from importlib.util import find_spec
+
+    d, v = cfg.data, cfg.model.vocab_size
+    if find_spec("tokenizers") is None:
+        raise ConfigError("data.tokenizer = \"bpe\" needs the tokenizers package: pip install tokenizers "
+                          "(or capstan-engine[bpe])")
+    if d.tokenizer_file is not None:
+        if not Path(d.tokenizer_file).is_file():
+            raise ConfigError(f"data.tokenizer_file = {d.tokenizer_file!r} does not exist (expected a tokenizer.json)")
+    elif v <= 256:
+        raise ConfigError(f"model.vocab_size = {v} leaves data.tokenizer = \"bpe\" no merges: a byte-level BPE "
+                          "needs more than its 256 byte ids (e.g. 512 or more)")
 
 
 def _check_pipeline(cfg: Config, sources: Sources) -> None:

@@ -7,8 +7,11 @@ Sources (``[data] source``):
 * a text file, or a folder of them (sorted recursively, hidden files skipped);
 * a pre-tokenized ``.bin`` file: a flat uint16/uint32 array of ids (nanoGPT's format), memory-mapped.
 
-Text goes through the byte tokenizer (id = byte value, vocabulary 256).
-The last ``val_fraction`` of the stream is the validation split.
+Text goes through the byte tokenizer (id = byte value, vocabulary 256), or,
+with ``tokenizer = "bpe"``, a byte-level BPE (bpe.py) learned from the training
+part of the text only, saved as ``<log.run_dir>/tokenizer.json``; see
+`bpe_tokenizer` for when an existing one is loaded instead. The last
+``val_fraction`` of the stream is the validation split.
 
 **Batches do not depend on the layout.** Global step k has ``B = micro ×
 accum × dp`` sequences whose starts are drawn from a generator seeded with
@@ -28,13 +31,15 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from . import bpe
 from .config import Config, DataConfig
 
 __all__ = ["DataError", "TokenData", "open_data", "read_text_source", "stdlib_text", "byte_tokenize",
-           "step_starts", "micro_batch", "train_batches", "val_batches", "BYTE_VOCAB"]
+           "bpe_tokenizer", "step_starts", "micro_batch", "train_batches", "val_batches", "BYTE_VOCAB"]
 
 BYTE_VOCAB = 256
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -88,6 +93,30 @@ def byte_tokenize(text: bytes) -> np.ndarray:
     return np.frombuffer(text, dtype=np.uint8)
 
 
+def bpe_tokenizer(cfg: Config, train_text: bytes) -> Any:
+    """The run's BPE: `data.tokenizer_file`, else on resume ``<run_dir>/tokenizer.json``, else trained.
+
+    Whichever it is, it is (re)written to ``<run_dir>/tokenizer.json``, so the run directory always
+    holds the ids its checkpoints were trained with. Training is deterministic, so every rank calls
+    this independently (before any process group) and gets the same ids.
+    """
+    d, vocab = cfg.data, cfg.model.vocab_size
+    saved = Path(cfg.log.run_dir) / "tokenizer.json"
+    path = Path(d.tokenizer_file) if d.tokenizer_file else saved if cfg.checkpoint.resume and saved.is_file() else None
+    if path is None:
+        tok = bpe.train_bpe(train_text, vocab)
+    else:
+        try:
+            tok = bpe.load_bpe(path)
+        except Exception as exc:  # tokenizers raises a bare Exception for a missing or malformed file
+            raise DataError(f"cannot load the tokenizer {path}: {' '.join(str(exc).split())}") from None
+        if tok.get_vocab_size() > vocab:
+            raise DataError(f"the tokenizer {path} has {tok.get_vocab_size()} ids but model.vocab_size is {vocab}")
+    if path is None or path.resolve() != saved.resolve():
+        bpe.save_bpe(tok, saved)
+    return tok
+
+
 def _open_bin(path: Path, dtype: str, vocab_size: int) -> np.ndarray:
     if not path.is_file():
         raise DataError(f"data.source {path} does not exist")
@@ -127,6 +156,11 @@ def open_data(cfg: Config) -> TokenData:
     seq = cfg.model.seq_len
     if d.source.endswith(".bin"):
         tokens = _open_bin(Path(d.source), d.bin_dtype, cfg.model.vocab_size)
+    elif d.tokenizer == "bpe":
+        text = read_text_source(d.source, d.max_bytes)
+        # Learn merges from the training part of the text only, so validation stays held out.
+        tok = bpe_tokenizer(cfg, text[: len(text) - int(len(text) * d.val_fraction)])
+        tokens = bpe.encode(tok, text)
     else:
         tokens = byte_tokenize(read_text_source(d.source, d.max_bytes))
     n_val = int(len(tokens) * d.val_fraction)
