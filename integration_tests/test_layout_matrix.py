@@ -8,8 +8,11 @@ reference GPT (2 blocks, 4 heads, d_model 32) trains 10 steps in fp32 and
 every step's global loss must equal the single-process run within 1e-5
 relative. The global batch is 8 sequences everywhere (micro batch 1 x
 grad_accum_steps 8/dp x dp), so step k sees the same sequences in every
-layout; clipping is active. A bf16 sample, (2,2,2) ZeRO-1 and (1,2,4) with
-disk offload, must give finite losses that fall.
+layout; clipping is active. Disk runs get one chunk more than the least RAM
+the layout accepts, so chunks stream through disk (asserted where the
+per-rank states exceed that minimum), and the chunk system's peak stays
+within the budget. A bf16 sample, (2,2,2) ZeRO-1 and (1,2,4) with disk
+offload, must give finite losses that fall.
 
 All runs share one 8-process launch (groups are rebuilt per layout), so the
 matrix costs one start-up.
@@ -27,6 +30,10 @@ from capstan.engine import initialize, open_data, train_batches
 STEPS = 10
 LAYOUTS = [(2, 2, 2), (4, 2, 1), (2, 1, 4), (1, 2, 4), (1, 4, 2), (8, 1, 1)]
 STAGES = [0, 1, 2, 3]
+# With dp >= 4 the least RAM ZeRO-3 accepts (its gather and gradient buffers: dp chunks per parameter
+# group) exceeds what this tiny model's per-rank states need, so nothing has to leave RAM there; these
+# layouts check parity of the disk-configured path, the others also that chunks streamed through disk.
+NOTHING_TO_MOVE = {(4, 2, 1), (8, 1, 1)}
 # chunkmem's working-set minimum per layout (ChunkedModel.minimum_budget, the largest over ranks) for
 # chunks of 8192 elements: with dp > 1 it is mostly ZeRO-3's gather/reduce buffers (dp chunks per
 # parameter group), the rest one optimizer step's sibling chunks.
@@ -85,7 +92,8 @@ def test_every_layout_stage_and_offload_equals_one_process(tmp_path: Path) -> No
     worst = 0.0
     for name, _ in _runs():
         runs = [got[name] for got in results]
-        if name.endswith("disk"):  # chunks went to disk and back (on the ranks whose states exceed the budget)
+        layout = tuple(int(c) for c in name[:3])
+        if name.endswith("disk") and layout not in NOTHING_TO_MOVE:  # chunks went to disk and back
             assert sum(r["moved"] for r in runs) > 0, name
         for run in runs:  # every rank reports the global loss
             losses = run["loss"]
