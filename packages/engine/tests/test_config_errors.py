@@ -85,6 +85,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
          "below the model states'"),
         (s + ["parallel.zero_stage=4"], "parallel.zero_stage = 4 must be <= 3"),
         (s + [f"checkpoint.load={tmp / 'no-such-run'}"], "no complete checkpoint there"),
+        (s + ["memory.ram_limit=1000000"], "memory.ram_limit = 1000000 needs chunked memory"),
         (s + ["memory.gpu_budget=1000000"], "memory.gpu_budget is not yet supported"),
         (s + ["data.max_bytes=10"], "data.max_bytes = 10 must be >= 1024"),
         (s + ["train.steps"], "expected section.key=value"),

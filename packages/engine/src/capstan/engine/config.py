@@ -131,6 +131,8 @@ class MemoryConfig:
     """Elements per chunk; at least the largest parameter tensor."""
     cpu_budget: int | None = constraint(None, gt=0, nullable=True)
     """Bytes of chunks allowed in RAM (unset: unlimited; required for offload = "disk")."""
+    ram_limit: int | None = constraint(None, gt=0, nullable=True)
+    """Bytes of RAM for chunks plus everything else the step allocates (activations), if set: the warm-up step runs within cpu_budget and measures that non-model memory per chunk access; later steps give chunks ram_limit minus it at each moment (docs/chunkmem.md). Needs cpu_budget <= ram_limit."""
     gpu_budget: int | None = constraint(None, gt=0, nullable=True)
     """Bytes of chunks allowed on the GPU. Not supported yet (chunkmem has no cuda tier): must stay unset."""
     disk_dir: str = "capstan-chunks"

@@ -214,6 +214,10 @@ def check_cross(cfg: Config, sources: Sources) -> None:
     if p.virtual_stages > 1 and p.schedule != "interleaved":
         raise ConfigError(f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = "
                           f"\"interleaved\", got {p.schedule!r}")
+    if mem.ram_limit is not None and (mem.cpu_budget is None or mem.cpu_budget > mem.ram_limit
+                                      or not uses_chunks(cfg)):
+        raise ConfigError(f"memory.ram_limit = {mem.ram_limit} needs chunked memory (offload or ZeRO-3) and a "
+                          f"memory.cpu_budget no larger than it for the warm-up step (cpu_budget = {mem.cpu_budget})")
     if mem.gpu_budget is not None:
         raise ConfigError("memory.gpu_budget is not yet supported: capstan.chunkmem has no cuda tier yet; "
                           "remove the key")

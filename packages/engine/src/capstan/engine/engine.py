@@ -88,7 +88,7 @@ class Engine:
         mem, t = self.config.memory, self.config.train
         rank = self.groups.world.rank
         disk = DiskStore(mem.disk_dir, rank=rank) if mem.offload == "disk" else None
-        self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction)
+        self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction, memory_limit=mem.ram_limit)
         named = dict(model.named_parameters())
         names = [n for n, p in named.items() if p.requires_grad]
         # One chunk list per (tp-sliced?, decayed?), as zero.py's segments: each list has one set of
