@@ -113,6 +113,10 @@ class ParallelConfig:
     """Pipeline stages: the reference GPT's layers are partitioned by parameter count and each rank builds only its stage; the grad_accum_steps micro-batches are the pipeline's microbatches. Not with chunked memory (offload, ZeRO-3) yet."""
     zero_stage: int = constraint(0, ge=0, le=3)
     """0: all-reduce gradients; 1: shard optimizer state over dp; 2: also reduce-scatter gradients; 3: chunk memory (single process for now)."""
+    bucket_mb: float = constraint(25.0, ge=0)
+    """Gradient bucket size in MiB for ZeRO 0-2 at dp > 1: each bucket's all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2) starts during backward as soon as its gradients are complete (like DDP's bucket_cap_mb). 0 turns the overlap off: one pass of collectives after backward. Pipeline parallelism always communicates after its schedule."""
+    zero2_collective: str = constraint("reduce_scatter", choices=("reduce_scatter", "all_reduce"))
+    """How ZeRO 2's overlapped buckets are reduced: "reduce_scatter" (1/dp of the traffic; a bucket spans the same range of every rank's shard, so it is complete later in backward) or "all_reduce" (contiguous buckets ready as early as DDP's; twice the traffic, but gloo's all-reduce is faster than its reduce-scatter); this rank keeps its shard either way."""
     schedule: str = constraint("1f1b", choices=("gpipe", "1f1b", "interleaved"))
     """Pipeline schedule when pp > 1: "gpipe" (all forwards, then all backwards), "1f1b" (at most pp - stage micro-batches in flight) or "interleaved" (virtual_stages chunks per rank; grad_accum_steps must be a multiple of pp)."""
     virtual_stages: int = constraint(1, ge=1)
