@@ -63,7 +63,7 @@ def model_config(a: dict) -> dict:
                       "lr": 1e-3, "weight_decay": 0.1, "grad_clip": 1.0, "warmup_steps": 0,
                       "lr_schedule": "constant"},
             "parallel": {"zero_stage": a.get("zero_stage", 0), "bucket_mb": a.get("bucket_mb", 25.0),
-                         "zero2_collective": a.get("zero2_collective", "reduce_scatter")}}
+                         "zero2_collective": a.get("zero2_collective", "all_reduce")}}
 
 
 def batches(micro: int, seq: int, rank: int, world: int):

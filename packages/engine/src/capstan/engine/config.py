@@ -115,8 +115,8 @@ class ParallelConfig:
     """0: all-reduce gradients; 1: shard optimizer state over dp; 2: also reduce-scatter gradients; 3: chunk memory (single process for now)."""
     bucket_mb: float = constraint(25.0, ge=0)
     """Gradient bucket size in MiB for ZeRO 0-2 at dp > 1: each bucket's all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2) starts during backward as soon as its gradients are complete (like DDP's bucket_cap_mb). 0 turns the overlap off: one pass of collectives after backward. Pipeline parallelism always communicates after its schedule."""
-    zero2_collective: str = constraint("reduce_scatter", choices=("reduce_scatter", "all_reduce"))
-    """How ZeRO 2's overlapped buckets are reduced: "reduce_scatter" (1/dp of the traffic; a bucket spans the same range of every rank's shard, so it is complete later in backward) or "all_reduce" (contiguous buckets ready as early as DDP's; twice the traffic, but gloo's all-reduce is faster than its reduce-scatter); this rank keeps its shard either way."""
+    zero2_collective: str = constraint("all_reduce", choices=("all_reduce", "reduce_scatter"))
+    """How ZeRO 2's overlapped buckets are reduced over dp (this rank keeps only its shard either way): "all_reduce" (contiguous buckets, ready as early in backward as DDP's; twice the traffic, but on gloo faster than its reduce-scatter, see docs/benchmarks.md) or "reduce_scatter" (1/dp of the traffic, for bandwidth-bound networks; a bucket spans the same range of every rank's shard, so it is complete later in backward)."""
     schedule: str = constraint("1f1b", choices=("gpipe", "1f1b", "interleaved"))
     """Pipeline schedule when pp > 1: "gpipe" (all forwards, then all backwards), "1f1b" (at most pp - stage micro-batches in flight) or "interleaved" (virtual_stages chunks per rank; grad_accum_steps must be a multiple of pp)."""
     virtual_stages: int = constraint(1, ge=1)

@@ -14,16 +14,19 @@ and padded to a multiple of the dp size so every rank's shard has the same lengt
 * stage 1: gradients are averaged with all-reduces; rank r updates only its
   shard (``shard_bounds``) and keeps Adam moments for it alone (1/dp of the
   optimizer state), then the shards are all-gathered into the parameters.
-* stage 2: after each micro-batch the gradient is reduce-scattered into this
-  rank's shard accumulator and the flat gradient cleared, so the gradient kept
+* stage 2: after each micro-batch the gradient is reduced over dp into this
+  rank's shard accumulator (a reduce-scatter, or all-reduced buckets of which
+  each rank keeps its shard's part) and the flat gradient cleared, so the gradient kept
   across micro-batches is 1/dp too (the full flat gradient still exists during
   backward).
 
 With ``bucket_bytes > 0`` (``parallel.bucket_mb``, the engine's default) the
 communication overlaps backward: gradient hooks start each bucket's
 all-reduce (stages 0 and 1, on the last micro-batch of an accumulation only,
-like DDP's ``no_sync``) or reduce-scatter (stage 2, every micro-batch) as soon
-as its gradients are complete; zero_buckets.py has the bucket layout.
+like DDP's ``no_sync``; stage 2 on every micro-batch, keeping the shard's part)
+or, for stage 2 with ``zero2_collective = "reduce_scatter"``, its
+reduce-scatter, as soon as its gradients are complete; zero_buckets.py has
+the bucket layouts.
 `after_backward` and `reduce_gradients` wait for them. With ``bucket_bytes =
 0`` (and always under pipeline parallelism, whose schedule runs several
 backwards before `after_backward`) everything runs after backward instead:
@@ -71,7 +74,7 @@ class ZeroOptimizer:
     """AdamW over a flat buffer with ZeRO stage 0, 1 or 2 over `groups.dp` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, groups: comm.Groups, stage: int, train: TrainConfig,
-                 bucket_bytes: int = 0, zero2_collective: str = "reduce_scatter") -> None:
+                 bucket_bytes: int = 0, zero2_collective: str = "all_reduce") -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer handles ZeRO stages 0-2, got {stage}")
         self.groups, self.stage, self.train = groups, stage, train

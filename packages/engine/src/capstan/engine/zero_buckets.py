@@ -14,9 +14,14 @@ the same on every rank whatever order the hooks fire in.
 
 Two layouts:
 
-* `all_reduce` buckets (ZeRO 0 and 1): contiguous ranges of the flat gradient
-  cut at parameter boundaries, each all-reduced (avg) in place.
-* `reduce_scatter` buckets (ZeRO 2): this rank's shard is
+* `all_reduce` buckets (ZeRO 0 and 1, and ZeRO 2 with
+  ``parallel.zero2_collective = "all_reduce"``, the default): contiguous
+  ranges of the flat gradient cut at parameter boundaries, each all-reduced
+  (avg) in place; under ZeRO 2 each rank then adds the bucket's part inside
+  its own shard to the shard accumulator. Twice a reduce-scatter's traffic,
+  but ready as early as DDP's buckets, no packing copy, and on gloo faster
+  (docs/benchmarks.md).
+* `reduce_scatter` buckets (ZeRO 2 with ``"reduce_scatter"``): this rank's shard is
   ``flat[r*S : (r+1)*S]`` (S = padded / dp, the contiguous shards that the
   update, the norm and checkpoints use), and bucket j is the same
   shard-relative range ``[a, b)`` of every rank's shard, taken from the end
