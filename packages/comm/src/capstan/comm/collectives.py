@@ -94,7 +94,10 @@ class guard:  # noqa: N801 - used like a function: `with guard("all_reduce", g):
         if isinstance(exc, RuntimeError) and not isinstance(exc, CommError):
             liveness = state.liveness()
             suspects = list(self.group.ranks) if self.peer is None else [self.peer]
-            lost = liveness.find_lost(suspects) if liveness is not None else []
+            lost = []
+            if liveness is not None:
+                lost = liveness.find_lost(suspects)
+                liveness.publish_verdict(lost)  # before exiting, so a peer that sees us go does not blame us
             text = str(exc).strip()
             first_line = text.splitlines()[0] if text else type(exc).__name__
             raise CommError(self.op, str(self.group), first_line[:300], lost) from exc
