@@ -21,7 +21,9 @@ matrices only), gradient clipping at 1.0, one thread per rank. The peers:
   `clip_grad_norm_` (what capstan's engine does, written by hand);
 * dp2: `DistributedDataParallel` (fused AdamW) and FSDP2 (`fully_shard` per
   layer + root on a 2-rank CPU mesh), both over gloo, against capstan
-  `parallel.zero_stage = 2` over gloo; with --deepspeed also DeepSpeed
+  `parallel.zero_stage = 2` over gloo (gradient buckets communicating during
+  backward; add ``capstan-after`` to --systems-dp2 for the same engine with
+  ``parallel.bucket_mb = 0``, all communication after backward); with --deepspeed also DeepSpeed
   ZeRO-2 and ZeRO-3 with `offload_optimizer: cpu` (DS_ACCELERATOR=cpu, gloo).
 
 Two measurements (launched with `capstan.comm.testing.run_ranks`):
@@ -60,7 +62,8 @@ def model_config(a: dict) -> dict:
             "train": {"micro_batch_size": a["micro"], "grad_accum_steps": 1, "steps": 1_000_000,
                       "lr": 1e-3, "weight_decay": 0.1, "grad_clip": 1.0, "warmup_steps": 0,
                       "lr_schedule": "constant"},
-            "parallel": {"zero_stage": a.get("zero_stage", 0)}}
+            "parallel": {"zero_stage": a.get("zero_stage", 0), "bucket_mb": a.get("bucket_mb", 25.0),
+                         "zero2_collective": a.get("zero2_collective", "all_reduce")}}
 
 
 def batches(micro: int, seq: int, rank: int, world: int):
@@ -104,10 +107,14 @@ def make_system(system: str, a: dict, world: int, rank: int):
     data = batches(a["micro"], a["seq"], rank, world)
     losses: list[float] = []
 
-    if system == "capstan":
+    if system.startswith("capstan"):
         from capstan.engine.build import initialize
 
-        engine = initialize(config=model_config(a))
+        # capstan-after: bucket_mb = 0, every collective after backward (the engine before the overlap);
+        # capstan-rs / capstan-ar: ZeRO 2's buckets reduce-scattered / all-reduced.
+        variant = {"capstan-after": {"bucket_mb": 0.0}, "capstan-rs": {"zero2_collective": "reduce_scatter"},
+                   "capstan-ar": {"zero2_collective": "all_reduce"}}.get(system, {})
+        engine = initialize(config=model_config(dict(a, **variant)))
         n_params = engine.optimizer.numel
 
         def step() -> None:

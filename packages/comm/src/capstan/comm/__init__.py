@@ -15,7 +15,7 @@ Example (runs as one process, or under ``mpirun -np 4`` / ``torchrun --nproc_per
 from .bootstrap import BACKENDS, CPU_DEFAULT_BACKEND, init, is_initialized, shutdown
 from .bucketing import all_reduce_coalesced, flatten, plan_buckets, unflatten
 from .collectives import (
-    REDUCE_OPS, all_gather, all_reduce, barrier, broadcast, reduce, reduce_scatter, shard_bounds,
+    REDUCE_OPS, CollectiveHandle, all_gather, all_reduce, barrier, broadcast, reduce, reduce_scatter, shard_bounds,
 )
 from .errors import CommError
 from .groups import Group, Groups, build_groups, single_process_groups
@@ -26,7 +26,7 @@ from .state import backend, launch, world
 from .topology import AXES, Coord, Topology, TopologyError
 
 __all__ = [
-    "AXES", "BACKENDS", "CPU_DEFAULT_BACKEND", "CommError", "Coord", "Group", "Groups", "LaunchError",
+    "AXES", "BACKENDS", "CPU_DEFAULT_BACKEND", "CollectiveHandle", "CommError", "Coord", "Group", "Groups", "LaunchError",
     "LaunchInfo", "P2PHandle", "P2POp", "REDUCE_OPS", "Topology", "TopologyError", "all_gather",
     "all_reduce", "all_reduce_coalesced", "backend", "barrier", "broadcast", "build_groups",
     "detect_launch", "exchange", "flatten", "get_logger", "init", "irecv", "is_initialized", "isend",

@@ -171,7 +171,9 @@ def _rendezvous(info: LaunchInfo, td: timedelta, mpi_comm: object | None) -> tup
             f"{info.launcher} launch of {info.world_size} ranks without MASTER_ADDR/MASTER_PORT and without "
             "mpi4py: set both variables or pip install 'capstan-comm[mpi]'"
         )
-    liveness = StoreLiveness(info.rank, lambda: dist.TCPStore(addr, port, None, False, timeout=td, wait_for_workers=False))
+    serves = info.rank == 0 and not (info.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+    liveness = StoreLiveness(info.rank, lambda: dist.TCPStore(addr, port, None, False, timeout=td, wait_for_workers=False),
+                             world_size=info.world_size, serves_store=serves)
     return store, liveness
 
 

@@ -11,12 +11,21 @@ is also how torch.chunk splits.
 
 A failure (a peer died, or nothing came within the timeout) raises
 `CommError` naming the operation, group and lost peer.
+
+`all_reduce` and `reduce_scatter` take ``async_op=True`` to return a
+`CollectiveHandle` at once: the collective runs in the background (gloo's
+worker thread, or an MPI non-blocking collective) and `handle.wait()`
+finishes it (the ``avg`` division, the copy out of a padded buffer) and raises
+`CommError` there. The caller must not touch the tensors until then.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 
@@ -26,7 +35,7 @@ from .groups import Group
 from .log import get_logger
 
 __all__ = [
-    "shard_bounds", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier", "REDUCE_OPS",
+    "CollectiveHandle", "shard_bounds", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier", "REDUCE_OPS",
 ]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -85,7 +94,10 @@ class guard:  # noqa: N801 - used like a function: `with guard("all_reduce", g):
         if isinstance(exc, RuntimeError) and not isinstance(exc, CommError):
             liveness = state.liveness()
             suspects = list(self.group.ranks) if self.peer is None else [self.peer]
-            lost = liveness.find_lost(suspects) if liveness is not None else []
+            lost = []
+            if liveness is not None:
+                lost = liveness.find_lost(suspects)
+                liveness.publish_verdict(lost)  # before exiting, so a peer that sees us go does not blame us
             text = str(exc).strip()
             first_line = text.splitlines()[0] if text else type(exc).__name__
             raise CommError(self.op, str(self.group), first_line[:300], lost) from exc
@@ -96,9 +108,75 @@ def _div_avg(t: torch.Tensor, n: int) -> None:
     t.div_(n)
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
-    """Reduce `tensor` in place over the group (sum, avg, max or min)."""
+class CollectiveHandle:
+    """A collective started with ``async_op=True``; `wait()` completes it (idempotent).
+
+    `work` is a torch.distributed Work or an MPI request (anything with
+    ``wait()``/``Wait()``), or None for a collective that already finished (a
+    group of one); `finish` runs after it completed, inside the same guard, so a
+    lost peer surfaces as `CommError` naming the operation and group. `keep`
+    holds the buffers an MPI request reads and writes (it holds no references
+    itself), so the caller may drop its own.
+    """
+
+    __slots__ = ("op", "group", "nbytes", "_work", "_finish", "_keep", "done")
+
+    def __init__(self, op: str, group: Group, work: object | None, finish: Callable[[], None] | None = None,
+                 nbytes: int = 0, keep: tuple[torch.Tensor, ...] = ()) -> None:
+        self.op, self.group, self.nbytes = op, group, nbytes
+        self._work, self._finish, self._keep, self.done = work, finish, keep, False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        with guard(self.op, self.group, self.nbytes):
+            work, self._work = self._work, None
+            if work is not None:
+                if hasattr(work, "Wait"):  # an MPI request: blocking, so the watchdog covers it
+                    mpi_backend.wait(work, self.op, self.group)
+                else:
+                    work.wait()  # type: ignore[attr-defined]
+            if self._finish is not None:
+                self._finish()
+        self._keep = ()
+        self.done = True
+
+
+def _done(op: str, g: Group) -> CollectiveHandle:
+    h = CollectiveHandle(op, g, None)
+    h.done = True
+    return h
+
+
+def _all_reduce_async(tensor: torch.Tensor, op: str, g: Group) -> CollectiveHandle:
+    if g.size == 1 or tensor.numel() == 0:
+        return _done("all_reduce", g)
+    nbytes = tensor.numel() * tensor.element_size()
+    finish = (lambda: _div_avg(tensor, g.size)) if op == "avg" else None
+    with guard("all_reduce", g, nbytes):
+        if mpi_backend.supports(tensor, g):
+            work = mpi_backend.iall_reduce(tensor, op, g)
+        else:
+            work = dist.all_reduce(tensor, op=_TORCH_OPS.get(op, dist.ReduceOp.SUM), group=g.pg, async_op=True)
+    return CollectiveHandle("all_reduce", g, work, finish, nbytes, (tensor,))
+
+
+@overload
+def all_reduce(tensor: torch.Tensor, op: str = ..., group: Group | None = ...,
+               async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def all_reduce(tensor: torch.Tensor, op: str = ..., group: Group | None = ...,
+               *, async_op: Literal[True]) -> CollectiveHandle: ...
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group | None = None,
+               async_op: bool = False) -> torch.Tensor | CollectiveHandle:
+    """Reduce `tensor` in place over the group (sum, avg, max or min); see the module docstring for async_op."""
     g = state.world() if group is None else group
+    if async_op:
+        _check("tensor", tensor)
+        _check_op(op, tensor)
+        return _all_reduce_async(tensor, op, g)
     # Fast path for the common case (MPI group, plain contiguous CPU tensor of an MPI type, no avg):
     # the same checks as below, in the fewest Python operations, because at a few KiB the
     # per-call cost in Python is a visible share of the collective (docs/benchmarks.md).
@@ -171,8 +249,12 @@ def all_gather(
     return output
 
 
-def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
-    """Reduce `tensor` over the group; this rank keeps its shard (`shard_bounds`) in `output`."""
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", group: Group | None = None,
+                   async_op: bool = False) -> torch.Tensor | CollectiveHandle:
+    """Reduce `tensor` over the group; this rank keeps its shard (`shard_bounds`) in `output`.
+
+    With ``async_op=True`` returns a `CollectiveHandle` (see the module docstring).
+    """
     _check("output", output)
     _check("tensor", tensor)
     _check_op(op, tensor)
@@ -187,9 +269,11 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
         raise TypeError(f"output dtype {output.dtype} differs from tensor dtype {tensor.dtype}")
     if g.size == 1:
         output.view(-1).copy_(tensor.view(-1))
-        return output
+        return _done("reduce_scatter", g) if async_op else output
     if tensor.numel() == 0:
-        return output
+        return _done("reduce_scatter", g) if async_op else output
+    if async_op:
+        return _reduce_scatter_async(output, tensor, op, g, start, end)
     with guard("reduce_scatter", g, tensor.numel() * tensor.element_size()):
         if mpi_backend.supports(tensor, g):
             counts = None
@@ -211,14 +295,43 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
     return output
 
 
-def _torch_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, op: object, pg: object) -> None:
+def _reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, op: str, g: Group, start: int,
+                          end: int) -> CollectiveHandle:
+    nbytes = tensor.numel() * tensor.element_size()
+    with guard("reduce_scatter", g, nbytes):
+        if mpi_backend.supports(tensor, g):
+            counts = None
+            if tensor.numel() % g.size:
+                counts = [b - a for a, b in (shard_bounds(tensor.numel(), g.size, i) for i in range(g.size))]
+            work = mpi_backend.ireduce_scatter(output, tensor, counts, op, g)
+            finish = (lambda: _div_avg(output, g.size)) if op == "avg" else None
+            return CollectiveHandle("reduce_scatter", g, work, finish, nbytes, (output, tensor))
+        per = -(-tensor.numel() // g.size)
+        src = tensor.view(-1)
+        if per * g.size != tensor.numel():
+            src = torch.zeros(per * g.size, dtype=tensor.dtype, device=tensor.device)
+            src[: tensor.numel()] = tensor.view(-1)
+        direct = output.numel() == per
+        dst = output.view(-1) if direct else torch.empty(per, dtype=tensor.dtype, device=tensor.device)
+        work = _torch_reduce_scatter(dst, src, _TORCH_OPS.get(op, dist.ReduceOp.SUM), g.pg, async_op=True)
+
+    def finish() -> None:
+        if not direct:
+            output.view(-1).copy_(dst[: end - start])
+        if op == "avg":
+            _div_avg(output, g.size)
+
+    return CollectiveHandle("reduce_scatter", g, work, finish, nbytes, (output, src, dst))
+
+
+def _torch_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, op: object, pg: object,
+                          async_op: bool = False) -> object:
     single = getattr(dist, "reduce_scatter_single", None)
     if single is not None:
-        single(dst, src, op=op, group=pg)
-        return
+        return single(dst, src, op=op, group=pg, async_op=async_op)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        dist.reduce_scatter_tensor(dst, src, op=op, group=pg)
+        return dist.reduce_scatter_tensor(dst, src, op=op, group=pg, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from . import state
 
-__all__ = ["supports", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier"]
+__all__ = ["supports", "iall_reduce", "ireduce_scatter", "wait", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier"]
 
 _TYPES: dict[torch.dtype, object] = {}
 _OPS: dict[str, object] = {}
@@ -124,6 +124,33 @@ def all_reduce(tensor: torch.Tensor, op: str, group: object) -> None:
         wd.current = None
     if op == "avg":
         tensor.div_(comm.Get_size())
+
+
+def iall_reduce(tensor: torch.Tensor, op: str, group: object) -> object:
+    """Start a non-blocking in-place all-reduce (MPI_Iallreduce); `wait` it. The ``avg`` division is the caller's.
+
+    Open MPI progresses non-blocking collectives mostly inside MPI calls, so
+    without other MPI traffic much of the transfer may happen in `wait`.
+    """
+    return group.mpi_comm.Iallreduce(_IN_PLACE[0], _view(tensor), op=_op(op))  # type: ignore[attr-defined]
+
+
+def ireduce_scatter(output: torch.Tensor, tensor: torch.Tensor, counts: list[int] | None, op: str,
+                    group: object) -> object:
+    """Start a non-blocking reduce-scatter (counts None: even split); `wait` it. ``avg`` is the caller's."""
+    comm = group.mpi_comm  # type: ignore[attr-defined]
+    if counts is None:
+        return comm.Ireduce_scatter_block(_view(tensor), _view(output), op=_op(op))
+    return comm.Ireduce_scatter(_view(tensor), _view(output), recvcounts=counts, op=_op(op))
+
+
+def wait(request: object, op: str, group: object) -> None:
+    """Wait for a non-blocking collective under the watchdog (an overrun aborts the job with its name)."""
+    _watchdog.arm(op, group)
+    try:
+        request.Wait()  # type: ignore[attr-defined]
+    finally:
+        _watchdog.disarm()
 
 
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, counts: list[int] | None, group: object) -> None:

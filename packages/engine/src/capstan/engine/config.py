@@ -115,6 +115,10 @@ class ParallelConfig:
     """Pipeline stages: the reference GPT's layers are partitioned by parameter count and each rank builds only its stage; the grad_accum_steps micro-batches are the pipeline's microbatches. Works with every zero_stage and offload: each stage's chunks have their own chunk manager (docs/parallelism.md)."""
     zero_stage: int = constraint(0, ge=0, le=3)
     """0: all-reduce gradients; 1: shard optimizer state over dp; 2: also reduce-scatter gradients; 3: parameters, gradients and Adam moments in chunks sharded over dp (capstan.chunkmem; with any tp and pp)."""
+    bucket_mb: float = constraint(25.0, ge=0)
+    """Gradient bucket size in MiB for ZeRO 0-2 at dp > 1: each bucket's all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2) starts during backward as soon as its gradients are complete (like DDP's bucket_cap_mb). 0 turns the overlap off: one pass of collectives after backward. Pipeline parallelism always communicates after its schedule."""
+    zero2_collective: str = constraint("all_reduce", choices=("all_reduce", "reduce_scatter"))
+    """How ZeRO 2's overlapped buckets are reduced over dp (this rank keeps only its shard either way): "all_reduce" (contiguous buckets, ready as early in backward as DDP's; twice the traffic, but on gloo faster than its reduce-scatter, see docs/benchmarks.md) or "reduce_scatter" (1/dp of the traffic, for bandwidth-bound networks; a bucket spans the same range of every rank's shard, so it is complete later in backward)."""
     schedule: str = constraint("1f1b", choices=("gpipe", "1f1b", "interleaved"))
     """Pipeline schedule when pp > 1: "gpipe" (all forwards, then all backwards), "1f1b" (at most pp - stage micro-batches in flight) or "interleaved" (virtual_stages chunks per rank; grad_accum_steps must be a multiple of pp)."""
     virtual_stages: int = constraint(1, ge=1)

@@ -80,7 +80,10 @@ class Engine:
             self._init_chunks(model)
         else:
             self.module = model
-            self.optimizer = ZeroOptimizer(model, groups, config.parallel.zero_stage, config.train)
+            # Under pp the schedule runs every micro-batch's backward before after_backward: no overlap there.
+            bucket_bytes = int(config.parallel.bucket_mb * 2**20) if pipeline is None else 0
+            self.optimizer = ZeroOptimizer(model, groups, config.parallel.zero_stage, config.train, bucket_bytes,
+                                           config.parallel.zero2_collective)
 
     def _init_chunks(self, model: nn.Module) -> None:
         from capstan.chunkmem import AdamGroup, ChunkAdam, ChunkedModel, ChunkManager, DiskStore, ShardedChunkedModel

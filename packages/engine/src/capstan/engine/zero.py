@@ -9,16 +9,29 @@ the norm can treat whole ranges alike:
 
 and padded to a multiple of the dp size so every rank's shard has the same length.
 
-* stage 0: gradients are averaged over dp with bucketed all-reduces
-  (`comm.all_reduce_coalesced`); every rank updates everything.
-* stage 1: gradients are averaged with one all-reduce; rank r updates only its
+* stage 0: gradients are averaged over dp with all-reduces; every rank updates
+  everything.
+* stage 1: gradients are averaged with all-reduces; rank r updates only its
   shard (``shard_bounds``) and keeps Adam moments for it alone (1/dp of the
   optimizer state), then the shards are all-gathered into the parameters.
-* stage 2: after each micro-batch's backward the flat gradient is
-  reduce-scattered into this rank's shard accumulator and cleared, so the
-  gradient kept across micro-batches is 1/dp too (the full flat gradient still
-  exists during backward; a bucketed reduce-scatter inside backward would
-  remove that, later).
+* stage 2: after each micro-batch the gradient is reduced over dp into this
+  rank's shard accumulator (a reduce-scatter, or all-reduced buckets of which
+  each rank keeps its shard's part) and the flat gradient cleared, so the gradient kept
+  across micro-batches is 1/dp too (the full flat gradient still exists during
+  backward).
+
+With ``bucket_bytes > 0`` (``parallel.bucket_mb``, the engine's default) the
+communication overlaps backward: gradient hooks start each bucket's
+all-reduce (stages 0 and 1, on the last micro-batch of an accumulation only,
+like DDP's ``no_sync``; stage 2 on every micro-batch, keeping the shard's part)
+or, for stage 2 with ``zero2_collective = "reduce_scatter"``, its
+reduce-scatter, as soon as its gradients are complete; zero_buckets.py has
+the bucket layouts.
+`after_backward` and `reduce_gradients` wait for them. With ``bucket_bytes =
+0`` (and always under pipeline parallelism, whose schedule runs several
+backwards before `after_backward`) everything runs after backward instead:
+stage 0 through `comm.all_reduce_coalesced`, stage 1 as one all-reduce,
+stage 2 as one reduce-scatter per micro-batch.
 
 The gradient norm for clipping is global over dp, tp and pp: squares of a shard
 are summed over dp; tp-sliced parameters are summed over tp, and replicated
@@ -39,6 +52,7 @@ from capstan import comm
 from capstan.native import kernels
 
 from .config import TrainConfig
+from .zero_buckets import OverlappedBuckets, plan_all_reduce, plan_reduce_scatter
 
 __all__ = ["ZeroOptimizer", "Segment", "decays"]
 
@@ -59,7 +73,8 @@ class Segment:
 class ZeroOptimizer:
     """AdamW over a flat buffer with ZeRO stage 0, 1 or 2 over `groups.dp` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, groups: comm.Groups, stage: int, train: TrainConfig) -> None:
+    def __init__(self, model: nn.Module, groups: comm.Groups, stage: int, train: TrainConfig,
+                 bucket_bytes: int = 0, zero2_collective: str = "all_reduce") -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer handles ZeRO stages 0-2, got {stage}")
         self.groups, self.stage, self.train = groups, stage, train
@@ -101,6 +116,21 @@ class ZeroOptimizer:
         self.exp_avg_sq = torch.zeros(self.hi - self.lo)
         self.shard_grad = torch.zeros(self.hi - self.lo) if stage == 2 else None
         self.step_count = 0
+        self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
+        self.overlap: OverlappedBuckets | None = None
+        if bucket_bytes > 0 and dp > 1:
+            offsets, sizes = _offsets(self.params), [p.numel() for p in self.params]
+            elems = max(1, bucket_bytes // 4)
+            plan = (plan_reduce_scatter(offsets, sizes, self.padded, dp, elems)
+                    if stage == 2 and zero2_collective == "reduce_scatter" else plan_all_reduce(offsets, sizes, elems))
+            self.overlap = OverlappedBuckets(self.params, self._grad_views, self.flat_grad, plan, groups.dp,
+                                             self.shard_grad, (self.lo, self.hi))
+            self._arm()
+
+    def _arm(self) -> None:
+        """Communicate in the next backward? Stage 2 always; stages 0/1 on the accumulation's last micro-batch."""
+        if self.overlap is not None:
+            self.overlap.armed = self.stage == 2 or self.micro == self.train.grad_accum_steps - 1
 
     # ---- gradients ------------------------------------------------------------------------------
     def _repoint_grads(self) -> None:
@@ -114,6 +144,14 @@ class ZeroOptimizer:
     def after_backward(self) -> None:
         """Called after every micro-batch's backward."""
         self._repoint_grads()
+        self.micro += 1
+        if self.overlap is not None:
+            ran = self.overlap.finish()
+            if self.stage == 2 and ran:
+                self.flat_grad.zero_()
+            self._arm()
+            if ran or self.stage < 2:
+                return
         if self.stage == 2:
             part = torch.empty(self.hi - self.lo)
             comm.reduce_scatter(part, self.flat_grad, op="avg", group=self.groups.dp)
@@ -122,6 +160,11 @@ class ZeroOptimizer:
 
     def reduce_gradients(self) -> None:
         """Average gradients over dp at the end of gradient accumulation."""
+        micro, self.micro = self.micro, 0
+        if self.overlap is not None:
+            self._arm()
+            if self.stage == 2 or micro == self.train.grad_accum_steps:
+                return  # the buckets already ran during the last backward (after_backward waited)
         if self.stage == 0:
             comm.all_reduce_coalesced(self._grad_views, op="avg", group=self.groups.dp)
         elif self.stage == 1:
@@ -162,6 +205,8 @@ class ZeroOptimizer:
         return bool(flag.item())
 
     def zero_grad(self) -> None:
+        self.micro = 0
+        self._arm()
         self.flat_grad.zero_()
         if self.shard_grad is not None:
             self.shard_grad.zero_()

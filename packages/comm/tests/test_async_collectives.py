@@ -1,0 +1,100 @@
+"""`all_reduce` / `reduce_scatter` with ``async_op=True``: same results as the blocking calls, CommError on wait.
+
+The values are small integers, exact in every dtype, so results are compared
+for equality; several collectives are kept in flight at once, as the ZeRO
+gradient buckets do during backward.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from capstan.comm.testing import requires_mpirun, run_mpirun, run_ranks
+
+
+def _value(rank: int, n: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    return torch.randint(-8, 8, (n,), generator=g).to(dtype)
+
+
+def _async_cases() -> tuple[str, list[str]]:
+    from capstan import comm
+
+    w = comm.world()
+    bad: list[str] = []
+    pending = []
+    for salt, (dtype, n, op) in enumerate([(torch.float32, 1_000_003, "sum"), (torch.float32, 7, "avg"),
+                                           (torch.bfloat16, 1000, "sum"), (torch.float64, 33, "max")]):
+        t = _value(w.rank, n, dtype, salt)
+        want = torch.stack([_value(r, n, dtype, salt).double() for r in range(w.size)])
+        want = {"sum": want.sum(0), "avg": want.mean(0), "max": want.amax(0)}[op]
+        pending.append((f"all_reduce {dtype} {n} {op}", t, want, comm.all_reduce(t, op=op, async_op=True)))
+    for salt, (n, op) in enumerate([(999, "sum"), (1_000_002, "avg"), (5, "sum")], start=10):
+        t = _value(w.rank, n, torch.float32, salt)
+        lo, hi = comm.shard_bounds(n, w.size, w.rank)
+        full = torch.stack([_value(r, n, torch.float32, salt).double() for r in range(w.size)])
+        want = (full.sum(0) if op == "sum" else full.mean(0))[lo:hi]
+        out = torch.empty(hi - lo)
+        pending.append((f"reduce_scatter {n} {op}", out, want, comm.reduce_scatter(out, t, op=op, async_op=True)))
+    for name, got, want, handle in reversed(pending):  # waiting out of order is fine
+        handle.wait()
+        handle.wait()  # idempotent
+        if not torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6):
+            bad.append(name)
+    return comm.backend(), bad
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_async_collectives_match_local_values(world_size: int) -> None:
+    assert run_ranks(_async_cases, world_size, timeout=240) == [("gloo", [])] * world_size
+
+
+@requires_mpirun()
+def test_async_collectives_under_mpirun() -> None:
+    # fp32 goes through MPI_Iallreduce / MPI_Ireduce_scatter(_block); bf16 through gloo.
+    assert run_mpirun(_async_cases, 3, timeout=240) == [("mpi", [])] * 3
+
+
+def _group_of_one() -> list[float]:
+    from capstan import comm
+
+    groups = comm.build_groups(comm.Topology(dp=1, pp=1, tp=comm.world().size))
+    t = torch.tensor([1.0, 2.0])
+    comm.all_reduce(t, op="avg", group=groups.dp, async_op=True).wait()
+    out = torch.empty(2)
+    h = comm.reduce_scatter(out, t, group=groups.pp, async_op=True)
+    assert h.done
+    h.wait()
+    return out.tolist()
+
+
+def test_async_is_an_identity_on_a_group_of_one() -> None:
+    assert run_ranks(_group_of_one, 2) == [[1.0, 2.0], [1.0, 2.0]]
+
+
+def _wait_on_a_dead_peer() -> tuple[str, str, list[int]] | None:
+    from capstan import comm
+
+    w = comm.world()
+    comm.barrier()
+    if w.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    handle = comm.all_reduce(torch.ones(1000), async_op=True)
+    try:
+        handle.wait()
+    except comm.CommError as exc:
+        return type(exc).__name__, str(exc), exc.lost
+    return None
+
+
+def test_async_wait_on_a_dead_peer_raises_comm_error_naming_it() -> None:
+    results = run_ranks(_wait_on_a_dead_peer, 2, comm_timeout=5.0, tolerate_dead=(1,), timeout=90)
+    name, message, lost = results[0]
+    assert name == "CommError" and lost == [1], message
+    assert "all_reduce on group world[0, 1] failed" in message
