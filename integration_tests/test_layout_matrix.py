@@ -34,7 +34,7 @@ STAGES = [0, 1, 2, 3]
 # group) exceeds what this tiny model's per-rank states need, so nothing has to leave RAM there; these
 # layouts check parity of the disk-configured path, the others also that chunks streamed through disk.
 NOTHING_TO_MOVE = {(4, 2, 1), (8, 1, 1)}
-# chunkmem's working-set minimum per layout (ChunkedModel.minimum_budget, the largest over ranks) for
+# Budgets one chunk above these per layout (an upper bound of the working set, the largest over ranks) for
 # chunks of 8192 elements: with dp > 1 it is mostly ZeRO-3's gather/reduce buffers (dp chunks per
 # parameter group), the rest one optimizer step's sibling chunks.
 MIN_BUDGET = {(2, 2, 2): 655360, (4, 2, 1): 1179648, (2, 1, 4): 524288, (1, 2, 4): 131072, (1, 4, 2): 131072,

@@ -44,12 +44,18 @@ def return_freed_memory(threshold: int = 1 << 17) -> bool:
     glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after which
     large tensors come from the heap and their pages stay in RSS when freed, so RSS would stop
     following the activations. Fixing the threshold (which also turns that adjustment off) keeps
-    RSS a measurement of live memory. Returns False where there is no glibc.
+    RSS a measurement of live memory; `malloc_trim` returns the pages of free heap blocks, which
+    later allocations may reuse. Returns False where there is no glibc.
     """
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+        done = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+        # Free heap memory left by earlier work would be reused without growing RSS: give its
+        # pages back (malloc_trim also releases free pages inside the heap), so reusing them
+        # faults them in again and shows in RSS.
+        libc.malloc_trim(0)
+        return done
     except (OSError, AttributeError, TypeError):
         return False
 
