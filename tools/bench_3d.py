@@ -52,9 +52,14 @@ import statistics
 import sys
 import time
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run_ranks workers load this file by path
+from bench_tensorpar import DenseBlock  # noqa: E402
 
 VOCAB = 256
 AXES = {"dp": (2, 1, 1), "tp": (1, 2, 1), "pp": (1, 1, 2)}
@@ -74,24 +79,9 @@ class Embedding(nn.Module):
         return self.wte(ids) + self.wpe[: ids.shape[1]]
 
 
-class Block(nn.Module):
-    """Pre-LN block; q, k, v separate so ColwiseParallel splits whole heads (Megatron layout)."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.head_dim = d // heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, d]
-        b, s, _ = x.shape
-        h = self.ln1(x)
-        # -1 heads: under parallelize_module the local q/k/v hold this rank's heads only.
-        q, k, v = (m(h).view(b, s, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
-        x = x + self.o(y)
-        return x + self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+# The same plain block bench_tensorpar.py slices with parallelize_module (q, k, v separate, so
+# ColwiseParallel splits whole heads; the -1 in its view is the local head count).
+Block = DenseBlock
 
 
 def torch_gpt(a: dict) -> nn.Sequential:
