@@ -176,6 +176,13 @@ def worker(system: str, a: dict) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by run_ranks (capstan starts its own comm)
     rank = int(os.environ.get("RANK", "0"))
     step, losses, n_params, note = make_system(system, a, world, rank)
+    return {**timed_steps(step, a, world), "losses": losses, "params": n_params, "note": note}
+
+
+def timed_steps(step, a: dict, world: int) -> dict:
+    """`a["warmup"]` untimed steps, a barrier, then `a["steps"]` timed ones: elapsed, per-step times, peak RSS."""
+    import torch.distributed as dist
+
     for _ in range(max(a["warmup"], 0)):
         step()
     if world > 1:
@@ -186,9 +193,7 @@ def worker(system: str, a: dict) -> dict:
         s = time.perf_counter()
         step()
         times.append(time.perf_counter() - s)
-    elapsed = time.perf_counter() - t0
-    return {"elapsed": elapsed, "step_s": times, "rss": peak_rss(), "losses": losses, "params": n_params,
-            "note": note}
+    return {"elapsed": time.perf_counter() - t0, "step_s": times, "rss": peak_rss()}
 
 
 def interleaved_worker(systems: list[str], a: dict, rounds: int) -> dict:
@@ -286,17 +291,7 @@ def ds_worker(a: dict, stage: int) -> dict:
         dist.all_reduce(v)
         losses.append(float(v) / world)
 
-    for _ in range(a["warmup"]):
-        step()
-    dist.barrier()
-    t0 = time.perf_counter()
-    times = []
-    for _ in range(a["steps"]):
-        s = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - s)
-    elapsed = time.perf_counter() - t0
-    return {"elapsed": elapsed, "step_s": times, "rss": peak_rss(), "losses": losses, "params": n_params}
+    return {**timed_steps(step, a, world), "losses": losses, "params": n_params}
 
 
 def run_deepspeed(python: str, stage: int, world: int, a: dict) -> list[dict]:
