@@ -276,7 +276,8 @@ def _agree(engine: Engine, error: str) -> None:
     width = 512
     mine = torch.zeros(width, dtype=torch.uint8)
     raw = error.encode()[:width]
-    mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else mine[:0]
+    if raw:
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     every = torch.zeros(width * world.size, dtype=torch.uint8)
     comm.all_gather(every, mine, group=world)
     for r in range(world.size):
