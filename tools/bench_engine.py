@@ -23,7 +23,9 @@ matrices only), gradient clipping at 1.0, one thread per rank. The peers:
   layer + root on a 2-rank CPU mesh), both over gloo, against capstan
   `parallel.zero_stage = 2` over gloo (gradient buckets communicating during
   backward; add ``capstan-after`` to --systems-dp2 for the same engine with
-  ``parallel.bucket_mb = 0``, all communication after backward); with --deepspeed also DeepSpeed
+  ``parallel.bucket_mb = 0``, all communication after backward, or
+  ``capstan-gather-off`` for the parameter all-gather after the step in one
+  blocking call instead of buckets waited for by the next forward); with --deepspeed also DeepSpeed
   ZeRO-2 and ZeRO-3 with `offload_optimizer: cpu` (DS_ACCELERATOR=cpu, gloo).
 
 Two measurements (launched with `capstan.comm.testing.run_ranks`):
@@ -48,12 +50,15 @@ import json
 import os
 import resource
 import statistics
+import tempfile
 import sys
 import time
 
 import torch
 
 VOCAB = 256
+CHUNK = 1 << 21  # chunk elements for the capstan-z3-* systems (8 MiB fp32 chunks)
+DISK_RUN_BUDGET = 160 << 20  # RAM for chunks in capstan-z3-disk: about half of a rank's 19.3M-param states
 
 
 def model_config(a: dict) -> dict:
@@ -63,7 +68,9 @@ def model_config(a: dict) -> dict:
                       "lr": 1e-3, "weight_decay": 0.1, "grad_clip": 1.0, "warmup_steps": 0,
                       "lr_schedule": "constant"},
             "parallel": {"zero_stage": a.get("zero_stage", 0), "bucket_mb": a.get("bucket_mb", 25.0),
-                         "zero2_collective": a.get("zero2_collective", "all_reduce")}}
+                         "zero2_collective": a.get("zero2_collective", "all_reduce"),
+                         "overlap_param_gather": a.get("overlap_param_gather")},
+            "memory": a.get("memory", {})}
 
 
 def batches(micro: int, seq: int, rank: int, world: int):
@@ -111,9 +118,17 @@ def make_system(system: str, a: dict, world: int, rank: int):
         from capstan.engine.build import initialize
 
         # capstan-after: bucket_mb = 0, every collective after backward (the engine before the overlap);
-        # capstan-rs / capstan-ar: ZeRO 2's buckets reduce-scattered / all-reduced.
+        # capstan-rs / capstan-ar: ZeRO 2's buckets reduce-scattered / all-reduced;
+        # capstan-gather-off: the parameter all-gather after the step in one blocking call.
         variant = {"capstan-after": {"bucket_mb": 0.0}, "capstan-rs": {"zero2_collective": "reduce_scatter"},
-                   "capstan-ar": {"zero2_collective": "all_reduce"}}.get(system, {})
+                   "capstan-ar": {"zero2_collective": "all_reduce"},
+                   "capstan-gather-off": {"overlap_param_gather": False},
+                   # ZeRO-3 through chunks (chunkmem): all states in RAM, or a RAM budget with the rest on disk.
+                   "capstan-z3-cpu": {"zero_stage": 3, "memory": {"offload": "cpu", "chunk_size": CHUNK}},
+                   "capstan-z3-disk": {"zero_stage": 3, "memory": {
+                       "offload": "disk", "chunk_size": CHUNK, "cpu_budget": DISK_RUN_BUDGET,
+                       "disk_dir": os.path.join(tempfile.gettempdir(), f"bench-engine-chunks-{os.getpid()}")}},
+                   }.get(system, {})
         engine = initialize(config=model_config(dict(a, **variant)))
         n_params = engine.optimizer.numel
 
@@ -327,7 +342,7 @@ def run(system: str, world: int, a: dict) -> dict:
     timeout = 120 + 60 * (a["steps"] + a["warmup"])
     if system.startswith("ds-zero"):
         res = run_deepspeed(a["deepspeed"], int(system[-1]), world, a)
-    elif system == "capstan" and world > 1:
+    elif system.startswith("capstan") and world > 1:
         res = run_ranks(worker, world, system, a, init=False, timeout=timeout, comm_timeout=300,
                         env={"CAPSTAN_COMM_BACKEND": "gloo", "CAPSTAN_LOG_LEVEL": "WARNING"})
     else:

@@ -1,4 +1,4 @@
-"""`all_reduce` / `reduce_scatter` with ``async_op=True``: same results as the blocking calls, CommError on wait.
+"""`all_reduce` / `reduce_scatter` / `all_gather` with ``async_op=True``: same results as the blocking calls, CommError on wait.
 
 The values are small integers, exact in every dtype, so results are compared
 for equality; several collectives are kept in flight at once, as the ZeRO
@@ -41,6 +41,11 @@ def _async_cases() -> tuple[str, list[str]]:
         want = (full.sum(0) if op == "sum" else full.mean(0))[lo:hi]
         out = torch.empty(hi - lo)
         pending.append((f"reduce_scatter {n} {op}", out, want, comm.reduce_scatter(out, t, op=op, async_op=True)))
+    for salt, (dtype, n) in enumerate([(torch.float32, 1_000_003), (torch.bfloat16, 17), (torch.float32, 0)], start=20):
+        t = _value(w.rank, n, dtype, salt)
+        want = torch.cat([_value(r, n, dtype, salt) for r in range(w.size)]).double()
+        out = torch.empty(n * w.size, dtype=dtype)
+        pending.append((f"all_gather {dtype} {n}", out, want, comm.all_gather(out, t, async_op=True)))
     for name, got, want, handle in reversed(pending):  # waiting out of order is fine
         handle.wait()
         handle.wait()  # idempotent
@@ -70,6 +75,9 @@ def _group_of_one() -> list[float]:
     h = comm.reduce_scatter(out, t, group=groups.pp, async_op=True)
     assert h.done
     h.wait()
+    gathered = torch.empty(2)
+    comm.all_gather(gathered, t, group=groups.pp, async_op=True).wait()
+    assert gathered.tolist() == [1.0, 2.0]
     return out.tolist()
 
 

@@ -52,3 +52,29 @@ def test_local_functions_are_refused() -> None:
 
     with pytest.raises(TypeError, match="must be a module-level function"):
         run_ranks(local, 2)
+
+
+UNGUARDED_SCRIPT = '''
+from capstan.comm.testing import run_ranks
+
+
+def rank_fn():
+    return 1
+
+
+print("RESULT", run_ranks(rank_fn, 2, timeout=60))  # no `if __name__ == "__main__":` guard
+'''
+
+
+def test_a_script_without_a_main_guard_fails_instead_of_forking_ranks_forever(tmp_path) -> None:
+    # Every rank imports the script to find rank_fn; without the guard the import would call
+    # run_ranks again from each rank, and so on. The nested call must refuse, naming the fix.
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "RESULT" not in proc.stdout
+    assert "run_ranks called while a rank imports" in proc.stderr, proc.stderr[-2000:]
+    assert 'if __name__ == "__main__":' in proc.stderr

@@ -6,12 +6,17 @@ model's gradient spans many of them follows the one-process run of the same
 micro-batches (dp=1, accumulation 4) within 1e-5 relative in fp32 (only the
 order of the floating-point sums differs, ~1e-7 per step), for ZeRO 0, 1 and 2,
 and matches the post-backward path (``bucket_mb = 0``) exactly, in fp16 too
-(where a dynamic-loss-scale overflow must still skip the step).
+(where a dynamic-loss-scale overflow must still skip the step). The
+parameter all-gather after the ZeRO 1/2 step, overlapped with the next
+forward in buckets (zero_gather.py), gives exactly the losses, norms and
+parameters of one blocking all-gather.
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches
@@ -60,10 +65,15 @@ def _run(config: dict) -> dict:
     it = train_batches(open_data(engine.config), engine.config, engine.groups.dp.size, engine.groups.dp.rank)
     infos = [engine.train_batch(it) for _ in range(STEPS)]
     overlap = getattr(engine.optimizer, "overlap", None)
+    prefetch = getattr(engine.optimizer, "prefetch", None)
+    # Read right after the last step, while its overlapped parameter all-gather may still be in flight:
+    # state_dict() must wait for it, so both ranks see the same (complete) parameters.
+    params = torch.cat([t.reshape(-1) for t in engine.module.state_dict().values()])
     engine.close()
     return {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos],
             "skipped": [i.skipped for i in infos], "scale": [i.loss_scale for i in infos],
-            "buckets": len(overlap.buckets) if overlap is not None else 0}
+            "buckets": len(overlap.buckets) if overlap is not None else 0,
+            "gathers": len(prefetch.bounds) if prefetch is not None else 0, "params": params.tolist()}
 
 
 # 16 KiB buckets: the 2-layer model's ~110 KB of fp32 gradients make 7+ buckets (checked below).
@@ -79,6 +89,8 @@ def _layouts() -> dict:
         out[f"zero{stage}-fp16"] = _run(_cfg(stage, 2, 2, SMALL, **FP16))
         out[f"zero{stage}-fp16-after"] = _run(_cfg(stage, 2, 2, 0.0, **FP16))
     out["zero2-ar"] = _run(_cfg(2, 2, 2, SMALL, "all_reduce"))  # ZeRO 2 over contiguous all-reduce buckets
+    for stage in (1, 2):  # the parameter all-gather after the step in one blocking call instead of buckets
+        out[f"zero{stage}-gather-off"] = _run(_cfg(stage, 2, 2, SMALL, parallel={"overlap_param_gather": False}))
     return out
 
 
@@ -101,7 +113,7 @@ def test_bucketed_overlap_equals_one_process_for_zero_0_1_2() -> None:
             _close(fp32["norm"], ref["norm"], 1e-5)
             assert fp32["loss"] == after["loss"]  # the same sums, only earlier
             # fp16: the overlap sums exactly what the post-backward path sums, overflow skips included.
-            assert fp16 == {**got[f"zero{stage}-fp16-after"], "buckets": fp16["buckets"]}
+            assert fp16 == {**got[f"zero{stage}-fp16-after"], "buckets": fp16["buckets"], "gathers": fp16["gathers"]}
             assert fp16["skipped"][1] and not all(fp16["skipped"])
             # Against one process: the same per-micro-batch autocast math, so step 1 agrees to the sum
             # order; later steps are not compared because the first scale that does not overflow sits
@@ -109,4 +121,8 @@ def test_bucketed_overlap_equals_one_process_for_zero_0_1_2() -> None:
             # step overflows at it (the post-backward path shows the same).
             _close(fp16["loss"][:1], ref16["loss"][:1], 1e-5)
         assert got["zero2-ar"]["loss"] == got["zero2"]["loss"] and got["zero2-ar"]["buckets"] >= 7
+        for stage in (1, 2):  # the overlapped parameter all-gather changes when values arrive, not which
+            on, off = got[f"zero{stage}"], got[f"zero{stage}-gather-off"]
+            assert on["gathers"] >= 7 and off["gathers"] == 0 and got[f"zero{stage}-after"]["gathers"] == 0
+            assert {**on, "gathers": 0} == off
     assert results[0] == results[1]

@@ -12,7 +12,7 @@ is also how torch.chunk splits.
 A failure (a peer died, or nothing came within the timeout) raises
 `CommError` naming the operation, group and lost peer.
 
-`all_reduce` and `reduce_scatter` take ``async_op=True`` to return a
+`all_reduce`, `reduce_scatter` and (even) `all_gather` take ``async_op=True`` to return a
 `CollectiveHandle` at once: the collective runs in the background (gloo's
 worker thread, or an MPI non-blocking collective) and `handle.wait()`
 finishes it (the ``avg`` division, the copy out of a padded buffer) and raises
@@ -200,12 +200,15 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group | None = None
 
 
 def all_gather(
-    output: torch.Tensor, tensor: torch.Tensor, group: Group | None = None, counts: list[int] | None = None
-) -> torch.Tensor:
+    output: torch.Tensor, tensor: torch.Tensor, group: Group | None = None, counts: list[int] | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | CollectiveHandle:
     """Concatenate every rank's `tensor` into `output` in group order.
 
     counts: elements contributed by each rank when they differ (default: all
     equal to tensor.numel()); output.numel() must equal sum(counts).
+    With ``async_op=True`` (even counts only) returns a `CollectiveHandle`
+    (see the module docstring); `tensor` must not overlap `output`.
     """
     _check("output", output)
     _check("tensor", tensor)
@@ -225,6 +228,10 @@ def all_gather(
         if output.numel() != sum(counts):
             raise ValueError(f"output has {output.numel()} elements, expected sum(counts) = {sum(counts)}")
         even = len(set(counts)) == 1
+    if async_op:
+        if not even:
+            raise ValueError(f"all_gather with async_op=True needs equal counts, got {counts}")
+        return _all_gather_async(output, tensor, g)
     if g.size == 1:
         output.view(-1).copy_(tensor.view(-1))
         return output
@@ -247,6 +254,21 @@ def all_gather(
                 flat[pos : pos + c] = gathered[i * width : i * width + c]
                 pos += c
     return output
+
+
+def _all_gather_async(output: torch.Tensor, tensor: torch.Tensor, g: Group) -> CollectiveHandle:
+    if g.size == 1:
+        output.view(-1).copy_(tensor.view(-1))
+        return _done("all_gather", g)
+    if output.numel() == 0:
+        return _done("all_gather", g)
+    nbytes = output.numel() * output.element_size()
+    with guard("all_gather", g, nbytes):
+        if mpi_backend.supports(tensor, g):
+            work = mpi_backend.iall_gather(output, tensor, g)
+        else:
+            work = dist.all_gather_into_tensor(output.view(-1), tensor.view(-1), group=g.pg, async_op=True)
+    return CollectiveHandle("all_gather", g, work, None, nbytes, (output, tensor))
 
 
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", group: Group | None = None,

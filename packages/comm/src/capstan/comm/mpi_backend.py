@@ -19,7 +19,7 @@ import torch
 
 from . import state
 
-__all__ = ["supports", "iall_reduce", "ireduce_scatter", "wait", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier"]
+__all__ = ["supports", "iall_reduce", "iall_gather", "ireduce_scatter", "wait", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier"]
 
 _TYPES: dict[torch.dtype, object] = {}
 _OPS: dict[str, object] = {}
@@ -133,6 +133,11 @@ def iall_reduce(tensor: torch.Tensor, op: str, group: object) -> object:
     without other MPI traffic much of the transfer may happen in `wait`.
     """
     return group.mpi_comm.Iallreduce(_IN_PLACE[0], _view(tensor), op=_op(op))  # type: ignore[attr-defined]
+
+
+def iall_gather(output: torch.Tensor, tensor: torch.Tensor, group: object) -> object:
+    """Start a non-blocking even all-gather (MPI_Iallgather); `wait` it."""
+    return group.mpi_comm.Iallgather(_view(tensor), _view(output))  # type: ignore[attr-defined]
 
 
 def ireduce_scatter(output: torch.Tensor, tensor: torch.Tensor, counts: list[int] | None, op: str,

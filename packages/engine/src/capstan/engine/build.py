@@ -97,7 +97,7 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
 
         stage = PipelineStage(cfg, groups)
         return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
-                      pipeline=stage)
+                      pipeline=stage, reference_model=True)
     if model is None:
         module = build_reference_model(cfg, groups)
     elif isinstance(model, nn.Module):
@@ -108,4 +108,5 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
             raise TypeError(f"the model builder returned {type(module).__name__}, not an nn.Module")
     else:
         raise TypeError(f"model must be None, an nn.Module or a builder function, got {type(model).__name__}")
-    return Engine(config=cfg, model=module, groups=groups, loss_fn=loss_fn or _default_loss(module))
+    return Engine(config=cfg, model=module, groups=groups, loss_fn=loss_fn or _default_loss(module),
+                  reference_model=model is None)

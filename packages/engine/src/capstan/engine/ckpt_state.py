@@ -126,6 +126,7 @@ class FlatView(StateView):
 
     def __init__(self, engine: Engine) -> None:
         opt = engine.optimizer
+        opt.wait_params()  # the overlapped all-gather of the last step's parameters must be in place
         self.opt = opt
         g = engine.groups
         owners = _owners(engine.module)

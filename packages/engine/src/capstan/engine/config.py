@@ -119,6 +119,8 @@ class ParallelConfig:
     """Gradient bucket size in MiB for ZeRO 0-2 at dp > 1: each bucket's all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2) starts during backward as soon as its gradients are complete (like DDP's bucket_cap_mb). 0 turns the overlap off: one pass of collectives after backward. Pipeline parallelism always communicates after its schedule."""
     zero2_collective: str = constraint("all_reduce", choices=("all_reduce", "reduce_scatter"))
     """How ZeRO 2's overlapped buckets are reduced over dp (this rank keeps only its shard either way): "all_reduce" (contiguous buckets, ready as early in backward as DDP's; twice the traffic, but on gloo faster than its reduce-scatter, see docs/benchmarks.md) or "reduce_scatter" (1/dp of the traffic, for bandwidth-bound networks; a bucket spans the same range of every rank's shard, so it is complete later in backward)."""
+    overlap_param_gather: bool | None = constraint(None, nullable=True)
+    """ZeRO 1/2 at dp > 1: all-gather the updated parameters in buckets of bucket_mb that the next forward waits for, module by module, instead of in one blocking all-gather after the step. Unset: on for the reference GPT, off for a user module (whose forward might read another module's parameter before that module's own hook ran; turn it on when every parameter is used only inside its own module's forward). Needs bucket_mb > 0."""
     schedule: str = constraint("1f1b", choices=("gpipe", "1f1b", "interleaved"))
     """Pipeline schedule when pp > 1: "gpipe" (all forwards, then all backwards), "1f1b" (at most pp - stage micro-batches in flight) or "interleaved" (virtual_stages chunks per rank; grad_accum_steps must be a multiple of pp)."""
     virtual_stages: int = constraint(1, ge=1)

@@ -65,7 +65,7 @@ class Engine:
     """Build with `capstan.engine.initialize`; see the module docstring and docs/engine.md."""
 
     def __init__(self, *, config: Config, model: nn.Module, groups: comm.Groups, loss_fn: LossFn,
-                 pipeline: PipelineStage | None = None) -> None:
+                 pipeline: PipelineStage | None = None, reference_model: bool = False) -> None:
         self.config, self.groups, self.loss_fn = config, groups, loss_fn
         self.pipeline = pipeline  # with pp > 1: this rank's stage; `model` is then its chunks
         self.accum = config.train.grad_accum_steps
@@ -82,8 +82,14 @@ class Engine:
             self.module = model
             # Under pp the schedule runs every micro-batch's backward before after_backward: no overlap there.
             bucket_bytes = int(config.parallel.bucket_mb * 2**20) if pipeline is None else 0
+            overlap = config.parallel.overlap_param_gather
+            if overlap is None:  # auto: on for the reference GPT, whose parameters are used by their own modules
+                overlap = reference_model
+            gather_bytes = int(config.parallel.bucket_mb * 2**20) if overlap else 0
             self.optimizer = ZeroOptimizer(model, groups, config.parallel.zero_stage, config.train, bucket_bytes,
-                                           config.parallel.zero2_collective)
+                                           config.parallel.zero2_collective, gather_bytes)
+            # state_dict() between steps must see every rank's updated parameters.
+            model.register_state_dict_pre_hook(lambda *args, **kwargs: self.optimizer.wait_params())
 
     def _init_chunks(self, model: nn.Module) -> None:
         from capstan.chunkmem import AdamGroup, ChunkAdam, ChunkedModel, ChunkManager, DiskStore, ShardedChunkedModel
@@ -288,6 +294,7 @@ class Engine:
         """A copy of this rank's parameters by name (loads chunks one at a time when chunked)."""
         if self.chunked:
             return self.module.state_tensors()
+        self.optimizer.wait_params()
         return {n: p.detach().clone() for n, p in self.module.named_parameters()}
 
     # ---- checkpoints (checkpoint.py) ----------------------------------------------------------------

@@ -13,7 +13,9 @@ and padded to a multiple of the dp size so every rank's shard has the same lengt
   everything.
 * stage 1: gradients are averaged with all-reduces; rank r updates only its
   shard (``shard_bounds``) and keeps Adam moments for it alone (1/dp of the
-  optimizer state), then the shards are all-gathered into the parameters.
+  optimizer state), then the shards are all-gathered into the parameters
+  (with ``gather_bytes > 0`` in buckets that the next forward waits for:
+  zero_gather.py).
 * stage 2: after each micro-batch the gradient is reduced over dp into this
   rank's shard accumulator (a reduce-scatter, or all-reduced buckets of which
   each rank keeps its shard's part) and the flat gradient cleared, so the gradient kept
@@ -53,6 +55,7 @@ from capstan.native import kernels
 
 from .config import TrainConfig
 from .zero_buckets import OverlappedBuckets, plan_all_reduce, plan_reduce_scatter
+from .zero_gather import ParamPrefetch
 
 __all__ = ["ZeroOptimizer", "Segment", "decays"]
 
@@ -74,7 +77,7 @@ class ZeroOptimizer:
     """AdamW over a flat buffer with ZeRO stage 0, 1 or 2 over `groups.dp` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, groups: comm.Groups, stage: int, train: TrainConfig,
-                 bucket_bytes: int = 0, zero2_collective: str = "all_reduce") -> None:
+                 bucket_bytes: int = 0, zero2_collective: str = "all_reduce", gather_bytes: int = 0) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer handles ZeRO stages 0-2, got {stage}")
         self.groups, self.stage, self.train = groups, stage, train
@@ -126,6 +129,10 @@ class ZeroOptimizer:
             self.overlap = OverlappedBuckets(self.params, self._grad_views, self.flat_grad, plan, groups.dp,
                                              self.shard_grad, (self.lo, self.hi))
             self._arm()
+        self.prefetch: ParamPrefetch | None = None
+        if gather_bytes > 0 and dp > 1 and stage > 0:
+            self.prefetch = ParamPrefetch(model, self.params, _offsets(self.params), self.flat_param, groups.dp,
+                                          max(1, gather_bytes // 4))
 
     def _arm(self) -> None:
         """Communicate in the next backward? Stage 2 always; stages 0/1 on the accumulation's last micro-batch."""
@@ -214,6 +221,7 @@ class ZeroOptimizer:
     # ---- update ---------------------------------------------------------------------------------
     def step(self, lr: float, grad_scale: float) -> None:
         """AdamW on this rank's shard (grad_scale folds clipping and 1/loss_scale), then all-gather."""
+        self.wait_params()
         self.step_count += 1
         t = self.train
         g = self._shard_grad()
@@ -223,9 +231,16 @@ class ZeroOptimizer:
                                 step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
                                 weight_decay=t.weight_decay if seg.decay else 0.0, adamw=True,
                                 grad_scale=grad_scale)
-        if self.stage > 0:
+        if self.prefetch is not None:
+            self.prefetch.start()  # waited for by the next forward's pre-hooks (zero_gather.py)
+        elif self.stage > 0:
             shard = self.flat_param[self.lo : self.hi].clone()  # the collective must not alias its output
             comm.all_gather(self.flat_param, shard, group=self.groups.dp)
+
+    def wait_params(self) -> None:
+        """Finish the overlapped parameter all-gather: every rank's parameters are current afterwards."""
+        if self.prefetch is not None:
+            self.prefetch.wait_all()
 
     def state_bytes(self) -> int:
         """Bytes of model and optimizer state this rank holds (params, grads, shard grads, moments)."""

@@ -80,6 +80,14 @@ def _collect(run_dir: Path, n: int, codes: list[int | None], tolerate: Collectio
     return results
 
 
+def _refuse_while_importing(name: str) -> None:
+    """Stop a script without a main guard from starting ranks from its ranks (a fork bomb)."""
+    importing = os.environ.get("CAPSTAN_RANK_IMPORTING")  # worker.IMPORTING_TARGET
+    if importing:
+        raise RuntimeError(f"{name} called while a rank imports {importing}: put the script's top-level "
+                           "code under `if __name__ == \"__main__\":`, or every rank would start ranks again")
+
+
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, comm_timeout: float = 30.0,
     backend: str | None = None, init: bool = True, env: dict[str, str] | None = None,
@@ -93,6 +101,7 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
+    _refuse_while_importing("run_ranks")
     with tempfile.TemporaryDirectory(prefix="capstan-ranks-") as tmp:
         run_dir = Path(tmp)
         spec = _write_spec(run_dir, fn, args, kwargs, init, backend, comm_timeout)
@@ -199,6 +208,7 @@ def run_mpirun(
     backend: str | None = None, init: bool = True, env: dict[str, str] | None = None, **kwargs: Any,
 ) -> list[Any]:
     """Like `run_ranks`, but the ranks are started by a real ``mpirun -np world_size``."""
+    _refuse_while_importing("run_mpirun")
     with tempfile.TemporaryDirectory(prefix="capstan-mpirun-") as tmp:
         run_dir = Path(tmp)
         spec = _write_spec(run_dir, fn, args, kwargs, init, backend, comm_timeout)

@@ -17,6 +17,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+IMPORTING_TARGET = "CAPSTAN_RANK_IMPORTING"  # set while a rank imports the file of its target function
+
 
 def load_function(module: str, path: str, qualname: str) -> Any:
     """Find the function by module name (installed packages) or by file path (test files)."""
@@ -29,7 +31,13 @@ def load_function(module: str, path: str, qualname: str) -> Any:
             raise ImportError(f"cannot load test module from {path}")
         obj = importlib.util.module_from_spec(spec)
         sys.modules[name] = obj
-        spec.loader.exec_module(obj)
+        # A script that calls run_ranks at module level (no ``if __name__ == "__main__":``) would
+        # start ranks again from every rank, each of which imports it again: run_ranks refuses then.
+        os.environ[IMPORTING_TARGET] = path
+        try:
+            spec.loader.exec_module(obj)
+        finally:
+            del os.environ[IMPORTING_TARGET]
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
