@@ -101,12 +101,13 @@ def _run(cmd: list[str]) -> None:
                            f"{proc.stdout}{proc.stderr}")
 
 
-def build_cpu(out_dir: Path, sanitize: bool = False, jobs: int = 2, target: str | None = None,
-              werror: bool = False) -> Path:
-    """Compile and link libcapstan.so into out_dir; returns its path.
+def compile_objects(obj_dir: Path, sanitize: bool = False, jobs: int = 2,
+                    target: str | None = None, werror: bool = False) -> tuple[list[str], list[str]]:
+    """Compile every unit for the target into obj_dir; returns (compiler + flags, objects).
 
     target: a triple such as "aarch64-linux-gnu" to cross-compile (default: the host,
     or CAPSTAN_NATIVE_TARGET). werror: turn warnings into errors (the cross-build test).
+    The ISA units and their CAPSTAN_HAVE_* defines follow the target's architecture.
     """
     cxx = _compiler(target)
     flags = list(BASE_FLAGS)
@@ -125,20 +126,29 @@ def build_cpu(out_dir: Path, sanitize: bool = False, jobs: int = 2, target: str 
         for isa, (unit, isa_flags) in ISA_UNITS.items():
             units.append((unit, isa_flags))
             defines.append(f"-DCAPSTAN_HAVE_{isa.upper()}")
+
+    def compile_one(item: tuple[str, list[str]]) -> str:
+        unit, extra = item
+        obj = str(obj_dir / (unit + ".o"))
+        _run([*cxx, *flags, *defines, *extra, "-I", str(CSRC), "-c", str(CSRC / unit), "-o", obj])
+        return obj
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        objs = list(pool.map(compile_one, units))
+    return [*cxx, *flags], objs
+
+
+def build_cpu(out_dir: Path, sanitize: bool = False, jobs: int = 2, target: str | None = None,
+              werror: bool = False) -> Path:
+    """Compile and link libcapstan.so into out_dir; returns its path (arguments as
+    compile_objects)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="capstan-build-") as tmp:
-        def compile_one(item: tuple[str, list[str]]) -> str:
-            unit, extra = item
-            obj = str(Path(tmp) / (unit + ".o"))
-            _run([*cxx, *flags, *defines, *extra, "-I", str(CSRC), "-c", str(CSRC / unit),
-                  "-o", obj])
-            return obj
-
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            objs = list(pool.map(compile_one, units))
+        cmd, objs = compile_objects(Path(tmp), sanitize=sanitize, jobs=jobs, target=target,
+                                    werror=werror)
         lib = out_dir / "libcapstan.so"
         tmp_lib = Path(tmp) / "libcapstan.so"
-        _run([*cxx, "-shared", *flags, *objs, "-o", str(tmp_lib), "-pthread"])
+        _run([*cmd, "-shared", *objs, "-o", str(tmp_lib), "-pthread"])
         # Replace atomically: a running process may have the old file mapped.
         shutil.copy2(tmp_lib, out_dir / ".libcapstan.so.tmp")
         os.replace(out_dir / ".libcapstan.so.tmp", lib)

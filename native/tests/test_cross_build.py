@@ -37,7 +37,7 @@ def read_elf(path: Path) -> tuple[int, int, set[str]]:
         off, size, entsize = sh[4], sh[5], sh[9]
         strtab = shdrs[sh[6]]
         for i in range(size // entsize):
-            st_name, st_info, _other, st_shndx = struct.unpack_from("<IBBH", data, off + i * entsize)
+            st_name, st_info, _, st_shndx = struct.unpack_from("<IBBH", data, off + i * entsize)
             if st_shndx == 0 or (st_info >> 4) not in (1, 2):  # undefined, or not GLOBAL/WEAK
                 continue
             start = strtab[4] + st_name
