@@ -18,8 +18,9 @@ dispatcher (csrc/dispatch.cc) picks the kernels at run time.
 The ISA units are chosen by the *target* architecture, which is the host's
 unless a target triple is given (--target, or CAPSTAN_NATIVE_TARGET, e.g.
 aarch64-linux-gnu): any other architecture gets the scalar kernels only. For
-a target the compiler is CXX if set (split like a shell word list), else
-`<triple>-g++` if installed, else `python -m ziglang c++ -target <triple>`.
+a target the compiler is CAPSTAN_NATIVE_TARGET_CXX if set (split like a shell
+word list; CXX is for the host only), else `<triple>-g++` if installed, else
+`python -m ziglang c++ -target <triple>`.
 """
 
 from __future__ import annotations
@@ -78,20 +79,24 @@ def _zig_available() -> bool:
 def _compiler(target: str | None = None) -> list[str]:
     """The C++ compiler command (a word list) for the host or for a target triple."""
     target = _target(target)
-    if os.environ.get("CXX"):
-        return shlex.split(os.environ["CXX"])
     if target is None:
+        if os.environ.get("CXX"):
+            return shlex.split(os.environ["CXX"])
         cxx = shutil.which("g++") or shutil.which("c++")
         if not cxx:
             raise RuntimeError("capstan-native: no C++ compiler found (set CXX or install g++)")
         return [cxx]
+    # Not CXX: a CXX meant for the host would silently build for the host.
+    if os.environ.get("CAPSTAN_NATIVE_TARGET_CXX"):
+        return shlex.split(os.environ["CAPSTAN_NATIVE_TARGET_CXX"])
     cross = shutil.which(f"{target}-g++")
     if cross:
         return [cross]
     if _zig_available():
         return [sys.executable, "-m", "ziglang", "c++", "-target", target]
     raise RuntimeError(f"capstan-native: no C++ compiler for target {target!r} "
-                       f"(set CXX, install {target}-g++, or pip install ziglang)")
+                       f"(set CAPSTAN_NATIVE_TARGET_CXX, install {target}-g++, "
+                       f"or pip install ziglang)")
 
 
 def _run(cmd: list[str]) -> None:
