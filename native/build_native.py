@@ -6,12 +6,21 @@ and directly for development and sanitizer builds:
     python native/build_native.py                 # rebuild into src/capstan/native/lib/
     CAPSTAN_NATIVE_SANITIZE=1 python native/build_native.py --out build/asan
                                                   # ASan+UBSan build for tools/check_native_sanitize.sh
+    python native/build_native.py --target aarch64-linux-gnu --out build/aarch64
+                                                  # cross build (zig c++ from the ziglang wheel)
 
 No dependency beyond the standard library, so it runs in hatchling's isolated
 build environment. One translation unit per instruction set: only
 kernels_avx2.cc gets -mavx2 -mfma -mf16c and only kernels_avx512.cc gets the
 AVX-512 flags; never -march=native, so the library runs on any x86-64 and the
 dispatcher (csrc/dispatch.cc) picks the kernels at run time.
+
+The ISA units are chosen by the *target* architecture, which is the host's
+unless a target triple is given (--target, or CAPSTAN_NATIVE_TARGET, e.g.
+aarch64-linux-gnu): any other architecture gets the scalar kernels only. For
+a target the compiler is CAPSTAN_NATIVE_TARGET_CXX if set (split like a shell
+word list; CXX is for the host only), else `<triple>-g++` if installed, else
+`python -m ziglang c++ -target <triple>`.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,15 +54,49 @@ BASE_FLAGS = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off",
               "-fno-math-errno", "-Wall", "-Wextra", "-Wno-unused-parameter", "-pthread"]
 
 
-def _compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise RuntimeError("capstan-native: no C++ compiler found (set CXX or install g++)")
-    return cxx
+def _target(target: str | None) -> str | None:
+    """The target triple asked for (argument, else CAPSTAN_NATIVE_TARGET), None for the host."""
+    return target or os.environ.get("CAPSTAN_NATIVE_TARGET") or None
 
 
-def _is_x86_64() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64")
+def target_arch(target: str | None = None) -> str:
+    """Architecture the library is built for: the triple's first field, else the host's."""
+    target = _target(target)
+    arch = target.split("-", 1)[0] if target else platform.machine()
+    arch = arch.lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
+
+
+def _is_x86_64(target: str | None = None) -> bool:
+    return target_arch(target) == "x86_64"
+
+
+def _zig_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("ziglang") is not None
+
+
+def _compiler(target: str | None = None) -> list[str]:
+    """The C++ compiler command (a word list) for the host or for a target triple."""
+    target = _target(target)
+    if target is None:
+        if os.environ.get("CXX"):
+            return shlex.split(os.environ["CXX"])
+        cxx = shutil.which("g++") or shutil.which("c++")
+        if not cxx:
+            raise RuntimeError("capstan-native: no C++ compiler found (set CXX or install g++)")
+        return [cxx]
+    # Not CXX: a CXX meant for the host would silently build for the host.
+    if os.environ.get("CAPSTAN_NATIVE_TARGET_CXX"):
+        return shlex.split(os.environ["CAPSTAN_NATIVE_TARGET_CXX"])
+    cross = shutil.which(f"{target}-g++")
+    if cross:
+        return [cross]
+    if _zig_available():
+        return [sys.executable, "-m", "ziglang", "c++", "-target", target]
+    raise RuntimeError(f"capstan-native: no C++ compiler for target {target!r} "
+                       f"(set CAPSTAN_NATIVE_TARGET_CXX, install {target}-g++, "
+                       f"or pip install ziglang)")
 
 
 def _run(cmd: list[str]) -> None:
@@ -62,10 +106,20 @@ def _run(cmd: list[str]) -> None:
                            f"{proc.stdout}{proc.stderr}")
 
 
-def build_cpu(out_dir: Path, sanitize: bool = False, jobs: int = 2) -> Path:
-    """Compile and link libcapstan.so into out_dir; returns its path."""
-    cxx = _compiler()
+def compile_objects(obj_dir: Path, sanitize: bool = False, jobs: int = 2,
+                    target: str | None = None, werror: bool = False) -> tuple[list[str], list[str]]:
+    """Compile every unit for the target into obj_dir; returns (compiler + flags, objects).
+
+    target: a triple such as "aarch64-linux-gnu" to cross-compile (default: the host,
+    or CAPSTAN_NATIVE_TARGET). werror: turn warnings into errors (the cross-build test).
+    The ISA units and their CAPSTAN_HAVE_* defines follow the target's architecture.
+    """
+    cxx = _compiler(target)
     flags = list(BASE_FLAGS)
+    if werror:
+        flags.append("-Werror")
+    if sanitize and _target(target):
+        raise ValueError("capstan-native: a sanitizer build is for the host only, not a target")
     if sanitize:
         flags += ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
                   "-fno-sanitize-recover=undefined"]
@@ -73,24 +127,33 @@ def build_cpu(out_dir: Path, sanitize: bool = False, jobs: int = 2) -> Path:
         flags += ["-O3"]
     units: list[tuple[str, list[str]]] = [(u, []) for u in COMMON]
     defines: list[str] = []
-    if _is_x86_64():
+    if _is_x86_64(target):
         for isa, (unit, isa_flags) in ISA_UNITS.items():
             units.append((unit, isa_flags))
             defines.append(f"-DCAPSTAN_HAVE_{isa.upper()}")
+
+    def compile_one(item: tuple[str, list[str]]) -> str:
+        unit, extra = item
+        obj = str(obj_dir / (unit + ".o"))
+        _run([*cxx, *flags, *defines, *extra, "-I", str(CSRC), "-c", str(CSRC / unit), "-o", obj])
+        return obj
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        objs = list(pool.map(compile_one, units))
+    return [*cxx, *flags], objs
+
+
+def build_cpu(out_dir: Path, sanitize: bool = False, jobs: int = 2, target: str | None = None,
+              werror: bool = False) -> Path:
+    """Compile and link libcapstan.so into out_dir; returns its path (arguments as
+    compile_objects)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="capstan-build-") as tmp:
-        def compile_one(item: tuple[str, list[str]]) -> str:
-            unit, extra = item
-            obj = str(Path(tmp) / (unit + ".o"))
-            _run([cxx, *flags, *defines, *extra, "-I", str(CSRC), "-c", str(CSRC / unit),
-                  "-o", obj])
-            return obj
-
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            objs = list(pool.map(compile_one, units))
+        cmd, objs = compile_objects(Path(tmp), sanitize=sanitize, jobs=jobs, target=target,
+                                    werror=werror)
         lib = out_dir / "libcapstan.so"
         tmp_lib = Path(tmp) / "libcapstan.so"
-        _run([cxx, "-shared", *flags, *objs, "-o", str(tmp_lib), "-pthread"])
+        _run([*cmd, "-shared", *objs, "-o", str(tmp_lib), "-pthread"])
         # Replace atomically: a running process may have the old file mapped.
         shutil.copy2(tmp_lib, out_dir / ".libcapstan.so.tmp")
         os.replace(out_dir / ".libcapstan.so.tmp", lib)
@@ -125,18 +188,29 @@ def build_cuda(out_dir: Path) -> dict[str, object]:
 
 
 def build_all(out_dir: Path = DEFAULT_OUT, sanitize: bool | None = None,
-              cuda: bool = True, jobs: int = 2) -> dict[str, object]:
-    """Build everything into out_dir and write build_info.json beside the libraries."""
+              cuda: bool = True, jobs: int = 2, target: str | None = None) -> dict[str, object]:
+    """Build everything into out_dir and write build_info.json beside the libraries.
+
+    With a target triple (or CAPSTAN_NATIVE_TARGET) only the CPU library is built.
+    """
     if sanitize is None:
         sanitize = os.environ.get("CAPSTAN_NATIVE_SANITIZE", "0") == "1"
-    lib = build_cpu(out_dir, sanitize=sanitize, jobs=jobs)
+    target = _target(target)
+    lib = build_cpu(out_dir, sanitize=sanitize, jobs=jobs, target=target)
+    if target:
+        cuda_info = {"built": False, "reason": f"cross build for {target}"}
+    elif cuda:
+        cuda_info = build_cuda(out_dir)
+    else:
+        cuda_info = {"built": False, "reason": "not requested"}
     info: dict[str, object] = {
-        "compiler": _compiler(),
-        "machine": platform.machine(),
-        "isas": ["scalar", *ISA_UNITS] if _is_x86_64() else ["scalar"],
+        "compiler": shlex.join(_compiler(target)),
+        "machine": target_arch(target),
+        "target": target,
+        "isas": ["scalar", *ISA_UNITS] if _is_x86_64(target) else ["scalar"],
         "sanitize": sanitize,
         "library": lib.name,
-        "cuda": build_cuda(out_dir) if cuda else {"built": False, "reason": "not requested"},
+        "cuda": cuda_info,
     }
     (out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
@@ -148,9 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sanitize", action="store_true", help="ASan + UBSan build")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA library")
     ap.add_argument("-j", "--jobs", type=int, default=2)
+    ap.add_argument("--target", default=None,
+                    help="target triple to cross-compile for, e.g. aarch64-linux-gnu "
+                         "(default: CAPSTAN_NATIVE_TARGET, else the host)")
     args = ap.parse_args(argv)
+    if _target(args.target) and args.out == DEFAULT_OUT:
+        ap.error("a cross build needs --out (the default directory holds the host library)")
     info = build_all(args.out, sanitize=args.sanitize or None, cuda=not args.no_cuda,
-                     jobs=args.jobs)
+                     jobs=args.jobs, target=args.target)
     cuda = info["cuda"]
     if isinstance(cuda, dict) and not cuda.get("built"):
         print(f"capstan-native: CUDA library not built: {cuda.get('reason')}", file=sys.stderr)

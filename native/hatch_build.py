@@ -9,6 +9,7 @@ because the library is native code but uses no Python C API.
 
 from __future__ import annotations
 
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -25,6 +26,10 @@ class CustomBuildHook(BuildHookInterface):
     def initialize(self, version: str, build_data: dict) -> None:
         if self.target_name != "wheel":
             return
+        if os.environ.get("CAPSTAN_NATIVE_TARGET"):
+            # The wheel is tagged for this host; a cross build would mislabel it.
+            raise RuntimeError("capstan-native: wheels build for the host only; unset "
+                               "CAPSTAN_NATIVE_TARGET (use build_native.py --target --out)")
         out = Path(self.root) / "src" / "capstan" / "native" / "lib"
         info = build_native.build_all(out)
         cuda = info["cuda"]

@@ -1,7 +1,9 @@
 // Runtime ISA dispatch, library identity and thread count.
 //
-// The build compiles kernels_avx2.cc / kernels_avx512.cc only on x86-64 and
-// defines CAPSTAN_HAVE_AVX2 / CAPSTAN_HAVE_AVX512 for this file when it does.
+// The build compiles kernels_avx2.cc / kernels_avx512.cc only for an x86-64
+// target (the target's architecture decides, not the host's) and defines
+// CAPSTAN_HAVE_AVX2 / CAPSTAN_HAVE_AVX512 for this file when it does. Other
+// targets (aarch64) get the scalar kernels and no CPU probe: features are 0.
 // At first use the best ISA that is both compiled in and supported by the CPU
 // (and the OS: __builtin_cpu_supports checks XCR0) is chosen; the
 // environment variable CAPSTAN_NATIVE_ISA=scalar|avx2|avx512 overrides it, and
