@@ -133,9 +133,20 @@ class ChunkedModel(nn.Module):
     def minimum_budget(self) -> tuple[int, str]:
         """Bytes of chunks that must fit in RAM at once, and what needs them (known before training).
 
-        Forward/backward pins every parameter chunk of one module (plus a gradient chunk while
-        its gradient lands); the optimizer holds one sibling group of every kind.
+        The larger of what forward/backward holds at once (`_hooks_need`) and what the optimizer
+        holds (one sibling group of every kind).
         """
+        need, what = self._hooks_need()
+        for g in range(len(self.chunks[ChunkKind.PARAM])):
+            for i in self.owned_indices(g):
+                total = sum(self.chunks[k][g][i].nbytes for k in self.kinds())
+                if total > need:
+                    need, what = total, "one optimizer step over a chunk group"
+        return need, what
+
+    def _hooks_need(self) -> tuple[int, str]:
+        """Forward/backward: every parameter chunk one module pins, plus a gradient chunk while its
+        gradient lands."""
         need, what = 0, "nothing"
         grad_bytes = max((c.nbytes for lst in self.chunks.get(ChunkKind.GRAD, []) for c in lst), default=0)
         hooked = {id(m) for m in self._hooked_modules()}
@@ -145,16 +156,7 @@ class ChunkedModel(nn.Module):
             total = sum(c.nbytes for c in chunks.values()) + (grad_bytes if homes else 0)
             if total > need:
                 need, what = total, f"module {name or type(module).__name__}"
-        for g, lst in enumerate(self.chunks[ChunkKind.PARAM]):
-            for i in range(len(lst)):
-                total = sum(self.chunks[k][g][i].nbytes for k in self.kinds())
-                if total > need:
-                    need, what = total, "one optimizer step over a chunk group"
-        return need + self._transient_bytes(), what
-
-    def _transient_bytes(self) -> int:
-        """Buffers outside chunks that the step needs at once (sharding's gather/reduce buffers)."""
-        return 0
+        return need, what
 
     def _check_budget(self) -> None:
         capacity = self.manager.cpu.capacity
