@@ -5,7 +5,8 @@ parameter) to the no-decay group, so one module's access gathers a unit of
 each group and its backward fills a gradient buffer of each. Two ranks with
 exactly `minimum_budget()` bytes (chunks spill to disk) train like one
 process with torch.optim.AdamW over the same two groups; one byte less is
-refused when the model is built. Tied and frozen parameters, which stay
+refused when the model is built. (The minimum is safe, not tight: these
+models would still run one chunk below it; docs/chunkmem.md.) Tied and frozen parameters, which stay
 pinned through backward, are counted too.
 """
 

@@ -23,9 +23,10 @@ parameters are transient:
 Every collective is triggered by the access sequence alone, which is the
 same on every rank, so all ranks call them in the same order. Transient
 buffers are reserved in the cpu tier before they exist: the budget stays exact,
-and `minimum_budget()` counts what the code above holds at once (`_hooks_need`):
-the units of every parameter group one module (with its ancestors, tied and
-frozen parameters) touches, the open gradient buffers and a flush's chunks.
+and `minimum_budget()` is a safe bound of what the code above holds at once
+(`_hooks_need`): the units of every parameter group one module (with its
+ancestors, tied and frozen parameters) touches, the open gradient buffers and
+a flush's chunks.
 """
 
 from __future__ import annotations
@@ -84,40 +85,44 @@ class ShardedChunkedModel(ChunkedModel):
         those of parameters pinned around it: its hooked ancestors' (pinned through its forward and,
         for parameters used late, its backward), tied parameters' (pinned from their last use's
         backward to their gradient) and frozen ones' (pinned from backward to `finish_backward`).
-        A module's parameters in several parameter groups sit in one unit per group. Each unit costs
-        its buffer (span chunks) plus this rank's own chunk of it (the all-gather's source, or
-        pinned when the module's parameters live there).
+        A module's parameters in several parameter groups sit in one unit per group. Besides the
+        units' buffers (span chunks each), this rank's own chunks among those pinned stay resident.
 
         Gradients: at most one reduction buffer per parameter group with gradients is open
-        (`_grad_arrived` flushes the oldest early otherwise); a flush adds the reduce-scatter's
-        output (one chunk, normal mode) and the owner's GRAD chunk it is added into.
+        (`_grad_arrived` flushes the oldest early otherwise). A flush adds the reduce-scatter's
+        output (one chunk, normal mode) and the owner's GRAD chunk it is added into; a gather adds
+        this rank's own chunk of the new unit (the all-gather's source) instead.
         """
-        cap, elem = self.chunk_size, torch.empty(0, dtype=self.dtype).element_size()
-        per_unit = (self._span + 1) * cap * elem
-        grads = self._grad_cap() * self._span * cap * 4 + (0 if self.memory_saving else cap * 4) + cap * 4
         if not self.homes:
             return 0, "nothing"
+        cap, elem = self.chunk_size, torch.empty(0, dtype=self.dtype).element_size()
+        open_grads = self._grad_cap() * self._span * cap * 4
+        flush = (0 if self.memory_saving else cap * 4) + cap * 4
         users: dict[int, int] = {}
         hooked = [m for m in self._hooked_modules() if self._module_homes(m)]
         for m in hooked:
             for h in {id(h): h for h in self._module_homes(m)}.values():
                 users[id(h)] = users.get(id(h), 0) + 1
-        sticky = {self._key(h) for h in self.homes.values() if users.get(id(h), 0) > 1 or not h.param.requires_grad}
+        sticky = [h for h in self.homes.values() if users.get(id(h), 0) > 1 or not h.param.requires_grad]
         parent: dict[int, nn.Module] = {id(c): m for m in self.module.modules() for c in m.children()}
         hooked_ids = {id(m) for m in hooked}
         names = {id(m): n for n, m in self.module.named_modules()}
-        best, what = 0, "nothing"
+        need, what = 0, "nothing"
         for m in hooked:
-            keys = {self._key(h) for h in self._module_homes(m)} | sticky
+            pinned = self._module_homes(m) + sticky
             up = parent.get(id(m))
             while up is not None:
                 if id(up) in hooked_ids:
-                    keys |= {self._key(h) for h in self._module_homes(up)}
+                    pinned += self._module_homes(up)
                 up = parent.get(id(up))
-            if len(keys) > best:
-                best, what = len(keys), names.get(id(m)) or type(m).__name__
-        return best * per_unit + grads, (
-            f"module {what} ({best} gathered unit(s) of {self._span} chunk(s) at once) with its gradient reduction")
+            units = {self._key(h) for h in pinned}
+            own = len({(h.group, h.index) for h in pinned if self.owned(h.index)})
+            held = len(units) * self._span * cap * elem + open_grads
+            total = held + max(own * cap * elem + flush, min(own + 1, len(units)) * cap * elem)
+            if total > need:
+                need, what = total, (f"module {names.get(id(m)) or type(m).__name__} ({len(units)} gathered "
+                                     f"unit(s) of {self._span} chunk(s) at once) with its gradient reduction")
+        return need, what
 
     def _key(self, home: ParamHome) -> tuple[int, int]:
         return (home.group, self._unit(home.index))
