@@ -91,9 +91,20 @@ def test_traced_order_packs_chunks_in_execution_order_and_moves_less(tmp_path) -
     assert moved["trace"] < moved["modules"], moved
 
 
+class _Positions(nn.Module):
+    """Creates a tensor in its forward (as a GPT's position index does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(4, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pos(torch.arange(x.shape[0]) % 4)
+
+
 def test_trace_runs_on_the_meta_device_and_keeps_eager_values_for_a_sequential_model(tmp_path) -> None:
     def build() -> nn.Module:
-        return nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+        return nn.Sequential(nn.Linear(16, 16), _Positions(), nn.LayerNorm(16), nn.Linear(16, 4))
 
     torch.manual_seed(1)
     eager = build()
@@ -170,3 +181,13 @@ def test_sharded_model_takes_either_order(order: str) -> None:
     want = _reference(4)
     for got in run_ranks(_sharded, 2, order, timeout=240):
         assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, want)), (got, want)
+
+
+def test_a_materialized_trace_leaves_buffers_and_random_state_alone() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    before = {n: b.clone() for n, b in net.named_buffers()}
+    x = torch.randn(8, 4) * 3 + 1
+    rng = torch.random.get_rng_state()
+    ChunkedModel(net, ChunkManager(None), 64, order="trace", example_inputs=(x,))
+    assert all(torch.equal(b, before[n]) for n, b in net.named_buffers())
+    assert torch.equal(torch.random.get_rng_state(), rng)

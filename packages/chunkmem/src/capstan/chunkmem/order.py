@@ -11,12 +11,15 @@ touches chunks front to back even when the model builds its layers in
 another order than it runs them.
 
 A model on the meta device is traced on the meta device: tensor inputs are
-moved there (shapes only, no compute, nothing is allocated), so a model far
-larger than RAM can be ordered before any of it is materialized.
+moved there and tensors the forward creates are made there (shapes only, no
+compute, nothing is allocated), so a model far larger than RAM can be
+ordered before any of it is materialized. A materialized model's trace
+leaves its buffers and the random number generator as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -63,8 +66,13 @@ def module_order(model: nn.Module, order: str, example_inputs: Sequence[object] 
         called.setdefault(id(module), len(called))
 
     handles = [m.register_forward_pre_hook(record) for _, m in named]
+    # A real model's trace must leave no trace: buffers (BatchNorm statistics) are restored and
+    # the random number generator (dropout) is forked. On the meta device nothing is computed, and
+    # tensors the forward creates itself (torch.arange of positions) are made there too.
+    saved = {} if any(on_meta) else {n: b.clone() for n, b in model.named_buffers()}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                (torch.device("meta") if any(on_meta) else contextlib.nullcontext()):
             model(*args)
     except Exception as e:  # noqa: BLE001 - re-raised with what to do about it
         where = "on the meta device (example inputs moved there)" if any(on_meta) else "without gradients"
@@ -74,6 +82,10 @@ def module_order(model: nn.Module, order: str, example_inputs: Sequence[object] 
     finally:
         for h in handles:
             h.remove()
+        buffers = dict(model.named_buffers())
+        with torch.no_grad():
+            for n, b in saved.items():
+                buffers[n].copy_(b)
     ranked = sorted((pos, i) for i, (_, m) in enumerate(named) if (pos := called.get(id(m))) is not None)
     out: list[tuple[str, nn.Module]] = []
     placed: set[int] = set()
