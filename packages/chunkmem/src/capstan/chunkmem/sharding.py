@@ -58,6 +58,7 @@ class ShardedChunkedModel(ChunkedModel):
         self._grad_missing: dict[tuple[int, int], int] = {}
         self._grad_expected: dict[tuple[int, int], int] = {}
         self._current: tuple[int, int] | None = None
+        self._open_cap = 1  # reduction buffers open at once (`_grad_cap`, set with the counts)
         super().__init__(module, manager, chunk_size, **kwargs)  # type: ignore[arg-type]
         self._reset_grad_counts()
 
@@ -218,7 +219,7 @@ class ShardedChunkedModel(ChunkedModel):
         key = self._grad_key(home)
         buf = self._grad_bufs.pop(key, None)
         if buf is None:
-            if len(self._grad_bufs) >= self._grad_cap():
+            if len(self._grad_bufs) >= self._open_cap:
                 # Gradients arrive out of layout order (tied weights, order="modules" on a model
                 # built in another order than it runs): reduce the longest idle buffer now, partly
                 # filled (the owner's GRAD chunk adds up), so the open buffers stay within the budget.
@@ -276,6 +277,7 @@ class ShardedChunkedModel(ChunkedModel):
                 key = self._grad_key(home)
                 self._grad_missing[key] = self._grad_missing.get(key, 0) + 1
         self._grad_expected = dict(self._grad_missing)
+        self._open_cap = self._grad_cap()
 
     def drop_remote(self) -> None:
         """Free every gathered remote chunk (e.g. after an eval forward)."""
