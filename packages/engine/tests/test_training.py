@@ -53,8 +53,9 @@ def _two_rank_layouts() -> dict:
                                                    parallel={"dp": 2, "zero_stage": stage}))
     out["tp2"] = _trajectory(_cfg(parallel={"dp": 1, "tp": 2}))
     # ZeRO-3 through chunks: each rank owns half of the chunks, and they stream through disk.
+    # 16 chunks: the sharded minimum budget (4 parameter groups, each with an open gradient buffer).
     out["dp2-zero3-disk"] = _trajectory(_cfg(train={"grad_accum_steps": 1}, parallel={"dp": 2, "zero_stage": 3},
-                                             memory={"offload": "disk", "chunk_size": 8192, "cpu_budget": 12 * 8192 * 4,
+                                             memory={"offload": "disk", "chunk_size": 8192, "cpu_budget": 16 * 8192 * 4,
                                                      "disk_dir": tempfile.mkdtemp(prefix="capstan-z3-")}))
     return out
 

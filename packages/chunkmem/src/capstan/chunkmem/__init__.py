@@ -21,6 +21,10 @@ chunks over a data-parallel group (ZeRO-3 through chunks).
 masters; without gradient accumulation a gradient reuses its parameter's
 16-bit slot (14 bytes per parameter).
 
+`ChunkedModel(..., order="trace", example_inputs=(x,))` packs parameters in
+the order one traced forward first uses their modules (order.py) instead of
+creation order.
+
 Not yet built (see docs/chunkmem.md): the cuda tier.
 """
 

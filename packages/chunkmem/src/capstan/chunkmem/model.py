@@ -1,7 +1,8 @@
 """`ChunkedModel`: a module whose parameters, gradients and Adam moments live in chunks.
 
 Registration packs the parameters (module by module, in module order, which
-is execution order for sequential models) into PARAM chunks, with sibling
+is execution order for sequential models, or with `order="trace"` in the
+order one traced forward first calls the modules: order.py) into PARAM chunks, with sibling
 GRAD, EXP_AVG and EXP_AVG_SQ chunks at the same offsets so the optimizer
 works chunk by chunk. Pure-fp32 mode: the PARAM chunk is the master copy.
 
@@ -47,6 +48,7 @@ from capstan.comm import Group
 from .chunk import Chunk, TensorSlot
 from .layout import ModuleSpec, ParamSpec, plan_layout
 from .manager import BudgetError, ChunkManager
+from .order import module_order
 from .saved import ChunkViewSaver
 from .states import ChunkKind, TensorState
 
@@ -88,6 +90,9 @@ class ChunkedModel(nn.Module):
     chunk_size: elements per chunk. param_groups: optional list of lists of
     parameter names, one chunk list per group (so each chunk has one set of
     optimizer hyper-parameters); parameters not listed go to group 0.
+    order: "modules" packs modules in creation order (`named_modules()`); "trace" in the order
+    one forward on `example_inputs` (a tuple of positional arguments, run without gradients, on
+    the meta device for a meta-device model) first calls them, uncalled modules last (order.py).
     """
 
     def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int,
@@ -95,7 +100,8 @@ class ChunkedModel(nn.Module):
                  atomic_types: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,),
                  dtype: torch.dtype = torch.float32, accumulate_grads: bool = False,
                  init_fn: Callable[[nn.Module], None] | None = None,
-                 norm_weights: Sequence[float] | None = None, outer_groups: Sequence[Group] = ()) -> None:
+                 norm_weights: Sequence[float] | None = None, outer_groups: Sequence[Group] = (),
+                 order: str = "modules", example_inputs: Sequence[object] | None = None) -> None:
         super().__init__()
         self.init_fn = init_fn
         n_groups = max(1, len(param_groups or []))
@@ -125,7 +131,7 @@ class ChunkedModel(nn.Module):
         # Callbacks first: registering later chunks may already evict earlier ones.
         manager.on_resident.append(self._bind)
         manager.on_evict.append(self._unbind)
-        self._register(param_groups)
+        self._register(param_groups, module_order(module, order, example_inputs, atomic_types))
         self._install_hooks()
         self._bind_resident_grads()
         self._check_budget()
@@ -133,9 +139,20 @@ class ChunkedModel(nn.Module):
     def minimum_budget(self) -> tuple[int, str]:
         """Bytes of chunks that must fit in RAM at once, and what needs them (known before training).
 
-        Forward/backward pins every parameter chunk of one module (plus a gradient chunk while
-        its gradient lands); the optimizer holds one sibling group of every kind.
+        The larger of what forward/backward holds at once (`_hooks_need`) and what the optimizer
+        holds (one sibling group of every kind).
         """
+        need, what = self._hooks_need()
+        for g in range(len(self.chunks[ChunkKind.PARAM])):
+            for i in self.owned_indices(g):
+                total = sum(self.chunks[k][g][i].nbytes for k in self.kinds())
+                if total > need:
+                    need, what = total, "one optimizer step over a chunk group"
+        return need, what
+
+    def _hooks_need(self) -> tuple[int, str]:
+        """Forward/backward: every parameter chunk one module pins, plus a gradient chunk while its
+        gradient lands."""
         need, what = 0, "nothing"
         grad_bytes = max((c.nbytes for lst in self.chunks.get(ChunkKind.GRAD, []) for c in lst), default=0)
         hooked = {id(m) for m in self._hooked_modules()}
@@ -145,16 +162,7 @@ class ChunkedModel(nn.Module):
             total = sum(c.nbytes for c in chunks.values()) + (grad_bytes if homes else 0)
             if total > need:
                 need, what = total, f"module {name or type(module).__name__}"
-        for g, lst in enumerate(self.chunks[ChunkKind.PARAM]):
-            for i in range(len(lst)):
-                total = sum(self.chunks[k][g][i].nbytes for k in self.kinds())
-                if total > need:
-                    need, what = total, "one optimizer step over a chunk group"
-        return need + self._transient_bytes(), what
-
-    def _transient_bytes(self) -> int:
-        """Buffers outside chunks that the step needs at once (sharding's gather/reduce buffers)."""
-        return 0
+        return need, what
 
     def _check_budget(self) -> None:
         capacity = self.manager.cpu.capacity
@@ -183,7 +191,7 @@ class ChunkedModel(nn.Module):
             self.manager.release(chunk.chunk_id)
 
     # ---- registration -------------------------------------------------------------------------
-    def _register(self, param_groups: list[list[str]] | None) -> None:
+    def _register(self, param_groups: list[list[str]] | None, modules: list[tuple[str, nn.Module]]) -> None:
         named = dict(self.module.named_parameters())
         group_of = {n: g for g, names in enumerate(param_groups or []) for n in names}
         unknown = sorted(set(group_of) - set(named))
@@ -194,7 +202,7 @@ class ChunkedModel(nn.Module):
         names_by_id = {id(p): n for n, p in named.items()}
         owner: dict[int, nn.Module] = {}
         seen: set[int] = set()
-        for mod_name, mod in self.module.named_modules():
+        for mod_name, mod in modules:
             for p in mod.parameters(recurse=False):
                 owner.setdefault(id(p), mod)
             own: list[list[ParamSpec]] = [[] for _ in range(n_groups)]

@@ -11,14 +11,22 @@ parameters are transient:
   buffer is dropped when the access sequence moves on to another group and
   nothing in it is pinned. Gradients of a group go into a group-sized buffer
   that is reduce-scattered (averaged) to the owners once every parameter of
-  the group has its gradient (or at the end of backward).
+  the group has its gradient (or at the end of backward). At most one such
+  buffer per parameter group is open: a gradient that opens one more (they
+  arrive out of layout order: tied weights, a model built in another order
+  than it runs) first flushes the longest idle buffer, partly filled (the
+  owner's GRAD chunk adds the rest later).
 * memory-saving mode: the same per chunk instead of per group, by broadcast
   from the owner and reduce to the owner, so only one remote chunk (and one
   gradient chunk) is resident at a time, for N times the collectives.
 
 Every collective is triggered by the access sequence alone, which is the
 same on every rank, so all ranks call them in the same order. Transient
-buffers are reserved in the cpu tier before they exist: the budget stays exact.
+buffers are reserved in the cpu tier before they exist: the budget stays exact,
+and `minimum_budget()` is a safe bound of what the code above holds at once
+(`_hooks_need`): the units of every parameter group one module (with its
+ancestors, tied and frozen parameters) touches, the open gradient buffers and
+a flush's chunks.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class ShardedChunkedModel(ChunkedModel):
         self._grad_missing: dict[tuple[int, int], int] = {}
         self._grad_expected: dict[tuple[int, int], int] = {}
         self._current: tuple[int, int] | None = None
+        self._open_cap = 1  # reduction buffers open at once (`_grad_cap`, set with the counts)
         super().__init__(module, manager, chunk_size, **kwargs)  # type: ignore[arg-type]
         self._reset_grad_counts()
 
@@ -69,14 +78,59 @@ class ShardedChunkedModel(ChunkedModel):
     def _reduction_groups(self) -> list[Group]:
         return [self.group, *super()._reduction_groups()]
 
-    def _transient_bytes(self) -> int:
-        # A gathered unit (16-bit or fp32 parameters) and a gradient unit (fp32) may coexist.
-        # Known gap: with several parameter groups (the engine's tp-sliced/replicated x decay split)
-        # units of two groups can be held at once, which this does not count; a budget that is too
-        # small for that fails at the first such moment with a BudgetError naming the bytes needed.
-        span = 1 if self.memory_saving else self.group.size
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return span * self.chunk_size * (elem + 4)
+    def _hooks_need(self) -> tuple[int, str]:
+        """Forward/backward working set on this rank, counted from what the code holds at once.
+
+        Gathered units: `_gather` keeps every unit with a pinned parameter and drops the others only
+        when it gathers a new one, so at most the units of one module's parameters are held, plus
+        those of parameters pinned around it: its hooked ancestors' (pinned through its forward and,
+        for parameters used late, its backward), tied parameters' (pinned from their last use's
+        backward to their gradient) and frozen ones' (pinned from backward to `finish_backward`).
+        A module's parameters in several parameter groups sit in one unit per group. Besides the
+        units' buffers (span chunks each), this rank's own chunks among those pinned stay resident.
+
+        Gradients: at most one reduction buffer per parameter group with gradients is open
+        (`_grad_arrived` flushes the oldest early otherwise). A flush adds the reduce-scatter's
+        output (one chunk, normal mode) and the owner's GRAD chunk it is added into; a gather adds
+        this rank's own chunk of the new unit (the all-gather's source) instead.
+        """
+        if not self.homes:
+            return 0, "nothing"
+        cap, elem = self.chunk_size, torch.empty(0, dtype=self.dtype).element_size()
+        open_grads = self._grad_cap() * self._span * cap * 4
+        flush = (0 if self.memory_saving else cap * 4) + cap * 4
+        users: dict[int, int] = {}
+        hooked = [m for m in self._hooked_modules() if self._module_homes(m)]
+        for m in hooked:
+            for h in {id(h): h for h in self._module_homes(m)}.values():
+                users[id(h)] = users.get(id(h), 0) + 1
+        sticky = [h for h in self.homes.values() if users.get(id(h), 0) > 1 or not h.param.requires_grad]
+        parent: dict[int, nn.Module] = {id(c): m for m in self.module.modules() for c in m.children()}
+        hooked_ids = {id(m) for m in hooked}
+        names = {id(m): n for n, m in self.module.named_modules()}
+        need, what = 0, "nothing"
+        for m in hooked:
+            pinned = self._module_homes(m) + sticky
+            up = parent.get(id(m))
+            while up is not None:
+                if id(up) in hooked_ids:
+                    pinned += self._module_homes(up)
+                up = parent.get(id(up))
+            units = {self._key(h) for h in pinned}
+            own = len({(h.group, h.index) for h in pinned if self.owned(h.index)})
+            held = len(units) * self._span * cap * elem + open_grads
+            total = held + max(own * cap * elem + flush, min(own + 1, len(units)) * cap * elem)
+            if total > need:
+                need, what = total, (f"module {names.get(id(m)) or type(m).__name__} ({len(units)} gathered "
+                                     f"unit(s) of {self._span} chunk(s) at once) with its gradient reduction")
+        return need, what
+
+    def _key(self, home: ParamHome) -> tuple[int, int]:
+        return (home.group, self._unit(home.index))
+
+    def _grad_cap(self) -> int:
+        """Reduction buffers open at once: one per parameter group that has gradients."""
+        return max(1, len({h.group for h in self.homes.values() if h.param.requires_grad}))
 
     def _padded_count(self, n: int) -> int:
         return -(-n // self.group.size) * self.group.size
@@ -163,11 +217,17 @@ class ShardedChunkedModel(ChunkedModel):
 
     def _grad_arrived(self, home: ParamHome, grad: torch.Tensor) -> None:
         key = self._grad_key(home)
-        buf = self._grad_bufs.get(key)
+        buf = self._grad_bufs.pop(key, None)
         if buf is None:
+            if len(self._grad_bufs) >= self._open_cap:
+                # Gradients arrive out of layout order (tied weights, order="modules" on a model
+                # built in another order than it runs): reduce the longest idle buffer now, partly
+                # filled (the owner's GRAD chunk adds up), so the open buffers stay within the budget.
+                self._flush(next(iter(self._grad_bufs)))
             n = self.chunk_size * (1 if self.memory_saving else self.group.size)
             self.manager.reserve_transient(n * 4, f"gradient buffer of unit {key}")
-            buf = self._grad_bufs[key] = torch.zeros(n)
+            buf = torch.zeros(n)
+        self._grad_bufs[key] = buf  # re-inserted: the dict's order is least recently used first
         pos = 0 if self.memory_saving else home.index % self.group.size
         start = pos * self.chunk_size + home.slot.offset
         buf.narrow(0, start, home.slot.numel).add_(grad.reshape(-1))
@@ -188,6 +248,7 @@ class ShardedChunkedModel(ChunkedModel):
             mine = idx if owner == self.group.rank else None
             mine_grad = buf if mine is not None else None
         else:
+            self.manager.reserve_transient(self.chunk_size * 4, f"reduced gradient chunk of unit {key}")
             mine_grad = torch.empty(self.chunk_size)
             comm.reduce_scatter(mine_grad, buf, op="avg", group=self.group)
             mine = next(i for i in self._unit_indices(g, idx) if self.owned(i))
@@ -196,6 +257,9 @@ class ShardedChunkedModel(ChunkedModel):
             self.manager.access(grad_chunk.chunk_id, write=True)
             grad_chunk.payload.add_(mine_grad)  # type: ignore[union-attr]
             self.manager.release(grad_chunk.chunk_id)
+        if not self.memory_saving:
+            del mine_grad
+            self.manager.release_transient(self.chunk_size * 4)
         self.manager.release_transient(buf.numel() * 4)
 
     def _end_backward(self) -> None:
@@ -213,6 +277,7 @@ class ShardedChunkedModel(ChunkedModel):
                 key = self._grad_key(home)
                 self._grad_missing[key] = self._grad_missing.get(key, 0) + 1
         self._grad_expected = dict(self._grad_missing)
+        self._open_cap = self._grad_cap()
 
     def drop_remote(self) -> None:
         """Free every gathered remote chunk (e.g. after an eval forward)."""
