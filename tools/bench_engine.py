@@ -58,7 +58,7 @@ import torch
 
 VOCAB = 256
 CHUNK = 1 << 21  # chunk elements for the capstan-z3-* systems (8 MiB fp32 chunks)
-DISK_RUN_BUDGET = 160 << 20  # RAM for chunks in capstan-z3-disk: about half of a rank's 19.3M-param states
+DISK_RUN_BUDGET = 112 << 20  # RAM for chunks in capstan-z3-disk: ~70% of a rank's 154 MB of fp32 states
 
 
 def model_config(a: dict) -> dict:
@@ -130,7 +130,10 @@ def make_system(system: str, a: dict, world: int, rank: int):
                        "disk_dir": os.path.join(tempfile.gettempdir(), f"bench-engine-chunks-{os.getpid()}")}},
                    }.get(system, {})
         engine = initialize(config=model_config(dict(a, **variant)))
-        n_params = engine.optimizer.numel
+        n_params = sum(p.numel() for p in engine.module.parameters()) if engine.chunked else engine.optimizer.numel
+        from capstan import comm
+
+        note = f"capstan.comm over {comm.backend()}" if a.get("mpirun") else ""
 
         def step() -> None:
             losses.append(engine.train_batch(data).loss)
@@ -216,8 +219,12 @@ def interleaved_worker(systems: list[str], a: dict, rounds: int) -> dict:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    from capstan import comm
+
+    if comm.is_initialized():  # also under mpirun, which sets no WORLD_SIZE/RANK
+        world, rank = comm.world().size, comm.world().rank
+    else:
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     built = {s: make_system(s, a, world, rank) for s in systems}
     for s in systems:
         for _ in range(a["warmup"]):
@@ -237,12 +244,18 @@ def interleaved_worker(systems: list[str], a: dict, rounds: int) -> dict:
 
 def bench_interleaved(name: str, world: int, systems: list[str], a: dict, rounds: int) -> dict:
     """Throughput with every system in the same processes, alternating blocks of steps (paired by round)."""
-    from capstan.comm.testing import run_ranks
+    from capstan.comm.testing import run_mpirun, run_ranks
 
     a = dict(a, zero_stage=2 if world > 1 else 0)
-    res = run_ranks(interleaved_worker, world, systems, a, rounds, init=world > 1, backend="gloo",
-                    timeout=300 + 60 * rounds * len(systems) * a["steps"], comm_timeout=300,
-                    env={"CAPSTAN_LOG_LEVEL": "WARNING"})
+    timeout = 300 + 60 * rounds * len(systems) * a["steps"]
+    if a.get("mpirun") and world > 1:
+        # capstan.comm picks MPI (shared-memory collectives) under mpirun; torch.distributed's world
+        # group, which DDP and FSDP2 use, is gloo either way.
+        res = run_mpirun(interleaved_worker, world, systems, a, rounds, timeout=timeout, comm_timeout=300,
+                         backend=a.get("capstan_backend"), env={"CAPSTAN_LOG_LEVEL": "WARNING"})
+    else:
+        res = run_ranks(interleaved_worker, world, systems, a, rounds, init=world > 1, backend="gloo",
+                        timeout=timeout, comm_timeout=300, env={"CAPSTAN_LOG_LEVEL": "WARNING"})
     tokens = a["steps"] * a["micro"] * a["seq"] * world
     tok = {s: [tokens / max(r["elapsed"][s][i] for r in res) for i in range(rounds)] for s in systems}
     base = systems[0]
@@ -394,6 +407,10 @@ def main() -> int:
     p.add_argument("--process-rounds", type=int, default=2,
                    help="rounds of fresh processes per system (peak RSS; 0 skips)")
     p.add_argument("--systems-dp2", default="capstan,ddp,fsdp2")
+    p.add_argument("--mpirun", action="store_true",
+                   help="interleaved dp2 under mpirun: capstan communicates over MPI, DDP/FSDP2 over gloo")
+    p.add_argument("--capstan-backend", default=None, choices=("gloo", "mpi"),
+                   help="with --mpirun: capstan.comm's backend (default: MPI when mpi4py imports)")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--deepspeed", default=None, metavar="PYTHON",
                    help="a python with deepspeed (a separate venv): adds ds-zero2 and ds-zero3, offload_optimizer cpu")
@@ -406,7 +423,8 @@ def main() -> int:
             json.dump(res, f)
         return 0
     a = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq,
-         "micro": args.micro, "steps": args.steps, "warmup": args.warmup, "deepspeed": args.deepspeed}
+         "micro": args.micro, "steps": args.steps, "warmup": args.warmup, "deepspeed": args.deepspeed,
+         "mpirun": args.mpirun, "capstan_backend": args.capstan_backend}
     print(f"torch {torch.__version__}, {os.cpu_count()} cpus, model {a}", flush=True)
     results = {}
     if args.only in (None, "single"):
