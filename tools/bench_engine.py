@@ -57,8 +57,8 @@ import time
 import torch
 
 VOCAB = 256
-CHUNK = 1 << 21  # chunk elements for the capstan-z3-* systems (8 MiB fp32 chunks)
-DISK_RUN_BUDGET = 112 << 20  # RAM for chunks in capstan-z3-disk: ~70% of a rank's 154 MB of fp32 states
+CHUNK = 1 << 20  # chunk elements for the capstan-z3-* systems (4 MiB fp32 chunks)
+DISK_RUN_BUDGET = 96 << 20  # RAM for chunks in capstan-z3-disk: ~65% of a rank's 154 MB of fp32 states
 
 
 def model_config(a: dict) -> dict:
