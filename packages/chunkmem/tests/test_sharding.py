@@ -74,9 +74,12 @@ def _sharded(memory_saving: bool, budget: int | None) -> dict[str, object]:
             losses.append(t.item())
         owned = sum(len(model.owned_indices(g)) for g in range(len(model.chunks[model_kind()])))
         stats = manager.stats()
+        gathers = model.unit_gathers  # before state_tensors(), which gathers every unit once more
         final = {k: v.sum().item() for k, v in model.state_tensors().items()}
         manager.close()
-    return {"losses": losses, "owned": owned, "peak": stats["cpu"]["peak_bytes"], "final": final}
+    units = sum(-(-len(lst) // (1 if memory_saving else dp.size)) for lst in model.chunks[model_kind()])
+    return {"losses": losses, "owned": owned, "peak": stats["cpu"]["peak_bytes"], "final": final,
+            "gathers_per_step": gathers / STEPS, "units": units}
 
 
 def model_kind():  # noqa: ANN201 - tiny indirection so the child need not import at module level
@@ -98,6 +101,8 @@ def test_two_and_four_ranks_sharded_match_one_process() -> None:
         # Every rank owns 1/n of the (padded) chunk list; the parameters end identical everywhere.
         assert len({r["owned"] for r in results}) == 1
         assert all(r["final"] == results[0]["final"] for r in results)
+        # Unbounded RAM: a gathered unit stays until the end of backward, so each is gathered once a step.
+        assert results[0]["gathers_per_step"] == results[0]["units"], results[0]
     assert want[-1] < want[0]
 
 
@@ -107,5 +112,7 @@ def test_memory_saving_mode_equals_normal_mode_under_a_disk_budget() -> None:
     saving = run_ranks(_sharded, 2, True, budget, timeout=240)
     assert _rel(saving[0]["losses"], normal[0]["losses"]) <= 1e-6
     assert all(r["peak"] <= budget for r in normal + saving)
+    # Under a budget a unit leaves once nothing pins it: gathered again in backward, and per module.
+    assert all(r["gathers_per_step"] > r["units"] for r in normal + saving)
     # Only one remote chunk at a time: the memory-saving peak is no higher than the normal one.
     assert max(r["peak"] for r in saving) <= max(r["peak"] for r in normal)

@@ -54,6 +54,7 @@ class ShardedChunkedModel(ChunkedModel):
         self.memory_saving = memory_saving
         self._span = 1 if memory_saving else group.size  # chunks per transient unit
         self._gathered: dict[tuple[int, int], torch.Tensor] = {}  # (param group, unit) -> buffer
+        self.unit_gathers = 0  # units materialized so far (all-gathers, or broadcasts in memory-saving mode)
         self._grad_bufs: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_missing: dict[tuple[int, int], int] = {}
         self._grad_expected: dict[tuple[int, int], int] = {}
@@ -146,14 +147,25 @@ class ShardedChunkedModel(ChunkedModel):
     def _unit_indices(self, g: int, unit: int) -> range:
         return range(unit * self._span, (unit + 1) * self._span)
 
+    def _keep_gathered(self) -> bool:
+        """With RAM unbounded, gathered units stay until the end of backward (dropped in
+        `_end_backward`): each unit is all-gathered once per step instead of again for every module
+        that shares it (the no-decay group's unit serves every layer) and again in backward, as
+        DeepSpeed ZeRO-3 keeps parameters live below ``stage3_max_live_parameters``. Under a budget
+        a unit leaves as soon as nothing pins it, so the transient memory stays what
+        `minimum_budget` counts. The same choice on every rank, since all share the configuration."""
+        return not self.memory_saving and self.manager.cpu.capacity is None
+
     def _gather(self, g: int, unit: int) -> None:
         """Materialize every chunk of a unit (symmetric on all ranks)."""
         key = (g, unit)
         if key in self._gathered:
             return
-        for other in [k for k in self._gathered if k != key]:
-            if not any(h.pins for i in self._unit_indices(*other) for h in self._param_homes(other[0], i)):
-                self._drop_unit(other)
+        if not self._keep_gathered():
+            for other in [k for k in self._gathered if k != key]:
+                if not any(h.pins for i in self._unit_indices(*other) for h in self._param_homes(other[0], i)):
+                    self._drop_unit(other)
+        self.unit_gathers += 1
         cap = self.chunk_size
         indices = self._unit_indices(g, unit)
         nbytes = len(indices) * cap * torch.empty(0, dtype=self.dtype).element_size()
