@@ -191,8 +191,9 @@ def worker(system: str, a: dict) -> dict:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by run_ranks (capstan starts its own comm)
-    rank = int(os.environ.get("RANK", "0"))
+    # Set by run_ranks, or by mpirun (capstan starts its own comm from them).
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+    rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     step, losses, n_params, note = make_system(system, a, world, rank)
     return {**timed_steps(step, a, world), "losses": losses, "params": n_params, "note": note}
 
@@ -333,6 +334,22 @@ def run_deepspeed(python: str, stage: int, world: int, a: dict) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="bench-ds-") as tmp:
+        if a.get("mpirun"):  # the same launcher (and core binding) as capstan's ranks under --mpirun
+            from capstan.comm.testing.harness import mpirun_args
+
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                       DS_ACCELERATOR="cpu",
+                       PYTHONPATH=os.pathsep.join(f"{root}/packages/{p}/src" for p in ("comm", "tensorpar", "engine")))
+            for k in [k for k in env if k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]:
+                del env[k]
+            out = os.path.join(tmp, "result.%r.json")
+            cmd = mpirun_args(world) + [python, os.path.abspath(__file__), "--ds-worker", json.dumps(a),
+                                        "--ds-stage", str(stage), "--json", out]
+            log = os.path.join(tmp, "log")
+            code = subprocess.run(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, timeout=900).returncode
+            if code:
+                raise RuntimeError(f"deepspeed under mpirun exited {code}:\n" + open(log).read()[-3000:])
+            return [json.load(open(out.replace("%r", str(r)))) for r in range(world)]
         procs = []
         for r in range(world):
             env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
@@ -355,6 +372,12 @@ def run(system: str, world: int, a: dict) -> dict:
     timeout = 120 + 60 * (a["steps"] + a["warmup"])
     if system.startswith("ds-zero"):
         res = run_deepspeed(a["deepspeed"], int(system[-1]), world, a)
+    elif system.startswith("capstan") and world > 1 and a.get("mpirun"):
+        from capstan.comm.testing import run_mpirun
+
+        backend = {"CAPSTAN_COMM_BACKEND": a["capstan_backend"]} if a.get("capstan_backend") else {}
+        res = run_mpirun(worker, world, system, a, init=False, timeout=timeout, comm_timeout=300,
+                         env={"CAPSTAN_LOG_LEVEL": "WARNING", **backend})
     elif system.startswith("capstan") and world > 1:
         res = run_ranks(worker, world, system, a, init=False, timeout=timeout, comm_timeout=300,
                         env={"CAPSTAN_COMM_BACKEND": "gloo", "CAPSTAN_LOG_LEVEL": "WARNING"})
@@ -408,7 +431,8 @@ def main() -> int:
                    help="rounds of fresh processes per system (peak RSS; 0 skips)")
     p.add_argument("--systems-dp2", default="capstan,ddp,fsdp2")
     p.add_argument("--mpirun", action="store_true",
-                   help="interleaved dp2 under mpirun: capstan communicates over MPI, DDP/FSDP2 over gloo")
+                   help="launch dp2 ranks with mpirun (bound to cores): capstan communicates over MPI, "
+                        "DDP/FSDP2/DeepSpeed over gloo")
     p.add_argument("--capstan-backend", default=None, choices=("gloo", "mpi"),
                    help="with --mpirun: capstan.comm's backend (default: MPI when mpi4py imports)")
     p.add_argument("--json", default=None, help="write the summary here")
@@ -418,8 +442,13 @@ def main() -> int:
     p.add_argument("--ds-stage", type=int, default=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.ds_worker:
+        for var, ompi in (("RANK", "OMPI_COMM_WORLD_RANK"), ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"),
+                          ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+                          ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")):
+            if var not in os.environ and ompi in os.environ:  # started by mpirun (--mpirun)
+                os.environ[var] = os.environ[ompi]
         res = ds_worker(json.loads(args.ds_worker), args.ds_stage)
-        with open(args.json, "w") as f:
+        with open(args.json.replace("%r", os.environ.get("RANK", "0")), "w") as f:
             json.dump(res, f)
         return 0
     a = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq,
