@@ -3,12 +3,24 @@
 Each rank gets its slice of the same global batch; gradients are averaged
 over the group, so the mean of the ranks' losses is the single-process loss
 (fp32; differences come from summation order: 1e-6 relative).
+
+The sharded minimum budget is enough for modules whose parameters sit in
+two parameter groups: a Linear's weight goes to the decay group and its bias
+(and every LayerNorm parameter) to the no-decay group, so one module's
+access gathers a unit of each group and its backward fills a gradient buffer
+of each. Two ranks with exactly `minimum_budget()` bytes (chunks spill to
+disk) train like one process with torch.optim.AdamW over the same two
+groups; one byte less is refused when the model is built. (The minimum is
+safe, not tight: these models would still run one chunk below it;
+docs/chunkmem.md.) Tied and frozen parameters, which stay pinned through
+backward, are counted too.
 """
 
 from __future__ import annotations
 
 import tempfile
 
+import pytest
 import torch
 
 from capstan.comm.testing import run_ranks
@@ -17,11 +29,11 @@ CHUNK = 4096
 STEPS = 8
 
 
-def _model() -> torch.nn.Module:
+def _model(hidden: int = 96) -> torch.nn.Module:
     torch.manual_seed(0)
     layers = [torch.nn.Embedding(64, 32)]
     for _ in range(3):
-        layers += [torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 32), torch.nn.LayerNorm(32)]
+        layers += [torch.nn.Linear(32, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 32), torch.nn.LayerNorm(32)]
     layers.append(torch.nn.Linear(32, 64))
     return torch.nn.Sequential(*layers)
 
@@ -36,11 +48,13 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return torch.nn.functional.cross_entropy(model(x).reshape(-1, 64), y.reshape(-1))
 
 
-def _reference() -> list[float]:
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+def _reference(model: torch.nn.Module | None = None, opt: torch.optim.Optimizer | None = None,
+               steps: int = STEPS) -> list[float]:
+    """One process, torch.optim.AdamW (one group with decay unless given), clipping at 1.0."""
+    model = model or _model()
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     out = []
-    for s in range(STEPS):
+    for s in range(steps):
         loss = _loss(model, *_data(s))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -60,18 +74,7 @@ def _sharded(memory_saving: bool, budget: int | None) -> dict[str, object]:
         manager = ChunkManager(budget, DiskStore(tmp, rank=dp.rank), audit=True)
         model = ShardedChunkedModel(_model(), manager, CHUNK, group=dp, memory_saving=memory_saving)
         opt = ChunkAdam(model, lr=1e-2, weight_decay=0.1)
-        losses = []
-        for s in range(STEPS):
-            x, y = _data(s)
-            rows = slice(dp.rank * 4 // dp.size, (dp.rank + 1) * 4 // dp.size)
-            manager.begin_step()
-            loss = _loss(model, x[rows], y[rows])
-            model.backward(loss)
-            opt.step(grad_clip=1.0)
-            manager.end_step()
-            t = torch.tensor([loss.item()])
-            comm.all_reduce(t, op="avg", group=dp)
-            losses.append(t.item())
+        losses = _train(model, manager, opt, dp, STEPS)
         owned = sum(len(model.owned_indices(g)) for g in range(len(model.chunks[model_kind()])))
         stats = manager.stats()
         gathers = model.unit_gathers  # before state_tensors(), which gathers every unit once more
@@ -80,6 +83,25 @@ def _sharded(memory_saving: bool, budget: int | None) -> dict[str, object]:
     units = sum(-(-len(lst) // (1 if memory_saving else dp.size)) for lst in model.chunks[model_kind()])
     return {"losses": losses, "owned": owned, "peak": stats["cpu"]["peak_bytes"], "final": final,
             "gathers_per_step": gathers / STEPS, "units": units}
+
+
+def _train(model, manager, opt, dp, steps: int) -> list[float]:  # noqa: ANN001 - chunkmem types, imported late
+    """`steps` steps on this rank's rows of each global batch; the global mean loss of each."""
+    from capstan import comm
+
+    losses = []
+    for s in range(steps):
+        x, y = _data(s)
+        rows = slice(dp.rank * 4 // dp.size, (dp.rank + 1) * 4 // dp.size)
+        manager.begin_step()
+        loss = _loss(model, x[rows], y[rows])
+        model.backward(loss)
+        opt.step(grad_clip=1.0)
+        manager.end_step()
+        t = torch.tensor([loss.item()])
+        comm.all_reduce(t, op="avg", group=dp)
+        losses.append(t.item())
+    return losses
 
 
 def model_kind():  # noqa: ANN201 - tiny indirection so the child need not import at module level
@@ -116,3 +138,112 @@ def test_memory_saving_mode_equals_normal_mode_under_a_disk_budget() -> None:
     assert all(r["gathers_per_step"] > r["units"] for r in normal + saving)
     # Only one remote chunk at a time: the memory-saving peak is no higher than the normal one.
     assert max(r["peak"] for r in saving) <= max(r["peak"] for r in normal)
+
+
+BUDGET_CHUNK = 2048
+BUDGET_STEPS = 6
+
+
+def _groups(model: torch.nn.Module) -> list[list[str]]:
+    decay = [n for n, p in model.named_parameters() if p.dim() == 2]
+    return [decay, [n for n, p in model.named_parameters() if p.dim() < 2]]
+
+
+def _two_group_reference() -> list[float]:
+    model = _model(48)
+    named = dict(model.named_parameters())
+    decay, no_decay = _groups(model)
+    opt = torch.optim.AdamW([{"params": [named[n] for n in decay], "weight_decay": 0.1},
+                             {"params": [named[n] for n in no_decay], "weight_decay": 0.0}], lr=1e-2)
+    return _reference(model, opt, BUDGET_STEPS)
+
+
+def _sharded_at_minimum(memory_saving: bool) -> dict[str, object]:
+    from capstan import comm
+    from capstan.chunkmem import AdamGroup, BudgetError, ChunkAdam, ChunkManager, DiskStore, ShardedChunkedModel
+
+    torch.set_num_threads(1)
+    dp = comm.build_groups(comm.Topology(dp=comm.world().size)).dp
+    net = _model(48)
+    groups = _groups(net)
+    probe = ShardedChunkedModel(net, ChunkManager(None), BUDGET_CHUNK, group=dp, memory_saving=memory_saving,
+                                param_groups=groups)
+    need, _ = probe.minimum_budget()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            ShardedChunkedModel(_model(48), ChunkManager(need - 1, DiskStore(tmp, rank=dp.rank)), BUDGET_CHUNK, group=dp,
+                                memory_saving=memory_saving, param_groups=groups)
+            refused = False
+        except BudgetError:
+            refused = True
+    with tempfile.TemporaryDirectory() as tmp:
+        manager = ChunkManager(need, DiskStore(tmp, rank=dp.rank), audit=True)
+        model = ShardedChunkedModel(_model(48), manager, BUDGET_CHUNK, group=dp, memory_saving=memory_saving,
+                                    param_groups=groups)
+        opt = ChunkAdam(model, [AdamGroup(lr=1e-2, weight_decay=0.1), AdamGroup(lr=1e-2, weight_decay=0.0)])
+        losses = _train(model, manager, opt, dp, BUDGET_STEPS)
+        stats = manager.stats()
+        manager.close()
+    return {"losses": losses, "need": need, "refused": refused, "peak": stats["cpu"]["peak_bytes"],
+            "writes": stats["writes"]}
+
+
+@pytest.mark.parametrize("memory_saving", [False, True])
+def test_two_group_modules_train_within_the_minimum_budget(memory_saving: bool) -> None:
+    want = _two_group_reference()
+    for r in run_ranks(_sharded_at_minimum, 2, memory_saving, timeout=240):
+        assert r["refused"], "a budget one byte below the minimum must be refused up front"
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], want)) <= 1e-6, (r["losses"], want)
+        assert r["peak"] <= r["need"]
+        assert r["writes"] > 0  # the budget is tight: chunks really went to disk
+    assert want[-1] < want[0]
+
+
+class _TiedFrozen(torch.nn.Module):
+    """Tied input/output embedding (pinned from the head's backward to the embedding's) and a frozen
+    positional table (pinned from its backward to the end): both units stay gathered meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = torch.nn.Embedding(64, 32)
+        self.wpe = torch.nn.Embedding(8, 32)
+        self.wpe.weight.requires_grad_(False)
+        self.body = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 48),
+                                                              torch.nn.GELU(), torch.nn.Linear(48, 32))
+                                          for _ in range(3)])
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.wte(x) + self.wpe(torch.arange(x.shape[1]))))
+
+
+def _tied_frozen(memory_saving: bool) -> tuple[int, int]:
+    from capstan import comm
+    from capstan.chunkmem import AdamGroup, ChunkAdam, ChunkManager, DiskStore, ShardedChunkedModel
+
+    torch.set_num_threads(1)
+    dp = comm.build_groups(comm.Topology(dp=comm.world().size)).dp
+    groups = _groups(_TiedFrozen())
+    need, _ = ShardedChunkedModel(_TiedFrozen(), ChunkManager(None), BUDGET_CHUNK, group=dp, memory_saving=memory_saving,
+                                  param_groups=groups).minimum_budget()
+    with tempfile.TemporaryDirectory() as tmp:
+        manager = ChunkManager(need, DiskStore(tmp, rank=dp.rank), audit=True)
+        model = ShardedChunkedModel(_TiedFrozen(), manager, BUDGET_CHUNK, group=dp, memory_saving=memory_saving,
+                                    param_groups=groups)
+        opt = ChunkAdam(model, [AdamGroup(lr=1e-2, weight_decay=0.1), AdamGroup(lr=1e-2)])
+        for s in range(3):
+            manager.begin_step()
+            model.backward(_loss(model, *_data(s)))
+            opt.step()
+            manager.end_step()
+        peak = manager.stats()["cpu"]["peak_bytes"]
+        manager.close()
+    return need, peak
+
+
+@pytest.mark.parametrize("memory_saving", [False, True])
+def test_tied_and_frozen_parameters_fit_the_minimum_budget(memory_saving: bool) -> None:
+    for need, peak in run_ranks(_tied_frozen, 2, memory_saving, timeout=240):
+        assert peak <= need
