@@ -143,6 +143,8 @@ class MemoryConfig:
     """Bytes of chunks allowed on the GPU. Not supported yet (chunkmem has no cuda tier): must stay unset."""
     disk_dir: str = "capstan-chunks"
     """Directory for the disk tier's chunk files (one file per rank)."""
+    chunk_order: str = constraint("modules", choices=("modules", "trace"))
+    """How parameters are packed into chunks: "modules" in module creation order (the reference GPT's, which is its execution order), "trace" in the order one forward on a dummy batch (micro_batch_size x seq_len tokens, no gradients) first calls the modules, for a user module built in another order than it runs (fewer chunk moves under a budget). Needs parallel.pp = 1 (stages are registered in layer order)."""
     eviction: str = constraint("belady", choices=("belady", "lru"))
     """Which chunk leaves RAM first: furthest next use in the warm-up trace (belady) or least recently used."""
 

@@ -218,6 +218,9 @@ def check_cross(cfg: Config, sources: Sources) -> None:
                                       or not uses_chunks(cfg)):
         raise ConfigError(f"memory.ram_limit = {mem.ram_limit} needs chunked memory (offload or ZeRO-3) and a "
                           f"memory.cpu_budget no larger than it for the warm-up step (cpu_budget = {mem.cpu_budget})")
+    if mem.chunk_order == "trace" and (p.pp > 1 or not uses_chunks(cfg)):
+        raise ConfigError("memory.chunk_order = \"trace\" needs chunked memory (offload or ZeRO-3) and "
+                          f"parallel.pp = 1 (got pp = {p.pp}): pipeline stages are registered in layer order")
     if mem.gpu_budget is not None:
         raise ConfigError("memory.gpu_budget is not yet supported: capstan.chunkmem has no cuda tier yet; "
                           "remove the key")

@@ -118,6 +118,9 @@ class Engine:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.config.precision.dtype]
         kwargs = dict(param_groups=param_groups, dtype=dtype, accumulate_grads=self.accum > 1,
                       norm_weights=weights, outer_groups=(self.groups.tp, self.groups.pp))
+        if mem.chunk_order == "trace":  # one forward on a dummy batch of token ids decides the packing order
+            dummy = torch.zeros(t.micro_batch_size, self.config.model.seq_len, dtype=torch.long)
+            kwargs.update(order="trace", example_inputs=(dummy,))
         if self.groups.dp.size > 1:  # ZeRO-3 through chunks: each dp rank owns 1/dp of them (of its stage)
             self.module = ShardedChunkedModel(model, self.manager, mem.chunk_size, group=self.groups.dp, **kwargs)
         else:
