@@ -164,11 +164,15 @@ class ChunkedModel(nn.Module):
                 need, what = total, f"module {name or type(module).__name__}"
         return need, what
 
+    def _budget_need(self) -> tuple[int, str]:
+        """The minimum budget checked at construction (the sharded model takes the largest over its group)."""
+        return self.minimum_budget()
+
     def _check_budget(self) -> None:
         capacity = self.manager.cpu.capacity
         if capacity is None:
             return
-        need, what = self.minimum_budget()
+        need, what = self._budget_need()
         if capacity < need:
             raise BudgetError(
                 f"cpu budget of {capacity} bytes is below the working set: {what} needs {need} bytes of "

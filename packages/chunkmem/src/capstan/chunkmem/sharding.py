@@ -55,6 +55,7 @@ class ShardedChunkedModel(ChunkedModel):
         self._span = 1 if memory_saving else group.size  # chunks per transient unit
         self._gathered: dict[tuple[int, int], torch.Tensor] = {}  # (param group, unit) -> buffer
         self.unit_gathers = 0  # units materialized so far (all-gathers, or broadcasts in memory-saving mode)
+        self._spare_units = 0  # unpinned units that may stay gathered under a budget (`_units_kept`)
         self._grad_bufs: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_missing: dict[tuple[int, int], int] = {}
         self._grad_expected: dict[tuple[int, int], int] = {}
@@ -147,24 +148,46 @@ class ShardedChunkedModel(ChunkedModel):
     def _unit_indices(self, g: int, unit: int) -> range:
         return range(unit * self._span, (unit + 1) * self._span)
 
-    def _keep_gathered(self) -> bool:
-        """With RAM unbounded, gathered units stay until the end of backward (dropped in
-        `_end_backward`): each unit is all-gathered once per step instead of again for every module
-        that shares it (the no-decay group's unit serves every layer) and again in backward, as
-        DeepSpeed ZeRO-3 keeps parameters live below ``stage3_max_live_parameters``. Under a budget
-        a unit leaves as soon as nothing pins it, so the transient memory stays what
-        `minimum_budget` counts. The same choice on every rank, since all share the configuration."""
-        return not self.memory_saving and self.manager.cpu.capacity is None
+    def _budget_need(self) -> tuple[int, str]:
+        """The largest minimum over the group: every rank then accepts or refuses the budget alike
+        (no rank left waiting in a collective for one that raised), and `_spare_units` agrees."""
+        need, what = self.minimum_budget()
+        worst = torch.tensor([float(need)], dtype=torch.float64)
+        comm.all_reduce(worst, op="max", group=self.group)
+        most = int(worst.item())
+        if most > need:
+            need, what = most, f"another rank's working set (here {what}, {need} bytes)"
+        capacity = self.manager.cpu.capacity
+        unit = self._span * self.chunk_size * torch.empty(0, dtype=self.dtype).element_size()
+        self._spare_units = max(0, (capacity or 0) - need) // unit if not self.memory_saving else 0
+        return need, what
+
+    def _units_kept(self) -> int | None:
+        """How many unpinned gathered units may stay for reuse (None: all, until the end of backward).
+
+        Each unit dropped while a later module still needs it is all-gathered again (the no-decay
+        group's unit serves every layer, and backward revisits them all). With RAM unbounded every
+        unit stays until `_end_backward`, as DeepSpeed ZeRO-3 keeps parameters live below
+        ``stage3_max_live_parameters``: one all-gather per unit per step. Under a budget the units
+        that fit in what the budget leaves above the (group-wide) minimum stay, most recently used
+        first, so the transient memory stays within the budget; the count is the same on every rank.
+        """
+        if self.memory_saving:
+            return 0
+        return None if self.manager.cpu.capacity is None else self._spare_units
 
     def _gather(self, g: int, unit: int) -> None:
         """Materialize every chunk of a unit (symmetric on all ranks)."""
         key = (g, unit)
         if key in self._gathered:
+            self._gathered[key] = self._gathered.pop(key)  # most recently used last
             return
-        if not self._keep_gathered():
-            for other in [k for k in self._gathered if k != key]:
-                if not any(h.pins for i in self._unit_indices(*other) for h in self._param_homes(other[0], i)):
-                    self._drop_unit(other)
+        kept = self._units_kept()
+        if kept is not None:
+            idle = [k for k in self._gathered
+                    if not any(h.pins for i in self._unit_indices(*k) for h in self._param_homes(k[0], i))]
+            for other in idle[: max(0, len(idle) - kept)]:  # least recently used first
+                self._drop_unit(other)
         self.unit_gathers += 1
         cap = self.chunk_size
         indices = self._unit_indices(g, unit)
