@@ -7,9 +7,10 @@ manager places those between RAM and disk as usual). The other chunks'
 parameters are transient:
 
 * normal mode: the first access to any chunk of a group all-gathers the
-  whole group into one buffer (every rank contributes its owned chunk); the
-  buffer is dropped when the access sequence moves on to another group and
-  nothing in it is pinned. Gradients of a group go into a group-sized buffer
+  whole group into one buffer (every rank contributes its owned chunk); an
+  unpinned buffer stays for reuse until the end of backward with RAM
+  unbounded, or while it fits in the budget's headroom (`_units_kept`), and
+  is dropped least recently used first otherwise. Gradients of a group go into a group-sized buffer
   that is reduce-scattered (averaged) to the owners once every parameter of
   the group has its gradient (or at the end of backward). At most one such
   buffer per parameter group is open: a gradient that opens one more (they
@@ -159,7 +160,7 @@ class ShardedChunkedModel(ChunkedModel):
             need, what = most, f"another rank's working set (here {what}, {need} bytes)"
         capacity = self.manager.cpu.capacity
         unit = self._span * self.chunk_size * torch.empty(0, dtype=self.dtype).element_size()
-        self._spare_units = max(0, (capacity or 0) - need) // unit if not self.memory_saving else 0
+        self._spare_units = max(0, (capacity or 0) - need) // unit
         return need, what
 
     def _units_kept(self) -> int | None:

@@ -50,11 +50,10 @@ class ParamPrefetch:
         self._pending: list[tuple[comm.CollectiveHandle, torch.Tensor] | None] = []
         self.waited = len(self.bounds)  # buckets [0, waited) are in place
         last_bucket = {id(p): self._last_bucket(off, p.numel()) for p, off in zip(params, offsets)}
-        self.handles = []
         for module in model.modules():
             need = [last_bucket[id(p)] for p in module.parameters(recurse=False) if id(p) in last_bucket]
             if need:
-                self.handles.append(module.register_forward_pre_hook(self._hook(max(need))))
+                module.register_forward_pre_hook(self._hook(max(need)))
 
     def _last_bucket(self, start: int, numel: int) -> int:
         """Index of the last bucket holding part of flat[start : start + numel]."""
@@ -100,7 +99,3 @@ class ParamPrefetch:
 
     def wait_all(self) -> None:
         self.wait_through(len(self.bounds) - 1)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
