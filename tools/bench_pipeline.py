@@ -26,7 +26,7 @@ import statistics
 import time
 
 import torch
-from capstan.comm.testing import run_ranks
+from capstan.comm.testing import run_mpirun, run_ranks
 from capstan.pipeline import PipelineExecutor, make_schedule, partition
 from capstan.pipeline.testing_models import gpt_loss, gpt_specs
 
@@ -159,12 +159,20 @@ def main() -> None:
         default=8,
         help="sequences per microbatch in the memory runs (larger: activations dominate the RSS)",
     )
+    ap.add_argument(
+        "--mpirun",
+        action="store_true",
+        help="start the 2 ranks with mpirun: capstan's p2p goes through MPI (shared memory), "
+        "torch.distributed.pipelining through its gloo group, ranks bound to cores",
+    )
+    ap.add_argument("--skip-memory", action="store_true", help="throughput only")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     cfg = vars(ap.parse_args())
     mem_cfg = dict(cfg, mb_size=cfg["mem_mb_size"])
 
-    res = run_ranks(_throughput, STAGES, cfg, timeout=1800, comm_timeout=600)
+    launch = run_mpirun if cfg["mpirun"] else run_ranks
+    res = launch(_throughput, STAGES, cfg, timeout=1800, comm_timeout=600)
     # Every rank times the same barrier-to-barrier interval; take rank 0's.
     times, tokens = res[0]["times"], res[0]["tokens"]
     params = sum(r["params"] for r in res)
@@ -173,13 +181,15 @@ def main() -> None:
     ours_name = "capstan 1F1B"
 
     cpu = platform.processor() or platform.machine()
+    transport = ("mpirun: capstan p2p over MPI, torch pipelining over gloo" if cfg["mpirun"]
+                 else "gloo for both")
     print(f"## Pipeline: capstan 1F1B vs torch.distributed.pipelining ({cpu})\n")
     model = (
         f"GPT {params / 1e6:.1f}M parameters (vocab {cfg['vocab']}, hidden {cfg['hidden']}, "
         f"{cfg['layers']} blocks, {cfg['heads']} heads, seq {cfg['seq']})"
     )
     print(
-        f"{model}, {STAGES} stages (gloo, 2 processes, 1 thread each), {MICROBATCHES} microbatches "
+        f"{model}, {STAGES} stages ({transport}, 2 processes, 1 thread each), {MICROBATCHES} microbatches "
         f"of {cfg['mb_size']} sequences = {tokens} tokens per step; median of {cfg['steps']} "
         f"rounds after {cfg['warmup']} warm-up rounds, systems interleaved round-robin "
         f"(rotating order) in one job; torch {torch.__version__}.\n"
@@ -200,6 +210,8 @@ def main() -> None:
         b = r["breakdown"]
         parts = " / ".join(f"{b[k]:.3f}" for k in ("forward", "backward", "comm", "total"))
         print(f"- stage {s}: {parts}")
+    if cfg["skip_memory"]:
+        return
     print(
         f"\nMemory: {MICROBATCHES} microbatches of {mem_cfg['mb_size']} sequences; peak RSS = "
         f"ru_maxrss of a fresh process per configuration; the rise over the RSS after building "

@@ -144,3 +144,32 @@ def test_debug_switch_times_every_collective_with_its_size() -> None:
         "[rank 1] DEBUG capstan.comm.collectives: all_reduce on world[0, 1]: 40 bytes",
         "[rank 1] DEBUG capstan.comm.collectives: broadcast on world[0, 1]: 12 bytes",
     ]
+
+
+_WATCHDOG = (
+    "import sys, time; from datetime import timedelta\n"
+    "from capstan.comm import bootstrap\n"
+    "from capstan.comm.launch_env import LaunchInfo\n"
+    "bootstrap._InitWatchdog.MARGIN_S = 0.5\n"
+    "info = LaunchInfo('torchrun', 1, 2, 1, 2, master_addr='127.0.0.1', master_port=29999)\n"
+    "with bootstrap._InitWatchdog(info, timedelta(seconds=0.5)):\n"
+    "    time.sleep(float(sys.argv[1]))\n"
+    "print('returned')\n"
+)
+
+
+def test_init_watchdog_ends_a_rank_stuck_joining_the_job() -> None:
+    """Stuck inside rendezvous/init_process_group (C++, no exception can reach it): one line, exit 1."""
+    out = subprocess.run([sys.executable, "-c", _WATCHDOG, "60"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert "returned" not in out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("capstan: error: rank 1 of 2 could not join the job within 2 s")
+    assert "127.0.0.1:29999" in lines[0]
+
+
+def test_init_watchdog_stays_quiet_when_init_returns() -> None:
+    out = subprocess.run([sys.executable, "-c", _WATCHDOG + "time.sleep(2.5)\nprint('still alive')\n", "0.1"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["returned", "still alive"] and out.stderr == ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from capstan.comm import flatten, plan_buckets, unflatten
-from capstan.comm.testing import run_ranks
+from capstan.comm.testing import requires_mpirun, run_mpirun, run_ranks
 
 
 def _ring_exchange() -> list[list[float]]:
@@ -39,6 +39,53 @@ def test_ring_exchange_on_four_ranks() -> None:
         assert got == [float(prv)] * 5
         assert back == [float(prv)] * 2
         assert r == [prv * 10]
+
+
+def _ring_over_mpi() -> dict:
+    """The ring exchange on the mpi backend: MPI point-to-point, any dtype, temporaries kept alive."""
+    import gc
+
+    from capstan import comm
+    from capstan.comm import mpi_backend
+
+    w = comm.world()
+    nxt, prv = (w.rank + 1) % w.size, (w.rank - 1) % w.size
+    big = torch.empty(1 << 20)
+    tiny = torch.empty(0)
+    flags = torch.empty(3, dtype=torch.bool)
+    # The send tensors are temporaries: only the handle keeps them alive until the wait.
+    h = comm.exchange([comm.P2POp("send", torch.arange(1 << 20, dtype=torch.float32) + w.rank, nxt),
+                       comm.P2POp("send", torch.empty(0), nxt),
+                       comm.P2POp("send", torch.tensor([True, w.rank % 2 == 1, False]), nxt),
+                       comm.P2POp("recv", big, prv), comm.P2POp("recv", tiny, prv), comm.P2POp("recv", flags, prv)])
+    gc.collect()
+    used_mpi = all(isinstance(x, mpi_backend.P2PRequests) for x in h._works)
+    h.wait()
+    # Pipeline-style: a sub-group (pp over 2 stages of 2) on its own communicator.
+    groups = comm.build_groups(comm.Topology(dp=2, pp=2))
+    pp = groups.pp
+    x = torch.full((4,), float(w.rank), dtype=torch.bfloat16)
+    if pp.rank == 0:
+        comm.send(x, dst=1, group=pp)
+        got_pp = None
+    else:
+        got_pp = torch.empty(4, dtype=torch.bfloat16)
+        comm.recv(got_pp, src=0, group=pp)
+        got_pp = got_pp.float().tolist()
+    return {"mpi": used_mpi, "backend": comm.backend(), "big_ok": bool(torch.equal(big, torch.arange(1 << 20, dtype=torch.float32) + prv)),
+            "tiny": tiny.numel(), "flags": flags.tolist(), "pp": got_pp, "pp_peer": pp.ranks[0]}
+
+
+@requires_mpirun()
+def test_ring_exchange_over_mpi_point_to_point() -> None:
+    results = run_mpirun(_ring_over_mpi, 4, timeout=240)
+    for rank, r in enumerate(results):
+        prv = (rank - 1) % 4
+        assert r["backend"] == "mpi" and r["mpi"], r
+        assert r["big_ok"] and r["tiny"] == 0
+        assert r["flags"] == [True, prv % 2 == 1, False]
+        if r["pp"] is not None:
+            assert r["pp"] == [float(r["pp_peer"])] * 4
 
 
 def _coalesced() -> list[list[float]]:

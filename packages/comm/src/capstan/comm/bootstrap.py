@@ -19,6 +19,8 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -82,8 +84,9 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     torch_backend = "nccl" if cuda else "gloo"
 
     mpi_comm = _mpi_world(info, required=backend == "mpi")
-    store, liveness = _rendezvous(info, td, mpi_comm)
-    dist.init_process_group(torch_backend, store=store, rank=info.rank, world_size=info.world_size, timeout=td)
+    with _InitWatchdog(info, td):
+        store, liveness = _rendezvous(info, td, mpi_comm)
+        dist.init_process_group(torch_backend, store=store, rank=info.rank, world_size=info.world_size, timeout=td)
     if backend is None:
         use_mpi = not cuda and mpi_comm is not None and CPU_DEFAULT_BACKEND == "mpi" and info.world_size > 1
         backend = "mpi" if use_mpi else torch_backend
@@ -103,6 +106,45 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     atexit.register(shutdown)
     log.debug("initialized: %s, %s, backend %s", info.describe("rank"), info.describe("world_size"), backend)
     return world
+
+
+class _InitWatchdog:
+    """Ends this rank with one clear error if rendezvous + process-group creation never returns.
+
+    torch's own timeouts do not cover every way to get stuck there: ranks that
+    reach a store left by another job on the same MASTER_PORT (rank 0 of this
+    job failed to bind it) read that job's addresses and sat in gloo's connect
+    for minutes past a 60 s timeout. The main thread is inside C++ then, so no
+    exception can reach it: after twice the comm timeout plus a margin (store
+    wait, then gloo's connect, each legitimately up to the timeout) the
+    watchdog prints the error and exits the process with status 1.
+    """
+
+    MARGIN_S = 10.0
+
+    def __init__(self, info: LaunchInfo, td: timedelta) -> None:
+        self.info, self.limit = info, 2 * td.total_seconds() + self.MARGIN_S
+        self._done = threading.Event()
+
+    def __enter__(self) -> _InitWatchdog:
+        if self.info.world_size > 1:
+            threading.Thread(target=self._run, name="capstan-init-watchdog", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        if self._done.wait(self.limit):
+            return
+        where = f"{self.info.master_addr}:{self.info.master_port}" if self.info.master_port else "the rendezvous"
+        sys.stderr.write(
+            f"capstan: error: rank {self.info.rank} of {self.info.world_size} could not join the job within "
+            f"{self.limit:.0f} s (rendezvous at {where}; another job on the same port, or a rank that never "
+            f"started?)\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def shutdown() -> None:

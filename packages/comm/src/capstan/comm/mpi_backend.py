@@ -19,12 +19,15 @@ import torch
 
 from . import state
 
-__all__ = ["supports", "iall_reduce", "iall_gather", "ireduce_scatter", "wait", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier"]
+__all__ = ["supports", "iall_reduce", "iall_gather", "ireduce_scatter", "wait", "all_reduce", "all_gather", "reduce_scatter",
+           "reduce", "broadcast", "barrier", "p2p_ok", "post_p2p", "P2PRequests"]
 
 _TYPES: dict[torch.dtype, object] = {}
 _OPS: dict[str, object] = {}
 _IN_PLACE: list[object] = []
 _fromaddress: list = []
+_BYTE: list = []
+P2P_TAG = 7  # one tag for every capstan point-to-point message: MPI keeps each (source, tag, comm) in order
 
 
 def _load() -> None:
@@ -37,6 +40,7 @@ def _load() -> None:
     _OPS.update({"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN})
     _IN_PLACE.append(MPI.IN_PLACE)
     _fromaddress.append(MPI.buffer.fromaddress)
+    _BYTE.append(MPI.BYTE)
 
 
 def fast_ok(tensor: torch.Tensor) -> bool:
@@ -216,3 +220,51 @@ def barrier(group: object) -> None:
         comm.Barrier()
     finally:
         _watchdog.disarm()
+
+
+def p2p_ok(group: object) -> bool:
+    """True when point-to-point on this group can go through MPI: it has a communicator whose
+    rank order is the group's (any dtype travels, as bytes: no reduction is involved)."""
+    comm = getattr(group, "mpi_comm", None)
+    if comm is None:
+        return False
+    if not _TYPES:
+        _load()
+    return comm.Get_rank() == group.rank  # type: ignore[attr-defined]
+
+
+class P2PRequests:
+    """MPI requests of one exchange, holding its tensors: MPI reads and writes them by address
+    until the requests complete, so they must outlive the caller's references."""
+
+    def __init__(self, requests: list[object], tensors: list[torch.Tensor]) -> None:
+        self.requests, self.tensors = requests, tensors
+
+    def wait(self, op: str, group: object) -> None:
+        from mpi4py import MPI
+
+        _watchdog.arm(op, group)
+        try:
+            MPI.Request.Waitall(self.requests)
+        finally:
+            _watchdog.disarm()
+        self.tensors = []
+
+    def is_completed(self) -> bool:
+        from mpi4py import MPI
+
+        return bool(MPI.Request.Testall(self.requests))
+
+
+def post_p2p(ops: list[tuple[str, torch.Tensor, int]], group: object) -> P2PRequests:
+    """Start MPI_Isend / MPI_Irecv for each (kind, CPU contiguous tensor, peer index in the group)."""
+    comm = group.mpi_comm  # type: ignore[attr-defined]
+    reqs, keep = [], []
+    for kind, t, peer in ops:
+        buf = [_fromaddress[0](t.data_ptr(), t.nbytes), _BYTE[0]]
+        if kind == "send":
+            reqs.append(comm.Isend(buf, dest=peer, tag=P2P_TAG))
+        else:
+            reqs.append(comm.Irecv(buf, source=peer, tag=P2P_TAG))
+        keep.append(t)
+    return P2PRequests(reqs, keep)

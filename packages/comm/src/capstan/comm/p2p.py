@@ -4,6 +4,13 @@ Peers are indices within the group (for a pipeline group: the stage number).
 `exchange` posts a batch of sends and receives together so two neighbours
 that both send before they receive never deadlock. Every wait honours the
 comm timeout and turns a dead peer into `CommError` naming it.
+
+On the ``mpi`` backend (a group with an MPI communicator) messages go through
+MPI_Isend / MPI_Irecv on the tensors' memory, as bytes, so every dtype takes
+that path; elsewhere through torch.distributed (gloo, NCCL). Under mpirun on
+one host that is Open MPI's shared-memory transport instead of gloo's TCP
+loopback (docs/benchmarks.md, pipeline section). A timed-out MPI wait aborts
+the job with the operation's name (mpi_backend's watchdog).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import mpi_backend
 from .collectives import guard
 from .groups import Group
 from .state import world
@@ -49,7 +57,10 @@ class P2PHandle:
         peer = self._peers[0] if len(self._peers) == 1 else None
         with guard(self._op, self._group, peer=peer):
             for w in self._works:
-                w.wait()  # type: ignore[attr-defined]
+                if isinstance(w, mpi_backend.P2PRequests):
+                    w.wait(self._op, self._group)
+                else:
+                    w.wait()  # type: ignore[attr-defined]
         self._works = []
 
     def is_completed(self) -> bool:
@@ -58,22 +69,16 @@ class P2PHandle:
 
 def isend(tensor: torch.Tensor, dst: int, group: Group | None = None) -> P2PHandle:
     """Start sending `tensor` to the member at index `dst`."""
-    _check(tensor)
-    g = _group(group)
-    peer = _peer(g, dst, "dst")
-    with guard("isend", g, peer=peer):
-        work = dist.isend(tensor, dst=peer, group=g.pg)
-    return P2PHandle([work], f"send to rank {peer}", g, [peer])
+    handle = exchange([P2POp("send", tensor, dst)], group)
+    handle._op = f"send to rank {handle._peers[0]}"
+    return handle
 
 
 def irecv(tensor: torch.Tensor, src: int, group: Group | None = None) -> P2PHandle:
     """Start receiving into `tensor` from the member at index `src`."""
-    _check(tensor)
-    g = _group(group)
-    peer = _peer(g, src, "src")
-    with guard("irecv", g, peer=peer):
-        work = dist.irecv(tensor, src=peer, group=g.pg)
-    return P2PHandle([work], f"recv from rank {peer}", g, [peer])
+    handle = exchange([P2POp("recv", tensor, src)], group)
+    handle._op = f"recv from rank {handle._peers[0]}"
+    return handle
 
 
 def send(tensor: torch.Tensor, dst: int, group: Group | None = None) -> None:
@@ -96,17 +101,24 @@ class P2POp:
 def exchange(ops: list[P2POp], group: Group | None = None) -> P2PHandle:
     """Post all sends and receives at once (no ordering deadlock); wait on the returned handle."""
     g = _group(group)
-    torch_ops, peers = [], []
+    peers: list[int] = []
     for op in ops:
         _check(op.tensor)
         if op.kind not in ("send", "recv"):
             raise ValueError(f"P2POp kind must be 'send' or 'recv', got {op.kind!r}")
-        peer = _peer(g, op.peer, "peer")
-        fn = dist.isend if op.kind == "send" else dist.irecv
-        torch_ops.append(dist.P2POp(fn, op.tensor, peer, group=g.pg))
-        peers.append(peer)
-    if not torch_ops:
+        peers.append(_peer(g, op.peer, "peer"))
+    if not ops:
         return P2PHandle([], "exchange", g, [])
+    what = f"exchange with ranks {sorted(set(peers))}"
+    if mpi_backend.p2p_ok(g) and all(op.tensor.is_cpu for op in ops):
+        with guard("exchange", g):
+            requests = mpi_backend.post_p2p([(op.kind, op.tensor, op.peer) for op in ops], g)
+        return P2PHandle([requests], what, g, sorted(set(peers)))
+    torch_ops = [dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, peer, group=g.pg)
+                 for op, peer in zip(ops, peers)]
     with guard("exchange", g):
-        works = dist.batch_isend_irecv(torch_ops)
-    return P2PHandle(works, f"exchange with ranks {sorted(set(peers))}", g, sorted(set(peers)))
+        if len(torch_ops) == 1:  # a lone message needs no coalescing
+            works = [torch_ops[0].op(torch_ops[0].tensor, peers[0], group=g.pg)]
+        else:
+            works = dist.batch_isend_irecv(torch_ops)
+    return P2PHandle(works, what, g, sorted(set(peers)))

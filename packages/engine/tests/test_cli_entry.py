@@ -1,0 +1,41 @@
+"""`cli.entry`: the program entry leaves through os._exit with main's code (see its docstring for why).
+
+Each case runs in a subprocess, since entry() ends the process: the exit code, and what reached
+stdout/stderr (flushed before os._exit skips interpreter teardown).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CASES = {
+    "returns 0": ("lambda: (print('out'), 0)[1]", 0, "out", ""),
+    "returns 2": ("lambda: 2", 2, "", ""),
+    "SystemExit(None)": ("lambda: sys.exit()", 0, "", ""),
+    "SystemExit(3)": ("lambda: sys.exit(3)", 3, "", ""),
+    "SystemExit(text)": ("lambda: sys.exit('bad thing')", 1, "", "bad thing"),
+    "uncaught error": ("lambda: 1 / 0", 1, "", "ZeroDivisionError"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_entry_exit_code_and_output(name: str) -> None:
+    fake_main, want_code, want_out, want_err = CASES[name]
+    script = (
+        "import sys, logging\n"
+        "import capstan.engine.cli as cli\n"
+        "logging.basicConfig(stream=sys.stderr)\n"
+        "logging.getLogger('t').warning('logged line')\n"
+        f"cli.main = {fake_main}\n"
+        "cli.entry()\n"
+        "print('not reached')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == want_code, done.stderr
+    assert "not reached" not in done.stdout
+    assert want_out in done.stdout
+    assert want_err in done.stderr
+    assert "logged line" in done.stderr
