@@ -34,7 +34,8 @@ global batch is the same for all layouts: dp ranks take half each, tp ranks all
 of it, pp splits it into micro-batches.
 
 All six systems run in ONE launch of 2 ranks (`capstan.comm.testing.run_ranks`,
-gloo); per axis, after `--warmup` untimed steps of each, every one of `--rounds`
+gloo; with `--mpirun`, `run_mpirun`: ranks bound to cores, capstan on its MPI
+backend, the peers on torch's gloo groups); per axis, after `--warmup` untimed steps of each, every one of `--rounds`
 rounds runs `--steps` timed steps of capstan and of the peer back to back (the
 order alternating by round, a barrier before each block). tokens/s = global
 tokens of the block / the slowest rank's time. Per-round ratios
@@ -342,6 +343,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="2 layers, d_model 128, seq 64, 2 rounds of 1 step")
     p.add_argument("--json", default=None, help="write the summary here")
+    p.add_argument("--mpirun", action="store_true",
+                   help="start the 2 ranks with mpirun (bound to cores): capstan's collectives and p2p over MPI, "
+                        "the PyTorch peers over their gloo groups")
     args = p.parse_args()
     if args.smoke:
         args.layers, args.d_model, args.heads, args.seq, args.steps, args.rounds = 2, 128, 4, 64, 1, 2
@@ -350,9 +354,10 @@ def main() -> int:
          "steps": args.steps, "warmup": args.warmup}
     axes = args.axes.split(",")
     print(f"torch {torch.__version__}, {os.cpu_count()} cpus, load average {os.getloadavg()}, {a}", flush=True)
-    from capstan.comm.testing import run_ranks
+    from capstan.comm.testing import run_mpirun, run_ranks
 
-    res = run_ranks(worker, 2, a, axes, args.rounds, init=True, backend="gloo",
+    launch, backend = (run_mpirun, None) if args.mpirun else (run_ranks, "gloo")
+    res = launch(worker, 2, a, axes, args.rounds, init=True, backend=backend,
                     timeout=600 + 120 * args.rounds * len(axes) * args.steps, comm_timeout=600,
                     env={"CAPSTAN_LOG_LEVEL": "WARNING"})
     tokens = a["steps"] * a["batch"] * a["seq"]
