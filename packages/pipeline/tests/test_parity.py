@@ -21,7 +21,7 @@ from __future__ import annotations
 from functools import cache
 
 import torch
-from capstan.comm.testing import run_ranks
+from capstan.comm.testing import requires_mpirun, run_mpirun, run_ranks
 from capstan.pipeline.partition import build_layers, partition, tie_layers
 from capstan.pipeline.testing_models import gpt_loss, gpt_specs
 
@@ -135,8 +135,22 @@ def _reference(tied: bool, m: int, seq: int, seed: int) -> tuple[float, dict[str
     return total, {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _check(pp: int, m: int) -> None:
-    results = run_ranks(_pipelined, pp, pp, m, timeout=240)
+def _pipelined_over_mpi(pp: int, m: int) -> list:
+    """`_pipelined` on the mpi backend; fails unless the stages' exchanges take MPI point-to-point."""
+    from capstan import comm
+    from capstan.comm import mpi_backend
+
+    assert comm.backend() == "mpi", comm.backend()
+    pp_group = comm.build_groups(comm.Topology(pp=pp)).pp
+    assert mpi_backend.p2p_ok(pp_group)
+    return _pipelined(pp, m)
+
+
+def _check(pp: int, m: int, over_mpi: bool = False) -> None:
+    if over_mpi:
+        results = run_mpirun(_pipelined_over_mpi, pp, pp, m, timeout=300)
+    else:
+        results = run_ranks(_pipelined, pp, pp, m, timeout=240)
     _check_trajectory(results, pp, m)
     for ci, (name, chunks, tied, ckpt) in enumerate(CONFIGS):
         for si, (seq, seed) in enumerate(STEPS):
@@ -176,6 +190,12 @@ def test_two_stages_match_one_process() -> None:
 
 def test_four_stages_match_one_process() -> None:
     _check(4, 8)
+
+
+@requires_mpirun()
+def test_two_stages_over_mpi_point_to_point_match_one_process() -> None:
+    """Under mpirun the activations and gradients travel by MPI_Isend/Irecv: same losses and gradients."""
+    _check(2, 4, over_mpi=True)
 
 
 def _two_replicas() -> list:
