@@ -174,6 +174,31 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_BAD_INPUT
 
 
+ERROR_GRACE_S = 1.0
+
+
+def _multi_rank_launch() -> bool:
+    try:
+        from capstan.comm import detect_launch
+
+        return detect_launch().world_size > 1
+    except Exception:  # a broken launch environment was already reported as the error
+        return False
+
+
+def _finalize_mpi() -> None:
+    """MPI_Finalize, which mpi4py would run at exit: mpirun reports a rank that ends without it as
+    an abnormal termination and exits 1 whatever the rank's own status."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return
+    try:
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    except Exception as exc:  # the exit code already says how the run went
+        print(f"capstan: warning: MPI_Finalize failed: {exc}", file=sys.stderr)
+
+
 def entry() -> None:
     """Run `main` as a program and leave with its exit code, without interpreter teardown.
 
@@ -187,9 +212,11 @@ def entry() -> None:
     runLoop -> ~AsyncAllreduceWork -> decref -> take_gil -> pthread_exit), and
     destroy_process_group() does not join gloo's threads. Everything capstan
     writes (metrics, checkpoints, disk-tier files) is closed before `main`
-    returns, so only stdio and logging need flushing here.
+    returns, so only MPI (finalized as mpi4py would at exit), logging and stdio
+    are left to close here.
     """
     import logging
+    import time
     import traceback
 
     try:
@@ -205,6 +232,11 @@ def entry() -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
+    if code != 0 and _multi_rank_launch():
+        # Under mpirun the first rank to exit non-zero gets the others killed: let the peers that hit
+        # the same bad input print their own line first ("one clear error on every rank").
+        time.sleep(ERROR_GRACE_S)
+    _finalize_mpi()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
