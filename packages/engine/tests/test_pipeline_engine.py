@@ -149,26 +149,3 @@ def test_pipeline_accepts_chunked_memory(overrides: list[str]) -> None:
     # Chunked memory composes with pp (test_chunked_parallel.py runs it): the loader lets it through.
     cfg = resolve(_cfg(), ["parallel.pp=2", *overrides])[0]
     assert cfg.parallel.pp == 2
-
-
-def test_pipeline_needs_the_reference_model() -> None:
-    from capstan import comm
-    from torch import nn
-
-    cfg = resolve(_cfg(dp=1, pp=2))[0]
-    groups = _FakeGroups(comm.single_process_groups())
-    with pytest.raises(ValueError, match="cannot be split into stages"):
-        initialize(model=nn.Linear(2, 2), config=cfg, groups=groups)
-    with pytest.raises(ValueError, match="cannot be split into stages"):
-        initialize(config=cfg, groups=groups, loss_fn=lambda out, y: out.sum())
-
-
-class _FakeGroups:
-    """Groups whose world claims 2 ranks, enough to pass the world check before the model is looked at."""
-
-    def __init__(self, groups: object) -> None:
-        self._g = groups
-        self.world = type("W", (), {"size": 2, "rank": 0})()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._g, name)

@@ -6,7 +6,13 @@
     engine = initialize(model=lambda cfg, groups: build(cfg, groups.tp), config=cfg)
 
 With ``parallel.pp > 1`` each rank builds only its pipeline stage's layers of
-the reference GPT (`pipe.PipelineStage`); `model` must then be None.
+the reference GPT (`pipe.PipelineStage`), or keeps its stage's share of a model
+of your own given as an ``nn.Sequential`` or a list of
+`capstan.pipeline.LayerSpec` (tp = 1; `loss_fn` runs on the last stage)::
+
+    engine = initialize(model=[LayerSpec(make_embedding), *blocks, LayerSpec(make_head)],
+                        config={"parallel": {"pp": 2}, "train": {"grad_accum_steps": 4}},
+                        loss_fn=my_loss)
 
 Works as one plain process (no process group is started for a world of one)
 and under mpirun / torchrun (it calls `comm.init()` when the launcher says
@@ -32,7 +38,7 @@ from .engine import Engine, LossFn
 
 __all__ = ["initialize", "build_reference_model", "resolve_groups"]
 
-ModelSpec = nn.Module | Callable[[Config, comm.Groups], nn.Module] | None
+ModelSpec = nn.Module | Sequence[Any] | Callable[[Config, comm.Groups], nn.Module] | None
 
 
 def build_reference_model(cfg: Config, groups: comm.Groups) -> nn.Module:
@@ -74,32 +80,51 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
     """An `Engine` for `model` under `config`.
 
     model: None (the reference GPT from [model]), an nn.Module (fp32, the same
-        on every rank or broadcast from dp rank 0), or a builder
-        ``fn(config, groups) -> nn.Module`` (for tensor-parallel user models).
+        on every rank or broadcast from dp rank 0), a builder
+        ``fn(config, groups) -> nn.Module`` (for tensor-parallel user models), or
+        a list of `capstan.pipeline.LayerSpec` (one nn.Sequential at pp = 1, each
+        stage's layers only at pp > 1). With pp > 1 a module must be an nn.Sequential.
     config: a Config, a dict of sections, or a TOML/JSON path; `overrides`
         are ``section.key=value`` strings as on the command line.
     groups: existing comm groups (their world must match the config's layout).
     loss_fn: ``fn(outputs, targets) -> mean loss``; default: the model's
         ``.loss`` method if it has one, else token-level cross-entropy.
     """
-    cfg, sources = resolve(config, overrides)
+    cfg, sources = resolve(config, overrides, reference_model=model is None)
     if groups is None:
         groups = resolve_groups(cfg, sources)
     else:
         check_world(cfg, groups.world.size, f"world size {groups.world.size} of the given groups", sources)
     torch.manual_seed(cfg.train.seed)
     if cfg.parallel.pp > 1:
-        if model is not None or loss_fn is not None:
-            raise ValueError(f"parallel.pp = {cfg.parallel.pp}: pipeline parallelism builds the reference GPT "
-                             "stage by stage with its own loss (model=None, loss_fn=None); a given module, "
-                             "builder or loss cannot be split into stages yet")
-        from .pipe import PipelineStage
+        from .pipe import PipelineStage, user_layer_specs
 
-        stage = PipelineStage(cfg, groups)
+        if model is None:
+            if loss_fn is not None:
+                raise ValueError(f"parallel.pp = {cfg.parallel.pp} with the reference GPT: it brings its own "
+                                 "(vocab-parallel) loss; pass loss_fn only with a model of your own")
+            stage = PipelineStage(cfg, groups)
+        else:
+            if callable(model) and not isinstance(model, nn.Module):
+                model = model(cfg, groups)
+            if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):
+                raise TypeError(f"parallel.pp = {cfg.parallel.pp} needs the model as a sequence of layers to split "
+                                f"into stages: an nn.Sequential or a list of capstan.pipeline.LayerSpec, not "
+                                f"{type(model).__name__}")
+            stage = PipelineStage(cfg, groups, user_layer_specs(model), loss_fn)
         return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
-                      pipeline=stage, reference_model=True)
+                      pipeline=stage, reference_model=model is None)
     if model is None:
         module = build_reference_model(cfg, groups)
+    elif isinstance(model, (list, tuple)):  # LayerSpecs, as for pp > 1: built here as one nn.Sequential
+        from capstan.pipeline import build_layers, tie_layers
+
+        from .pipe import user_layer_specs
+
+        specs = user_layer_specs(model)
+        layers = build_layers(specs, range(len(specs)), seed=cfg.train.seed)  # per-layer seeds, as pipe.py
+        tie_layers(specs, layers)
+        module = nn.Sequential(*layers)
     elif isinstance(model, nn.Module):
         module = model
     elif callable(model):

@@ -78,14 +78,19 @@ def _describe(name: str, p: nn.Parameter, shape: tuple[int, ...], owner: nn.Modu
     return LocalParam(name, tuple(shape), tuple(full), tp_dim, fused, tp_rank, tp_size, (0, 0))
 
 
-def canonical(name: str, pipelined: bool) -> str:
-    """A stage module's name ``<chunk>.<global layer>.rest`` -> ``layers.<global layer>.rest``."""
+def canonical(name: str, pipelined: bool, prefix: str = "layers.") -> str:
+    """A stage module's name ``<chunk>.<global layer>.rest`` -> ``<prefix><global layer>.rest``: the
+    name in the one-process model (the reference GPT's ``layers.``, a user nn.Sequential's ``""``)."""
     if pipelined:
         m = re.match(r"^(?:module\.)?\d+\.(\d+)\.(.*)$", name)
         if m is None:
             raise ValueError(f"pipeline stage parameter {name!r} is not named <chunk>.<layer>.<name>")
-        return f"layers.{m.group(1)}.{m.group(2)}"
+        return f"{prefix}{m.group(1)}.{m.group(2)}"
     return name
+
+
+def _prefix(engine: Engine) -> str:
+    return "layers." if engine.pipeline is None or engine.pipeline.reference else ""
 
 
 def _raw_module(engine: Engine) -> nn.Module:
@@ -134,7 +139,7 @@ class FlatView(StateView):
         pos = 0
         for p in opt.params:
             local_name, owner = owners[id(p)]
-            lp = _describe(canonical(local_name, engine.pipeline is not None), p, tuple(p.shape), owner,
+            lp = _describe(canonical(local_name, engine.pipeline is not None, _prefix(engine)), p, tuple(p.shape), owner,
                            g.tp.rank, g.tp.size)
             n = p.numel()
             lo, hi = max(pos, opt.lo), min(pos + n, opt.hi)
@@ -186,7 +191,7 @@ class ChunkView(StateView):
         self.params, self._homes = [], {}
         for home in self.model.homes.values():
             _, owner = owners[id(home.param)]
-            lp = _describe(canonical(home.name, engine.pipeline is not None), home.param, tuple(home.slot.shape),
+            lp = _describe(canonical(home.name, engine.pipeline is not None, _prefix(engine)), home.param, tuple(home.slot.shape),
                            owner, g.tp.rank, g.tp.size)
             if id(home.param) in mine and (lp.tp_dim is not None or g.tp.rank == 0):
                 lp.own = (0, lp.numel)

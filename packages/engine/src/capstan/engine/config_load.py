@@ -139,8 +139,12 @@ def _build(data: Mapping[str, Any], origin: str, base: Config, sources: Sources)
 
 
 def resolve(source: str | Path | Mapping[str, Any] | Config | None = None,
-            overrides: Sequence[str] = ()) -> tuple[Config, Sources]:
-    """Load, apply ``--set`` overrides, and check; returns the config and where each key came from."""
+            overrides: Sequence[str] = (), reference_model: bool = True) -> tuple[Config, Sources]:
+    """Load, apply ``--set`` overrides, and check; returns the config and where each key came from.
+
+    reference_model: False when the caller trains a model of its own; the checks that count the
+    reference GPT's layers (pipeline parts) are then left to the partition of that model.
+    """
     sources: Sources = {}
     if isinstance(source, Config):
         cfg = source
@@ -158,7 +162,7 @@ def resolve(source: str | Path | Mapping[str, Any] | Config | None = None,
     for text in overrides:
         section, key, value = parse_override(text)
         cfg = _build({section: {key: value}}, f"--set {text.strip()}", cfg, sources)
-    check_cross(cfg, sources)
+    check_cross(cfg, sources, reference_model)
     return cfg, sources
 
 
@@ -190,7 +194,7 @@ def uses_chunks(cfg: Config) -> bool:
     return cfg.memory.offload != "none" or cfg.parallel.zero_stage == 3
 
 
-def check_cross(cfg: Config, sources: Sources) -> None:
+def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> None:
     """Rules between fields that need no processes; raises the first violation."""
     m, p, t, mem, d = cfg.model, cfg.parallel, cfg.train, cfg.memory, cfg.data
     if m.d_model % m.n_heads:
@@ -210,7 +214,7 @@ def check_cross(cfg: Config, sources: Sources) -> None:
     if t.warmup_steps > t.steps:
         raise ConfigError(f"train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}")
     if p.pp > 1:
-        _check_pipeline(cfg, sources)
+        _check_pipeline(cfg, sources, reference_model)
     if p.virtual_stages > 1 and p.schedule != "interleaved":
         raise ConfigError(f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = "
                           f"\"interleaved\", got {p.schedule!r}")
@@ -247,12 +251,12 @@ def _check_bpe(cfg: Config) -> None:
                           "needs more than its 256 byte ids (e.g. 512 or more)")
 
 
-def _check_pipeline(cfg: Config, sources: Sources) -> None:
+def _check_pipeline(cfg: Config, sources: Sources, reference_model: bool = True) -> None:
     """pp > 1: what the engine's pipeline (pipe.py) can run."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     parts = p.pp * p.virtual_stages
     layers = m.n_layers + 3  # embedding, blocks, final norm, head
-    if layers < parts:
+    if reference_model and layers < parts:
         raise ConfigError(f"parallel.pp * virtual_stages = {p.pp} * {p.virtual_stages} = {parts} pipeline parts, "
                           f"but the model has only {layers} layers (model.n_layers = {m.n_layers} blocks + "
                           "embedding, final norm and head); every part needs at least one")

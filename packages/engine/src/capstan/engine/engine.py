@@ -24,6 +24,7 @@ overflow, clips, and runs AdamW at the scheduled learning rate.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -104,17 +105,17 @@ class Engine:
         # Adam hyper-parameters and one weight in the global gradient norm. Replicated parameters
         # (tp_dim None: identical on every tp rank) count on tp rank 0 only, sliced ones on every
         # tp rank; the sum then runs over tp and pp (stages hold disjoint parameters).
+        # A tied weight's copy on a higher pipeline stage (pipe.STAGE_COPY_ATTR) gets weight 0 in the norm.
         param_groups, adam, weights = [], [], []
-        for sliced in (True, False):
-            for decay in (True, False):
-                members = [n for n in names
-                           if (getattr(named[n], "tp_dim", None) is not None) == sliced and decays(named[n]) == decay]
-                if not members:
-                    continue
-                param_groups.append(members)
-                adam.append(AdamGroup(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                                      weight_decay=t.weight_decay if decay else 0.0))
-                weights.append(1.0 if sliced or self.groups.tp.rank == 0 else 0.0)
+        for sliced, decay, copy in itertools.product((True, False), (True, False), (False, True)):
+            members = [n for n in names if (getattr(named[n], "tp_dim", None) is not None) == sliced
+                       and decays(named[n]) == decay and getattr(named[n], "capstan_stage_copy", False) == copy]
+            if not members:
+                continue
+            param_groups.append(members)
+            adam.append(AdamGroup(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                  weight_decay=t.weight_decay if decay else 0.0))
+            weights.append(1.0 if (sliced or self.groups.tp.rank == 0) and not copy else 0.0)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.config.precision.dtype]
         kwargs = dict(param_groups=param_groups, dtype=dtype, accumulate_grads=self.accum > 1,
                       norm_weights=weights, outer_groups=(self.groups.tp, self.groups.pp))

@@ -1,4 +1,4 @@
-"""The engine's pipeline stage: this rank's layers of the reference GPT, run by capstan.pipeline.
+"""The engine's pipeline stage: this rank's layers of the model, run by capstan.pipeline.
 
 With ``parallel.pp > 1`` the reference GPT's ``model.layers`` ([embedding,
 blocks..., final norm, head], untied) are partitioned over ``groups.pp`` (by
@@ -6,6 +6,14 @@ parameter count), and each rank builds only the layers of its stage (its
 chunks, with interleaving), sliced over ``groups.tp``. Every layer draws its
 values from its own seed (`tensorpar.gpt_layer_factories`), so a stage's
 layers equal the one-process model's.
+
+A model of the user's own is a sequence of layers, as DeepSpeed's
+PipelineModule takes: a list of `capstan.pipeline.LayerSpec` (each stage
+builds only its own layers; `tied` specs share a weight across stages) or an
+``nn.Sequential`` (already built on every rank; each keeps its stage's
+children). It is partitioned by parameter count, with tp = 1, and trained
+with the caller's loss on the last stage. Parameter names in checkpoints are
+``<layer index>.<name>``: those of the same layers as one ``nn.Sequential``.
 
 The ``grad_accum_steps`` micro-batches of a step are the pipeline's
 microbatches (as in DeepSpeed): `PipelineStage.train_step` runs the configured
@@ -23,7 +31,10 @@ Example (every rank of a dp x pp x tp job; `initialize` does this for you)::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from capstan import comm
@@ -32,7 +43,11 @@ from .config import Config
 from .config_load import reference_layer_params
 from .precision import autocast
 
-__all__ = ["PipelineStage", "SCHEDULE_NAMES", "balanced_bounds"]
+__all__ = ["PipelineStage", "SCHEDULE_NAMES", "STAGE_COPY_ATTR", "balanced_bounds", "user_layer_specs"]
+
+# Set on a tied weight's copy on every stage but the lowest that holds it: the copies have equal
+# gradients (the executor sums them over the tied group), so the global gradient norm counts one.
+STAGE_COPY_ATTR = "capstan_stage_copy"
 
 # parallel.schedule -> capstan.pipeline.SCHEDULES key
 SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved-1f1b"}
@@ -60,28 +75,77 @@ def balanced_bounds(cfg: Config, parts: int) -> tuple[int, ...]:
     return partition(stand_ins, parts, "parameters").bounds
 
 
+def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def user_layer_specs(model: nn.Sequential | Sequence) -> list:
+    """The user's pipeline model as LayerSpecs: a list of them as given, or one per child of an
+    ``nn.Sequential`` (whose factory returns that child: it is already built)."""
+    from capstan.pipeline import LayerSpec
+
+    if isinstance(model, nn.Sequential):
+        seen: dict[int, str] = {}
+        for name, child in model.named_children():
+            for p in child.parameters():
+                if seen.setdefault(id(p), name) != name:
+                    raise ValueError(f"layers {seen[id(p)]!r} and {name!r} of the nn.Sequential share a parameter; "
+                                     "stages cannot share it silently: pass a list of capstan.pipeline.LayerSpec "
+                                     "with the same `tied` key on both, so their gradients are summed")
+        return [LayerSpec(lambda child=child: child, name) for name, child in model.named_children()]
+    specs = list(model)
+    bad = [i for i, s in enumerate(specs) if not isinstance(s, LayerSpec)]
+    if not specs or bad:
+        raise TypeError("with parallel.pp > 1 the model must be None (the reference GPT), an nn.Sequential or a "
+                        f"non-empty list of capstan.pipeline.LayerSpec; item(s) {bad} are not LayerSpecs"
+                        if bad else "with parallel.pp > 1 the model's list of layers is empty")
+    return specs
+
+
 class PipelineStage:
     """This rank's pipeline stage of the reference GPT (see the module docstring)."""
 
-    def __init__(self, cfg: Config, groups: comm.Groups) -> None:
-        from capstan.pipeline import LayerSpec, Partition, PipelineExecutor, make_schedule
-        from capstan.tensorpar import GPTConfig, gpt_layer_factories, gpt_loss
+    def __init__(self, cfg: Config, groups: comm.Groups, specs: list | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+        """specs None: the reference GPT of [model]; else the user's layers (`user_layer_specs`)
+        trained with `loss_fn` (outputs, targets) -> mean loss."""
+        from capstan.pipeline import LayerSpec, Partition, PartitionError, PipelineExecutor, make_schedule, partition
 
-        m, p = cfg.model, cfg.parallel
-        self.config, self.groups = cfg, groups
-        gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
-                        n_layers=m.n_layers, dropout=m.dropout)
-        factories = gpt_layer_factories(gpt, groups.tp, seed=cfg.train.seed)
-        names = ["embedding", *(f"block{i}" for i in range(m.n_layers)), "final_norm", "head"]
-        specs = [LayerSpec(f, name) for f, name in zip(factories, names, strict=True)]
+        p = cfg.parallel
         v = p.virtual_stages
-        self.plan = Partition(tuple(specs), balanced_bounds(cfg, groups.pp.size * v), "parameters")
+        self.config, self.groups = cfg, groups
+        self.reference = specs is None
+        if self.reference:
+            from capstan.tensorpar import GPTConfig, gpt_layer_factories, gpt_loss
+
+            m = cfg.model
+            gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
+                            n_layers=m.n_layers, dropout=m.dropout)
+            factories = gpt_layer_factories(gpt, groups.tp, seed=cfg.train.seed)
+            names = ["embedding", *(f"block{i}" for i in range(m.n_layers)), "final_norm", "head"]
+            specs = [LayerSpec(f, name) for f, name in zip(factories, names, strict=True)]
+            self.plan = Partition(tuple(specs), balanced_bounds(cfg, groups.pp.size * v), "parameters")
+            self._loss_fn = gpt_loss(gpt, groups.tp)
+        else:
+            if groups.tp.size > 1:
+                raise ValueError(f"parallel.tp = {groups.tp.size} with a pipeline of your own layers: only the "
+                                 "reference GPT is sliced for tensor parallelism under pp > 1; use tp = 1")
+            try:
+                self.plan = partition(specs, groups.pp.size * v, "parameters")
+            except PartitionError as exc:
+                raise ValueError(f"parallel.pp * virtual_stages = {groups.pp.size} * {v}: {exc}") from None
+            self._loss_fn = loss_fn or _token_cross_entropy
         self.schedule = make_schedule(SCHEDULE_NAMES[p.schedule], groups.pp.size,
                                       cfg.train.grad_accum_steps, v)
-        self._loss_fn = gpt_loss(gpt, groups.tp)
         self._scale = 1.0
-        # seed=None: the factories seed every parameter themselves (tensorpar's per-layer seeds).
-        self.executor = PipelineExecutor(self.plan, self.schedule, groups, self._scaled_loss, seed=None)
+        # The reference's factories seed every parameter themselves (tensorpar's per-layer seeds); a
+        # user LayerSpec is built under a seed of its own derived from train.seed and its index, as
+        # `initialize` builds the same list at pp = 1, so every layout starts from the same values.
+        seed = None if self.reference else cfg.train.seed
+        self.executor = PipelineExecutor(self.plan, self.schedule, groups, self._scaled_loss, seed=seed)
+        for key, group in self.executor.tied_groups.items():
+            if group.rank != 0:  # the lowest stage holding a tied weight counts it in the gradient norm
+                setattr(self.executor.tied_params[key], STAGE_COPY_ATTR, True)
         self.module: nn.Module = self.executor.chunks  # this stage's chunks, in virtual-stage order
 
     @property

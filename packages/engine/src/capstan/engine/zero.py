@@ -39,7 +39,9 @@ The gradient norm for clipping is global over dp, tp and pp: squares of a shard
 are summed over dp; tp-sliced parameters are summed over tp, and replicated
 ones (identical on every tp rank, see docs/tensorpar.md) counted once; with
 pipeline parallelism each stage holds its own parameters (the reference GPT's
-head is untied), so the stages' sums add up over the pp group.
+head is untied), so the stages' sums add up over the pp group; a weight tied
+across stages (a user pipeline's LayerSpec `tied`) counts on the lowest stage
+that holds it only.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Segment:
     end: int
     decay: bool
     sliced: bool
+    counted: bool = True  # False: another pipeline stage's copy of a tied weight counts in the norm
 
 
 class ZeroOptimizer:
@@ -85,7 +88,8 @@ class ZeroOptimizer:
         if any(p.dtype != torch.float32 for p in params):
             raise ValueError("ZeroOptimizer keeps fp32 master weights: build the model in fp32")
         # Replicated across tp = tp_dim is None (tensorpar marks); plain modules count as replicated.
-        key = [(getattr(p, "tp_dim", None) is None, not decays(p)) for p in params]
+        key = [(getattr(p, "tp_dim", None) is None, not decays(p), getattr(p, "capstan_stage_copy", False))
+               for p in params]
         order = sorted(range(len(params)), key=lambda i: key[i])
         self.params = [params[i] for i in order]
         numel = sum(p.numel() for p in self.params)
@@ -101,10 +105,11 @@ class ZeroOptimizer:
             n = p.numel()
             self.flat_param[pos : pos + n].copy_(p.detach().reshape(-1))
             p.data = self.flat_param[pos : pos + n].view_as(p)
-            seg = Segment(pos, pos + n, decays(p), not key[i][0])
+            seg = Segment(pos, pos + n, decays(p), not key[i][0], not key[i][2])
             last = self.segments[-1] if self.segments else None
-            if last and (last.decay, last.sliced) == (seg.decay, seg.sliced) and last.end == pos:
-                self.segments[-1] = Segment(last.start, seg.end, seg.decay, seg.sliced)
+            if last and (last.decay, last.sliced, last.counted) == (seg.decay, seg.sliced, seg.counted) \
+                    and last.end == pos:
+                self.segments[-1] = Segment(last.start, seg.end, seg.decay, seg.sliced, seg.counted)
             else:
                 self.segments.append(seg)
             pos += n
@@ -194,7 +199,8 @@ class ZeroOptimizer:
         g = self._shard_grad()
         local = 0.0
         for seg, a, b in self._pieces():
-            if seg.sliced or self.groups.tp.rank == 0:  # replicated parameters: count once per tp group
+            # Replicated parameters count once per tp group, tied weights once over the stages.
+            if seg.counted and (seg.sliced or self.groups.tp.rank == 0):
                 local += kernels.sumsq(g[a - self.lo : b - self.lo])
         total = torch.tensor([local], dtype=torch.float64)
         if self.stage > 0:

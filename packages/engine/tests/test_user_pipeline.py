@@ -1,0 +1,168 @@
+"""Pipeline parallelism with a model of the user's own: a list of LayerSpec or an nn.Sequential.
+
+The model is a small byte-level language model written here with plain torch
+layers (embedding, residual MLP blocks, norm, head), not capstan's reference
+GPT. Each layout trains 8 steps in fp32 with clipping active and must follow
+the same list trained by `initialize` at pp = 1 in one process (one
+nn.Sequential; grad_accum_steps x dp micro-batches, so both see the same
+sequences): loss and gradient norm within 1e-5 relative. Layouts: (1,1,2)
+1f1b; (1,1,2) gpipe with the embedding and head weights tied across the two
+stages (their gradient counted once in the clipping norm), and the same in
+chunked memory; (1,1,2) from an nn.Sequential built on every rank; (2,1,2)
+ZeRO 1 on four ranks. A checkpoint saved at pp = 2 loads at pp = 1 with every value in
+place (the names are the nn.Sequential's), and each stage holds only its own
+layers' parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from capstan.comm.testing import run_ranks
+from capstan.engine import initialize, open_data, train_batches
+from capstan.engine.config_load import resolve
+from capstan.pipeline import LayerSpec
+
+STEPS, VOCAB, D, BLOCKS = 8, 256, 32, 4
+
+
+class Block(nn.Module):
+    """x + fc2(gelu(fc1(norm(x)))): a residual MLP block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def embedding() -> nn.Embedding:
+    emb = nn.Embedding(VOCAB, D)
+    nn.init.normal_(emb.weight, std=0.05)  # small: as the head's weight too when tied (logits stay O(1))
+    return emb
+
+
+def specs(tied: bool = False) -> list[LayerSpec]:
+    tie = "embedding" if tied else None
+    return [LayerSpec(embedding, "embedding", tied=tie),
+            *(LayerSpec(Block, f"block{i}") for i in range(BLOCKS)),
+            LayerSpec(lambda: nn.LayerNorm(D), "norm"),
+            LayerSpec(lambda: nn.Linear(D, VOCAB, bias=False), "head", tied=tie)]
+
+
+def sequential() -> nn.Sequential:
+    torch.manual_seed(3)  # the same values on every rank
+    return nn.Sequential(embedding(), *(Block() for _ in range(BLOCKS)), nn.LayerNorm(D),
+                         nn.Linear(D, VOCAB))
+
+
+def _cfg(accum: int = 4, memory: dict | None = None, **parallel: object) -> dict:
+    return {"model": {"seq_len": 16}, "data": {"max_bytes": 200_000}, "memory": memory or {},
+            "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": accum, "lr": 1e-2,
+                      "min_lr": 1e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
+            "precision": {"dtype": "fp32"}, "parallel": parallel}
+
+
+# (name, model kind, config, reference config at pp = 1)
+LAYOUTS_2 = [
+    ("pp2-1f1b", "specs", _cfg(dp=1, pp=2, schedule="1f1b"), _cfg()),
+    ("pp2-gpipe-tied", "tied", _cfg(dp=1, pp=2, schedule="gpipe"), _cfg()),
+    ("pp2-sequential", "sequential", _cfg(dp=1, pp=2), _cfg()),
+    ("pp2-tied-chunks", "tied", _cfg(dp=1, pp=2, memory={"offload": "cpu", "chunk_size": 16384}), _cfg()),
+]
+LAYOUTS_4 = [("dp2-pp2-zero1", "specs", _cfg(accum=2, dp=2, pp=2, zero_stage=1), _cfg(accum=4))]
+MODELS = {"specs": specs, "tied": lambda: specs(tied=True), "sequential": sequential}
+
+
+def _trajectory(kind: str, config: dict, save_to: str = "") -> dict:
+    engine = initialize(model=MODELS[kind](), config=config)
+    data = open_data(engine.config)
+    it = train_batches(data, engine.config, engine.groups.dp.size, engine.groups.dp.rank)
+    infos = [engine.train_batch(it) for _ in range(STEPS)]
+    out = {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos],
+           "params": sum(p.numel() for p in engine.module.parameters())}
+    if save_to:
+        engine.save(save_to)
+        out["values"] = engine.parameters_snapshot()
+    engine.close()
+    return out
+
+
+def _layouts(which: str, tmp: str = "") -> dict:
+    out = {name: _trajectory(kind, cfg) for name, kind, cfg, _ in (LAYOUTS_2 if which == "2" else LAYOUTS_4)}
+    if tmp:
+        out["saved"] = _trajectory("specs", LAYOUTS_2[0][2], tmp)
+    return out
+
+
+def _close(a: list[float], b: list[float], tol: float = 1e-5) -> float:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert abs(x - y) <= tol * abs(y), (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def _check(results: list[dict], layouts: list) -> None:
+    for name, kind, _, ref in layouts:
+        want = _trajectory(kind, ref)
+        assert max(want["norm"]) > 0.5  # clipping is active
+        assert want["loss"][-1] < want["loss"][0] - 0.5  # it trains
+        for rank, got in enumerate(results):  # every rank reports the global values
+            worst = max(_close(got[name]["loss"], want["loss"]), _close(got[name]["norm"], want["norm"]))
+            print(f"{name} rank {rank}: largest relative difference {worst:.2e}")  # shown with -s
+            if kind != "sequential":  # built lazily: a stage allocates only its own layers
+                assert got[name]["params"] < want["params"], (name, rank)
+
+
+def test_two_stage_user_pipelines_equal_one_process(tmp_path: Path) -> None:
+    results = run_ranks(_layouts, 2, "2", str(tmp_path / "ckpt"), timeout=300)
+    _check(results, LAYOUTS_2)
+    # A pp = 2 checkpoint of the LayerSpec model loads into the same list at pp = 1, value for value.
+    engine = initialize(model=specs(), config=LAYOUTS_2[0][3])
+    assert engine.load(tmp_path / "ckpt") == STEPS
+    loaded = engine.parameters_snapshot()
+    stage_values = {**results[0]["saved"]["values"], **results[1]["saved"]["values"]}
+    assert len(stage_values) == len(loaded)
+    for name, value in stage_values.items():  # "<chunk>.<layer>.<name>" on a stage
+        flat_name = name.split(".", 1)[1]
+        assert torch.equal(loaded[flat_name], value), flat_name
+
+
+def test_dp2_pp2_user_pipeline_equals_one_process() -> None:
+    _check(run_ranks(_layouts, 4, "4", timeout=300), LAYOUTS_4)
+
+
+def test_user_pipeline_errors() -> None:
+    from capstan import comm
+
+    cfg = resolve(_cfg(dp=1, pp=2), reference_model=False)[0]
+    groups = _FakeGroups(comm.single_process_groups())
+    with pytest.raises(TypeError, match="an nn.Sequential or a list of capstan.pipeline.LayerSpec, not Linear"):
+        initialize(model=nn.Linear(2, 2), config=cfg, groups=groups)
+    with pytest.raises(ValueError, match="brings its own"):
+        initialize(config=cfg, groups=groups, loss_fn=lambda out, y: out.sum())
+    with pytest.raises(TypeError, match=r"item\(s\) \[1\] are not LayerSpecs"):
+        initialize(model=[specs()[0], nn.Linear(2, 2)], config=cfg, groups=groups)
+    shared = nn.Linear(D, D)
+    with pytest.raises(ValueError, match="layers '0' and '1' of the nn.Sequential share a parameter"):
+        initialize(model=nn.Sequential(shared, nn.Sequential(shared)), config=cfg, groups=groups)
+    with pytest.raises(ValueError, match=r"parallel.pp \* virtual_stages = 4 \* 1: cannot split 2 layers into 4 non-empty parts"):
+        initialize(model=specs()[:2], config=resolve(_cfg(dp=1, pp=4), reference_model=False)[0],
+                   groups=_FakeGroups(comm.single_process_groups(), size=4))
+
+
+class _FakeGroups:
+    """Groups whose world claims several ranks (pp of them), enough to reach the model checks."""
+
+    def __init__(self, groups: object, size: int = 2) -> None:
+        self._g = groups
+        self.world = type("W", (), {"size": size, "rank": 0})()
+        self.pp = type("P", (), {"size": size, "rank": 0})()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._g, name)
