@@ -22,7 +22,7 @@ dp * tp * pp against the world size, before any process group starts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from .config import Config
 from .config_load import check_world, resolve
 from .engine import Engine, LossFn
 
-__all__ = ["initialize", "build_reference_model", "resolve_groups"]
+__all__ = ["initialize", "build_reference_model", "recompute_blocks", "resolve_groups"]
 
 ModelSpec = nn.Module | Sequence[Any] | Callable[[Config, comm.Groups], nn.Module] | None
 
@@ -49,6 +49,17 @@ def build_reference_model(cfg: Config, groups: comm.Groups) -> nn.Module:
     gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
                     n_layers=m.n_layers, dropout=m.dropout)
     return build_gpt(gpt, groups.tp, seed=cfg.train.seed)
+
+
+def recompute_blocks(layers: Iterable[nn.Module]) -> int:
+    """memory.activation_checkpointing: recompute every transformer block among `layers` (tensorpar's
+    ParallelBlock, whose dropout masks `recompute` replays); returns how many."""
+    from capstan.tensorpar import ParallelBlock, recompute
+
+    blocks = [layer for layer in layers if isinstance(layer, ParallelBlock)]
+    for block in blocks:
+        recompute(block)
+    return len(blocks)
 
 
 def resolve_groups(cfg: Config, sources: dict[str, str]) -> comm.Groups:
@@ -114,8 +125,14 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
             stage = PipelineStage(cfg, groups, user_layer_specs(model), loss_fn)
         return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
                       pipeline=stage, reference_model=model is None)
+    if cfg.memory.activation_checkpointing and model is not None:
+        raise ValueError("memory.activation_checkpointing recomputes the reference GPT's blocks (or a pipeline's "
+                         "stage chunks); for a module of your own at pp = 1 wrap its blocks with "
+                         "capstan.tensorpar.recompute(block) and leave the option off")
     if model is None:
         module = build_reference_model(cfg, groups)
+        if cfg.memory.activation_checkpointing:
+            recompute_blocks(module.layers)
     elif isinstance(model, (list, tuple)):  # LayerSpecs, as for pp > 1: built here as one nn.Sequential
         from capstan.pipeline import build_layers, tie_layers
 

@@ -147,6 +147,8 @@ class MemoryConfig:
     """How parameters are packed into chunks: "modules" in module creation order (the reference GPT's, which is its execution order), "trace" in the order one forward on a dummy batch (micro_batch_size x seq_len tokens, no gradients) first calls the modules, for a user module built in another order than it runs (fewer chunk moves under a budget). Needs parallel.pp = 1 (stages are registered in layer order)."""
     eviction: str = constraint("belady", choices=("belady", "lru"))
     """Which chunk leaves RAM first: furthest next use in the warm-up trace (belady) or least recently used."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward instead of keeping them (about one extra forward per step): each transformer block of the reference GPT keeps only its input (dropout masks replayed, so training is unchanged); a pipeline of your own layers keeps only each stage chunk's input. Not for a user module at pp = 1: wrap its blocks with capstan.tensorpar.recompute."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -142,7 +142,15 @@ class PipelineStage:
         # user LayerSpec is built under a seed of its own derived from train.seed and its index, as
         # `initialize` builds the same list at pp = 1, so every layout starts from the same values.
         seed = None if self.reference else cfg.train.seed
-        self.executor = PipelineExecutor(self.plan, self.schedule, groups, self._scaled_loss, seed=seed)
+        # memory.activation_checkpointing: the reference GPT's blocks recompute themselves (their dropout
+        # masks replayed); a user pipeline's stage chunks are checkpointed by the executor.
+        ckpt = cfg.memory.activation_checkpointing and not self.reference
+        self.executor = PipelineExecutor(self.plan, self.schedule, groups, self._scaled_loss, seed=seed,
+                                         checkpoint=ckpt)
+        if cfg.memory.activation_checkpointing and self.reference:
+            from .build import recompute_blocks
+
+            recompute_blocks(layer for chunk in self.executor.chunks for layer in chunk)
         for key, group in self.executor.tied_groups.items():
             if group.rank != 0:  # the lowest stage holding a tied weight counts it in the gradient norm
                 setattr(self.executor.tied_params[key], STAGE_COPY_ATTR, True)

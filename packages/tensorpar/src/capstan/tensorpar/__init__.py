@@ -30,9 +30,11 @@ from .mappings import (
     scatter_to_tensor_parallel_region,
 )
 from .partition import divide, tp_dim_of
+from .recompute import is_recomputed, recompute
 from .rng import TensorParallelRNG, dropout
 
 __all__ = [
+    "is_recomputed", "recompute",
     "STYLES", "ColumnParallelLinear", "CommCounter", "Divide", "GPT", "GPTConfig", "GPTEmbedding",
     "GPTFinalNorm", "GPTHead", "ParallelBlock", "ParallelLayerNorm", "ParallelMLP", "ParallelRMSNorm",
     "ParallelSelfAttention",

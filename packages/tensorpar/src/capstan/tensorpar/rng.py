@@ -55,6 +55,17 @@ class TensorParallelRNG:
         """A different sequence on each tp rank: for activations split across ranks."""
         return self._get("tensor_parallel", torch.device(device))
 
+    def get_states(self, device: torch.device | str = "cpu") -> dict[tuple[str, torch.device], torch.Tensor]:
+        """Every stream's generator state (both streams on `device` created first, so a stream first
+        drawn from after this call is covered too); `set_states` puts them back (recompute.py)."""
+        self.replicated(device)
+        self.tensor_parallel(device)
+        return {key: gen.get_state() for key, gen in self._gens.items()}
+
+    def set_states(self, states: dict[tuple[str, torch.device], torch.Tensor]) -> None:
+        for key, state in states.items():
+            self._gens[key].set_state(state)
+
 
 def dropout(x: torch.Tensor, p: float, training: bool, generator: torch.Generator) -> torch.Tensor:
     """Inverted dropout drawing its mask from `generator` (F.dropout only uses the global RNG)."""

@@ -1,0 +1,76 @@
+"""Activation recomputation ("activation checkpointing") of a block, with its dropout masks replayed.
+
+A recomputed block keeps only its input in forward and runs its forward again
+inside backward to rebuild what the gradients need (Chen et al. 2016,
+"Training Deep Nets with Sublinear Memory Cost"; Megatron-LM's full
+recompute): activation memory per block drops to one tensor of the residual
+stream, for about one extra forward per step.
+
+torch.utils.checkpoint restores torch's global generator before it
+recomputes, but capstan's dropout draws from `TensorParallelRNG`'s own
+generators, which have moved on by then: the recomputed masks would differ
+from the forward's, and the gradients with them. `recompute(block)` saves the
+block's streams when its forward runs, sets them back around the
+recomputation, and afterwards returns them to where they were, so the next
+step's masks continue the same sequence as without recomputation: training
+is the same, value for value.
+
+The module and its parameter names stay as they are (its `forward` is
+replaced on the instance), so checkpoints, chunked memory and pipeline stages
+see the same model; its children run through their own ``__call__`` in both
+passes, so their hooks (capstan.chunkmem's parameter fetches) fire in the
+recomputation too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["recompute", "is_recomputed"]
+
+_MARK = "_capstan_recompute"
+
+
+def is_recomputed(module: nn.Module) -> bool:
+    return bool(getattr(module, _MARK, False))
+
+
+def recompute(block: nn.Module) -> nn.Module:
+    """Make `block` recompute its activations in backward (in place; returns it; idempotent).
+
+    The block's dropout streams are those of its ``rng`` attribute (a
+    TensorParallelRNG, as tensorpar's blocks have); a block without one may
+    only use torch's global generator, which torch.utils.checkpoint replays.
+    Without gradients (evaluation) the forward runs as it is.
+    """
+    if is_recomputed(block):
+        return block
+    inner = block.forward
+    rng = getattr(block, "rng", None)
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(x, *args, **kwargs)
+        saved = rng.get_states(x.device) if rng is not None else None
+        first = [True]
+
+        def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if first[0] or saved is None:  # the forward itself: draw as usual
+                first[0] = False
+                return inner(x, *args, **kwargs)
+            now = rng.get_states(x.device)  # the recomputation: replay the forward's masks
+            rng.set_states(saved)
+            try:
+                return inner(x, *args, **kwargs)
+            finally:
+                rng.set_states(now)
+
+        return checkpoint(run, x, *args, use_reentrant=False, **kwargs)
+
+    block.forward = forward  # type: ignore[method-assign]
+    setattr(block, _MARK, True)
+    return block
