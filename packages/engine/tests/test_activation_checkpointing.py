@@ -3,8 +3,9 @@
 The reference GPT with dropout 0.1 (so the recomputation must replay the
 masks) trains 6 fp32 steps with the option on and off: at pp = 1 in one
 process, in chunked memory (offload cpu, chunks fetched again by the
-recomputation's hooks), and at pp = 2 on two ranks (each stage's blocks
-recompute); a user pipeline (LayerSpecs, stage chunks checkpointed by the
+recomputation's hooks), at dp = 2 with ZeRO-3 through chunks (the
+recomputation all-gathers the units again), and at pp = 2 on two ranks (each
+stage's blocks recompute); a user pipeline (LayerSpecs, stage chunks checkpointed by the
 executor) at pp = 2 too. Losses and gradient norms must equal the run
 without it within 1e-6 relative (observed: identical). The option shrinks
 what autograd saves during a forward (counted with saved_tensors_hooks).
