@@ -80,8 +80,8 @@ def test_resume_continues_the_same_trajectory(tmp_path: Path) -> None:
 @requires_mpirun()
 def test_pipeline_under_mpirun_matches_one_process(tmp_path: Path) -> None:
     """pp=2 under mpirun: the stages exchange activations over MPI point-to-point (the mpi backend);
-    fp32 losses equal one process running the same micro-batches (1e-5 relative)."""
-    common = ("--set", "precision.dtype=\"fp32\"", "--set", "train.grad_accum_steps=4", "--set", "train.eval_every=0")
+    fp32 training and validation losses equal one process running the same micro-batches (1e-5 relative)."""
+    common = ("--set", "precision.dtype=\"fp32\"", "--set", "train.grad_accum_steps=4")
     cmd = mpirun_args(2) + _capstan() + _small(tmp_path / "pp", "--set", "parallel.pp=2", *common)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env(None))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -94,3 +94,6 @@ def test_pipeline_under_mpirun_matches_one_process(tmp_path: Path) -> None:
     assert len(losses["pp"]) == len(losses["one"]) == 4
     for a, b in zip(losses["pp"], losses["one"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), losses
+    val = {k: [json.loads(x)["val_loss"] for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()
+               if "val_loss" in json.loads(x)] for k in ("pp", "one")}
+    assert len(val["pp"]) == 2 and val["pp"] == pytest.approx(val["one"], rel=1e-5)  # eval through the stages
