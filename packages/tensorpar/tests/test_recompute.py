@@ -95,3 +95,18 @@ def test_a_block_without_rng_uses_torchs_replay() -> None:
     recompute(net)(x).sum().backward()
     for a, b in zip(net.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_a_deep_copy_recomputes_itself() -> None:
+    """The installed forward is bound to the block: a copy (an EMA model, say) runs its own weights."""
+    block = recompute(_block())
+    twin = copy.deepcopy(block)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    block.eval(), twin.eval()
+    plain = _block()
+    plain.load_state_dict(twin.state_dict())
+    plain.eval()
+    assert is_recomputed(twin) and torch.equal(twin(x), plain(x)) and not torch.equal(twin(x), block(x))

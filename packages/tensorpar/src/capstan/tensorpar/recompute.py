@@ -24,6 +24,7 @@ recomputation too.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -39,6 +40,29 @@ def is_recomputed(module: nn.Module) -> bool:
     return bool(getattr(module, _MARK, False))
 
 
+def _recomputed_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """The forward `recompute` installs, bound to the block (so a deepcopy rebinds it to the copy)."""
+    inner = type(self).forward
+    if not torch.is_grad_enabled():
+        return inner(self, x, *args, **kwargs)
+    rng = getattr(self, "rng", None)
+    saved = rng.get_states(x.device) if rng is not None else None
+    first = [True]
+
+    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if first[0] or saved is None:  # the forward itself: draw as usual
+            first[0] = False
+            return inner(self, x, *args, **kwargs)
+        now = rng.get_states(x.device)  # the recomputation: replay the forward's masks
+        rng.set_states(saved)
+        try:
+            return inner(self, x, *args, **kwargs)
+        finally:
+            rng.set_states(now)
+
+    return checkpoint(run, x, *args, use_reentrant=False, **kwargs)
+
+
 def recompute(block: nn.Module) -> nn.Module:
     """Make `block` recompute its activations in backward (in place; returns it; idempotent).
 
@@ -49,28 +73,6 @@ def recompute(block: nn.Module) -> nn.Module:
     """
     if is_recomputed(block):
         return block
-    inner = block.forward
-    rng = getattr(block, "rng", None)
-
-    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return inner(x, *args, **kwargs)
-        saved = rng.get_states(x.device) if rng is not None else None
-        first = [True]
-
-        def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if first[0] or saved is None:  # the forward itself: draw as usual
-                first[0] = False
-                return inner(x, *args, **kwargs)
-            now = rng.get_states(x.device)  # the recomputation: replay the forward's masks
-            rng.set_states(saved)
-            try:
-                return inner(x, *args, **kwargs)
-            finally:
-                rng.set_states(now)
-
-        return checkpoint(run, x, *args, use_reentrant=False, **kwargs)
-
-    block.forward = forward  # type: ignore[method-assign]
+    block.forward = types.MethodType(_recomputed_forward, block)  # type: ignore[method-assign]
     setattr(block, _MARK, True)
     return block
