@@ -62,7 +62,8 @@ def _throughput(cfg: dict) -> dict:
 
     groups = comm.build_groups(comm.Topology(pp=STAGES))
     stage = groups.pp.rank
-    plan = partition(_specs(cfg), STAGES, "parameters")
+    example = torch.zeros(cfg["mb_size"], cfg["seq"], dtype=torch.long)
+    plan = partition(_specs(cfg), STAGES, cfg["partition"], example=example)
     ours = PipelineExecutor(
         plan, make_schedule("1f1b", STAGES, MICROBATCHES), groups, gpt_loss, seed=0
     )
@@ -121,6 +122,7 @@ def _throughput(cfg: dict) -> dict:
         "tokens": tokens,
         "params": params,
         "breakdown": ours.times,
+        "bounds": plan.bounds,
     }
 
 
@@ -128,7 +130,8 @@ def _memory(cfg: dict, schedule: str, checkpoint: bool) -> dict:
     from capstan import comm
 
     groups = comm.build_groups(comm.Topology(pp=STAGES))
-    plan = partition(_specs(cfg), STAGES, "parameters")
+    example = torch.zeros(cfg["mb_size"], cfg["seq"], dtype=torch.long)
+    plan = partition(_specs(cfg), STAGES, cfg["partition"], example=example)
     ex = PipelineExecutor(
         plan,
         make_schedule(schedule, STAGES, MICROBATCHES),
@@ -166,6 +169,8 @@ def main() -> None:
         "torch.distributed.pipelining through its gloo group, ranks bound to cores",
     )
     ap.add_argument("--skip-memory", action="store_true", help="throughput only")
+    ap.add_argument("--partition", default="parameters", choices=("parameters", "flops", "uniform"),
+                    help="how the layers are split into the 2 stages (the same boundaries for every system)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     cfg = vars(ap.parse_args())
@@ -192,7 +197,8 @@ def main() -> None:
         f"{model}, {STAGES} stages ({transport}, 2 processes, 1 thread each), {MICROBATCHES} microbatches "
         f"of {cfg['mb_size']} sequences = {tokens} tokens per step; median of {cfg['steps']} "
         f"rounds after {cfg['warmup']} warm-up rounds, systems interleaved round-robin "
-        f"(rotating order) in one job; torch {torch.__version__}.\n"
+        f"(rotating order) in one job; torch {torch.__version__}; partition {cfg['partition']!r}: "
+        f"layers {res[0]['bounds'][0]}:{res[0]['bounds'][1]} | {res[0]['bounds'][1]}:{res[0]['bounds'][2]}.\n"
     )
     cols = ["system", "step (s, median)", "tokens/s", "capstan 1F1B speed-up"]
     cols += ["paired per round (min-max)", "last-step loss"]

@@ -166,3 +166,23 @@ class _FakeGroups:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._g, name)
+
+
+def test_partition_methods_pick_the_boundaries() -> None:
+    """parallel.partition for the reference GPT (closed-form counts) and a user pipeline (counted)."""
+    from capstan.engine.pipe import balanced_bounds
+
+    ref = {"model": {"n_layers": 6, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab_size": 4096},
+           "parallel": {"pp": 2, "dp": 1}}
+    bounds = {m: balanced_bounds(resolve({**ref, "parallel": {**ref["parallel"], "partition": m}})[0], 2)
+              for m in ("parameters", "flops", "uniform")}
+    # 9 layers: embedding, 6 blocks, norm, head. By parameters the 262k-parameter embedding and head
+    # weigh alike; by FLOPs the embedding is free and the head costs 2 x 64 x 4096 per token, about 5
+    # blocks (24 x 64^2 + 4 x 32 x 64 each): stage 1 keeps one block besides the norm and head.
+    assert bounds == {"parameters": (0, 4, 9), "flops": (0, 6, 9), "uniform": (0, 5, 9)}
+    from capstan.engine.pipe import user_partition
+
+    plans = {m: user_partition(resolve(_cfg(dp=1, pp=2, partition=m), reference_model=False)[0], specs(), 2)
+             for m in ("parameters", "flops", "uniform")}
+    assert {m: (p.method, p.bounds) for m, p in plans.items()} == {
+        "parameters": ("parameters", (0, 3, 7)), "flops": ("flops", (0, 4, 7)), "uniform": ("uniform", (0, 4, 7))}

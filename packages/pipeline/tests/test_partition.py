@@ -6,7 +6,7 @@ from functools import partial
 
 import pytest
 import torch
-from capstan.pipeline import LayerSpec, PartitionError, build_layers, partition
+from capstan.pipeline import LayerSpec, PartitionError, balanced_bounds, build_layers, layer_flops, partition
 from capstan.pipeline.testing_models import Block, Embedding, Head, gpt_specs
 from torch import nn
 
@@ -99,3 +99,28 @@ def test_errors_name_the_problem() -> None:
         partition(specs, 2, "type:Block")
     with pytest.raises(PartitionError, match="unknown partition method 'params'"):
         partition(specs, 2, "params")
+
+
+def test_flops_balances_compute_not_parameters() -> None:
+    """An LM: the embedding holds parameters and computes nothing, the head both. "flops" counts on meta
+    (nothing built), the counts are the matmuls' (2 x m x n x k) plus attention, and the split is the
+    best by compute; the same counts come from real, already-built modules."""
+    vocab, hidden, seq, batch = 4096, 64, 32, 2
+    specs = gpt_specs(vocab=vocab, hidden=hidden, layers=6, heads=4, seq=seq)
+    x = torch.zeros(batch, seq, dtype=torch.long)
+    BUILT.clear()
+    flops = layer_flops(specs, x)
+    tokens = batch * seq
+    block = tokens * (24 * hidden * hidden + 4 * seq * hidden)  # qkv, out, 4x MLP; QK^T and AV
+    assert flops[0] == 0 and flops[1:7] == [block] * 6 and flops[7] == 2 * tokens * hidden * vocab
+    by_flops = partition(specs, 2, "flops", example=x)
+    by_params = partition(specs, 2, "parameters")
+    def worst(plan) -> int:
+        return max(sum(flops[plan.bounds[k]:plan.bounds[k + 1]]) for k in range(2))
+    assert by_flops.bounds != by_params.bounds and worst(by_flops) < worst(by_params)
+    assert worst(by_flops) == min(max(sum(flops[:b]), sum(flops[b:])) for b in range(1, 8))
+    built = [LayerSpec(lambda m=m: m) for m in build_layers(specs, range(len(specs)), seed=0)]
+    assert layer_flops(built, x) == flops
+    with pytest.raises(PartitionError, match="needs `example`"):
+        partition(specs, 2, "flops")
+    assert balanced_bounds([5, 1, 1, 1, 1, 1], 2) == (0, 1, 6)

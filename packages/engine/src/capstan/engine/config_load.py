@@ -184,6 +184,15 @@ def reference_layer_params(cfg: Config) -> list[int]:
     return [v * d + m.seq_len * d, *([block] * m.n_layers), 2 * d, v * d]
 
 
+def reference_layer_flops(cfg: Config) -> list[int]:
+    """Forward FLOPs per token of each of the reference GPT's ``model.layers`` at tp = 1: a block's
+    matmuls (qkv 6d^2, output 2d^2, MLP 16d^2) and attention (QK^T and AV, 2 seq d each), the head's
+    2 d vocab; the embedding lookup and the norms count 0."""
+    m = cfg.model
+    d = m.d_model
+    return [0, *([24 * d * d + 4 * m.seq_len * d] * m.n_layers), 0, 2 * d * m.vocab_size]
+
+
 def reference_param_count(cfg: Config) -> int:
     """Parameters of the reference GPT (tensorpar.build_gpt) at tp = 1: for budget checks."""
     return sum(reference_layer_params(cfg))

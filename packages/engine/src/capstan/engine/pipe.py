@@ -2,7 +2,7 @@
 
 With ``parallel.pp > 1`` the reference GPT's ``model.layers`` ([embedding,
 blocks..., final norm, head], untied) are partitioned over ``groups.pp`` (by
-parameter count), and each rank builds only the layers of its stage (its
+``parallel.partition``: parameter count, forward FLOPs or layer count), and each rank builds only the layers of its stage (its
 chunks, with interleaving), sliced over ``groups.tp``. Every layer draws its
 values from its own seed (`tensorpar.gpt_layer_factories`), so a stage's
 layers equal the one-process model's.
@@ -11,7 +11,8 @@ A model of the user's own is a sequence of layers, as DeepSpeed's
 PipelineModule takes: a list of `capstan.pipeline.LayerSpec` (each stage
 builds only its own layers; `tied` specs share a weight across stages) or an
 ``nn.Sequential`` (already built on every rank; each keeps its stage's
-children). It is partitioned by parameter count, with tp = 1, and trained
+children). It is partitioned the same way (FLOPs counted on a micro-batch of
+token ids), with tp = 1, and trained
 with the caller's loss on the last stage. Parameter names in checkpoints are
 ``<layer index>.<name>``: those of the same layers as one ``nn.Sequential``.
 
@@ -40,10 +41,11 @@ from torch import nn
 from capstan import comm
 
 from .config import Config
-from .config_load import reference_layer_params
+from .config_load import reference_layer_flops, reference_layer_params
 from .precision import autocast
 
-__all__ = ["PipelineStage", "SCHEDULE_NAMES", "STAGE_COPY_ATTR", "balanced_bounds", "user_layer_specs"]
+__all__ = ["PipelineStage", "SCHEDULE_NAMES", "STAGE_COPY_ATTR", "balanced_bounds", "user_layer_specs",
+           "user_partition"]
 
 # Set on a tied weight's copy on every stage but the lowest that holds it: the copies have equal
 # gradients (the executor sums them over the tied group), so the global gradient norm counts one.
@@ -62,17 +64,34 @@ class _Count(nn.Module):
 
 
 def balanced_bounds(cfg: Config, parts: int) -> tuple[int, ...]:
-    """Layer boundaries of `parts` contiguous parts minimizing the largest parameter count (tp = 1 counts).
+    """The reference GPT's layer boundaries of `parts` contiguous parts by ``parallel.partition``.
 
-    capstan.pipeline counts parameters by building layers on the meta device, which tensorpar's
-    layers (built from full CPU tensors, then sliced) do not support; the reference GPT's counts are
-    known in closed form, so the plan is made on stand-ins of those sizes. Every tp rank gets the
+    capstan.pipeline counts parameters and FLOPs by building layers on the meta device, which
+    tensorpar's layers (built from full CPU tensors, then sliced) do not support; the reference GPT's
+    counts are known in closed form (tp = 1), so the plan is made from those. Every tp rank gets the
     same plan.
     """
     from capstan.pipeline import LayerSpec, partition
+    from capstan.pipeline import balanced_bounds as by_weights
 
+    method = cfg.parallel.partition
+    if method == "flops":
+        return by_weights(reference_layer_flops(cfg), parts)
     stand_ins = [LayerSpec(lambda n=n: _Count(n)) for n in reference_layer_params(cfg)]
-    return partition(stand_ins, parts, "parameters").bounds
+    return partition(stand_ins, parts, method).bounds
+
+
+def user_partition(cfg: Config, specs: Sequence, stages: int):  # -> capstan.pipeline.Partition
+    """A user pipeline's plan into stages x virtual_stages parts by ``parallel.partition``; "flops"
+    counts on a micro-batch of token ids (the engine's data), on the meta device."""
+    from capstan.pipeline import PartitionError, partition
+
+    v = cfg.parallel.virtual_stages
+    tokens = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_len, dtype=torch.long)
+    try:
+        return partition(specs, stages * v, cfg.parallel.partition, example=tokens)
+    except PartitionError as exc:
+        raise ValueError(f"parallel.pp * virtual_stages = {stages} * {v}: {exc}") from None
 
 
 def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -109,7 +128,7 @@ class PipelineStage:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         """specs None: the reference GPT of [model]; else the user's layers (`user_layer_specs`)
         trained with `loss_fn` (outputs, targets) -> mean loss."""
-        from capstan.pipeline import LayerSpec, Partition, PartitionError, PipelineExecutor, make_schedule, partition
+        from capstan.pipeline import LayerSpec, Partition, PipelineExecutor, make_schedule
 
         p = cfg.parallel
         v = p.virtual_stages
@@ -124,16 +143,13 @@ class PipelineStage:
             factories = gpt_layer_factories(gpt, groups.tp, seed=cfg.train.seed)
             names = ["embedding", *(f"block{i}" for i in range(m.n_layers)), "final_norm", "head"]
             specs = [LayerSpec(f, name) for f, name in zip(factories, names, strict=True)]
-            self.plan = Partition(tuple(specs), balanced_bounds(cfg, groups.pp.size * v), "parameters")
+            self.plan = Partition(tuple(specs), balanced_bounds(cfg, groups.pp.size * v), p.partition)
             self._loss_fn = gpt_loss(gpt, groups.tp)
         else:
             if groups.tp.size > 1:
                 raise ValueError(f"parallel.tp = {groups.tp.size} with a pipeline of your own layers: only the "
                                  "reference GPT is sliced for tensor parallelism under pp > 1; use tp = 1")
-            try:
-                self.plan = partition(specs, groups.pp.size * v, "parameters")
-            except PartitionError as exc:
-                raise ValueError(f"parallel.pp * virtual_stages = {groups.pp.size} * {v}: {exc}") from None
+            self.plan = user_partition(cfg, specs, groups.pp.size)
             self._loss_fn = loss_fn or _token_cross_entropy
         self.schedule = make_schedule(SCHEDULE_NAMES[p.schedule], groups.pp.size,
                                       cfg.train.grad_accum_steps, v)

@@ -22,7 +22,8 @@ from .instructions import (
     SendActivation,
     SendGrad,
 )
-from .partition import LayerSpec, Partition, PartitionError, build_layers, partition, tie_layers
+from .partition import (LayerSpec, Partition, PartitionError, balanced_bounds, build_layers, layer_flops, partition,
+                        tie_layers)
 from .schedules import (
     SCHEDULES,
     GPipe,
@@ -50,7 +51,9 @@ __all__ = [
     "PartitionError",
     "PipelineError",
     "PipelineExecutor",
+    "balanced_bounds",
     "build_layers",
+    "layer_flops",
     "partition",
     "tie_layers",
     "OneFOneB",

@@ -10,6 +10,14 @@ Methods (`partition(specs, parts, method)`):
 
 - ``"uniform"``: the same number of layers per stage (the first stages take the remainder);
 - ``"parameters"``: contiguous stages minimizing the largest parameter count;
+- ``"flops"``: contiguous stages minimizing the largest forward FLOP count, each
+  layer's counted by ``torch.utils.flop_counter`` on ``example`` (the first
+  layer's input, e.g. a micro-batch of token ids) fed through the layers in
+  order, on the meta device (no memory, no compute) for layers built there. Parameters
+  and compute part ways at the ends of a language model: the embedding holds
+  vocab x d parameters and computes nothing, the LM head holds as many and
+  computes 2 d vocab FLOPs per token, so a "parameters" split overloads the
+  last stage;
 - ``"type:<regex>"``: balance the layers whose class name matches (e.g. ``"type:Block"``),
   as DeepSpeed's ``partition_method="type:..."`` does;
 - a list of boundaries ``[0, b1, ..., len(specs)]``: explicit.
@@ -38,7 +46,8 @@ from functools import cached_property
 import torch
 from torch import nn
 
-__all__ = ["LayerSpec", "Partition", "PartitionError", "partition", "build_layers", "tie_layers"]
+__all__ = ["LayerSpec", "Partition", "PartitionError", "partition", "build_layers", "tie_layers", "layer_flops",
+           "balanced_bounds"]
 
 
 class PartitionError(ValueError):
@@ -89,6 +98,34 @@ def build_layers(
             torch.manual_seed(_layer_seed(seed, i))
             out.append(specs[i].factory())
     return out
+
+
+def layer_flops(specs: Sequence[LayerSpec], example: torch.Tensor) -> list[int]:
+    """Forward FLOPs of each layer (torch.utils.flop_counter: matmuls, convolutions, attention), the
+    first fed `example`, each next one the previous output. Layers that build on the meta device run
+    there (shapes only); a spec whose factory returns an already-built module runs it for real, once,
+    without gradients."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, out = example, []
+    for spec in specs:
+        layer = spec._on_meta()
+        on_meta = all(t.is_meta for t in layer.parameters()) if any(True for _ in layer.parameters()) else True
+        x = x.to("meta") if on_meta else (torch.zeros(x.shape, dtype=x.dtype) if x.is_meta else x)
+        # The math attention backend (as on meta): the counter sees its matmuls, not a fused CPU kernel.
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            x = layer(x)
+        out.append(int(counter.get_total_flops()))
+    return out
+
+
+def balanced_bounds(weights: Sequence[float], parts: int) -> tuple[int, ...]:
+    """Boundaries of `parts` non-empty contiguous groups of layers minimizing the largest sum of
+    `weights` (parameter counts, FLOPs, or any per-layer cost known in closed form)."""
+    if len(weights) < parts:
+        raise PartitionError(f"cannot split {len(weights)} layers into {parts} non-empty parts")
+    return tuple(_min_max_split(list(weights), parts))
 
 
 def _min_max_split(weights: list[int], parts: int) -> list[int]:
@@ -177,9 +214,11 @@ class Partition:
 
 
 def partition(
-    specs: Sequence[LayerSpec], parts: int, method: str | Sequence[int] = "parameters"
+    specs: Sequence[LayerSpec], parts: int, method: str | Sequence[int] = "parameters",
+    example: torch.Tensor | None = None,
 ) -> Partition:
-    """Split `specs` into `parts` non-empty contiguous parts by `method` (see the module doc)."""
+    """Split `specs` into `parts` non-empty contiguous parts by `method` (see the module doc);
+    `example` is the first layer's input, needed by ``"flops"`` only."""
     specs = tuple(specs)
     n = len(specs)
     if parts < 1:
@@ -209,6 +248,11 @@ def partition(
         return Partition(
             specs, tuple(_min_max_split([s.num_parameters for s in specs], parts)), method
         )
+    if method == "flops":
+        if example is None:
+            raise PartitionError("partition method 'flops' needs `example`, the first layer's input "
+                                 "(e.g. a micro-batch of token ids)")
+        return Partition(specs, balanced_bounds(layer_flops(specs, example), parts), method)
     if method.startswith("type:"):
         pattern = re.compile(method[5:])
         weights = [1 if pattern.search(s.type_name) else 0 for s in specs]
@@ -230,7 +274,7 @@ def partition(
         bounds.append(n)
         return Partition(specs, tuple(bounds), method)
     raise PartitionError(
-        f"unknown partition method {method!r}; expected 'uniform', 'parameters', 'type:<regex>' "
+        f"unknown partition method {method!r}; expected 'uniform', 'parameters', 'flops', 'type:<regex>' "
         f"or a list of boundaries"
     )
 
