@@ -116,7 +116,7 @@ class ParallelConfig:
     zero_stage: int = constraint(0, ge=0, le=3)
     """0: all-reduce gradients; 1: shard optimizer state over dp; 2: also reduce-scatter gradients; 3: parameters, gradients and Adam moments in chunks sharded over dp (capstan.chunkmem; with any tp and pp)."""
     bucket_mb: float = constraint(25.0, ge=0)
-    """Gradient bucket size in MiB for ZeRO 0-2 at dp > 1: each bucket's all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2) starts during backward as soon as its gradients are complete (like DDP's bucket_cap_mb). 0 turns the overlap off: one pass of collectives after backward. Pipeline parallelism always communicates after its schedule."""
+    """Gradient bucket size in MiB for ZeRO 0-2 at dp > 1: each bucket's all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2) starts during backward as soon as its gradients are complete (like DDP's bucket_cap_mb). 0 turns the overlap off: one pass of collectives after backward. Under pipeline parallelism a bucket starts once its parameters have every micro-batch's gradient, during the schedule's last backwards."""
     zero2_collective: str = constraint("all_reduce", choices=("all_reduce", "reduce_scatter"))
     """How ZeRO 2's overlapped buckets are reduced over dp (this rank keeps only its shard either way): "all_reduce" (contiguous buckets, ready as early in backward as DDP's; twice the traffic, but on gloo faster than its reduce-scatter, see docs/benchmarks.md) or "reduce_scatter" (1/dp of the traffic, for bandwidth-bound networks; a bucket spans the same range of every rank's shard, so it is complete later in backward)."""
     overlap_param_gather: bool | None = constraint(None, nullable=True)

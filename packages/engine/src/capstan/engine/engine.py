@@ -81,14 +81,17 @@ class Engine:
             self._init_chunks(model)
         else:
             self.module = model
-            # Under pp the schedule runs every micro-batch's backward before after_backward: no overlap there.
-            bucket_bytes = int(config.parallel.bucket_mb * 2**20) if pipeline is None else 0
+            bucket_bytes = int(config.parallel.bucket_mb * 2**20)
             overlap = config.parallel.overlap_param_gather
             if overlap is None:  # auto: on for the reference GPT, whose parameters are used by their own modules
                 overlap = reference_model
             gather_bytes = int(config.parallel.bucket_mb * 2**20) if overlap else 0
+            # Under pp one schedule runs every micro-batch's backward, then after_backward: a bucket
+            # starts once its parameters got all their micro-batches' gradients, during the schedule's
+            # last backwards; tied weights wait for the schedule's sum over their stages.
+            micro, late = (self.accum, list(pipeline.executor.tied_params.values())) if pipeline else (0, [])
             self.optimizer = ZeroOptimizer(model, groups, config.parallel.zero_stage, config.train, bucket_bytes,
-                                           config.parallel.zero2_collective, gather_bytes)
+                                           config.parallel.zero2_collective, gather_bytes, micro, late)
             # state_dict() between steps must see every rank's updated parameters.
             model.register_state_dict_pre_hook(lambda *args, **kwargs: self.optimizer.wait_params())
 

@@ -29,11 +29,16 @@ like DDP's ``no_sync``; stage 2 on every micro-batch, keeping the shard's part)
 or, for stage 2 with ``zero2_collective = "reduce_scatter"``, its
 reduce-scatter, as soon as its gradients are complete; zero_buckets.py has
 the bucket layouts.
-`after_backward` and `reduce_gradients` wait for them. With ``bucket_bytes =
-0`` (and always under pipeline parallelism, whose schedule runs several
-backwards before `after_backward`) everything runs after backward instead:
-stage 0 through `comm.all_reduce_coalesced`, stage 1 as one all-reduce,
-stage 2 as one reduce-scatter per micro-batch.
+`after_backward` and `reduce_gradients` wait for them. Under pipeline
+parallelism one schedule runs every micro-batch's backward before the single
+`after_backward` of the step, so each parameter's hook counts
+``pipeline_microbatches`` gradients before its bucket may start (during the
+schedule's last backwards, as Megatron-LM's overlapped gradient reduction),
+and tied weights, summed over their stages only at the schedule's end, sit
+first in the buffer and go with `finish()`. With ``bucket_bytes = 0``
+everything runs after backward instead: stage 0 through
+`comm.all_reduce_coalesced`, stage 1 as one all-reduce, stage 2 as one
+reduce-scatter per micro-batch (per step under pipeline parallelism).
 
 The gradient norm for clipping is global over dp, tp and pp: squares of a shard
 are summed over dp; tp-sliced parameters are summed over tp, and replicated
@@ -47,6 +52,7 @@ that holds it only.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +86,12 @@ class ZeroOptimizer:
     """AdamW over a flat buffer with ZeRO stage 0, 1 or 2 over `groups.dp` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, groups: comm.Groups, stage: int, train: TrainConfig,
-                 bucket_bytes: int = 0, zero2_collective: str = "all_reduce", gather_bytes: int = 0) -> None:
+                 bucket_bytes: int = 0, zero2_collective: str = "all_reduce", gather_bytes: int = 0,
+                 pipeline_microbatches: int = 0, late_params: Sequence[torch.Tensor] = ()) -> None:
+        """pipeline_microbatches > 0: gradients come from a pipeline schedule, one `after_backward` per
+        step after all its micro-batches; the buckets then count that many accumulations per parameter
+        and start while the schedule's last backwards run. late_params: sent only after the schedule
+        (tied weights, summed over their stages at its end)."""
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer handles ZeRO stages 0-2, got {stage}")
         self.groups, self.stage, self.train = groups, stage, train
@@ -88,8 +99,10 @@ class ZeroOptimizer:
         if any(p.dtype != torch.float32 for p in params):
             raise ValueError("ZeroOptimizer keeps fp32 master weights: build the model in fp32")
         # Replicated across tp = tp_dim is None (tensorpar marks); plain modules count as replicated.
-        key = [(getattr(p, "tp_dim", None) is None, not decays(p), getattr(p, "capstan_stage_copy", False))
-               for p in params]
+        # Late parameters first: buckets start from the buffer's end, in order, so theirs go last.
+        late_ids = {id(t) for t in late_params}
+        key = [(id(p) not in late_ids, getattr(p, "tp_dim", None) is None, not decays(p),
+                getattr(p, "capstan_stage_copy", False)) for p in params]
         order = sorted(range(len(params)), key=lambda i: key[i])
         self.params = [params[i] for i in order]
         numel = sum(p.numel() for p in self.params)
@@ -105,7 +118,7 @@ class ZeroOptimizer:
             n = p.numel()
             self.flat_param[pos : pos + n].copy_(p.detach().reshape(-1))
             p.data = self.flat_param[pos : pos + n].view_as(p)
-            seg = Segment(pos, pos + n, decays(p), not key[i][0], not key[i][2])
+            seg = Segment(pos, pos + n, decays(p), not key[i][1], not key[i][3])
             last = self.segments[-1] if self.segments else None
             if last and (last.decay, last.sliced, last.counted) == (seg.decay, seg.sliced, seg.counted) \
                     and last.end == pos:
@@ -125,6 +138,8 @@ class ZeroOptimizer:
         self.shard_grad = torch.zeros(self.hi - self.lo) if stage == 2 else None
         self.step_count = 0
         self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
+        # Backward passes per optimizer step: the accumulation's micro-batches, or one pipeline schedule.
+        self.passes = 1 if pipeline_microbatches else train.grad_accum_steps
         self.overlap: OverlappedBuckets | None = None
         if bucket_bytes > 0 and dp > 1:
             offsets, sizes = _offsets(self.params), [p.numel() for p in self.params]
@@ -132,7 +147,8 @@ class ZeroOptimizer:
             plan = (plan_reduce_scatter(offsets, sizes, self.padded, dp, elems)
                     if stage == 2 and zero2_collective == "reduce_scatter" else plan_all_reduce(offsets, sizes, elems))
             self.overlap = OverlappedBuckets(self.params, self._grad_views, self.flat_grad, plan, groups.dp,
-                                             self.shard_grad, (self.lo, self.hi))
+                                             self.shard_grad, (self.lo, self.hi), max(1, pipeline_microbatches),
+                                             frozenset(i for i, q in enumerate(self.params) if id(q) in late_ids))
             self._arm()
         self.prefetch: ParamPrefetch | None = None
         if gather_bytes > 0 and dp > 1 and stage > 0:
@@ -142,7 +158,7 @@ class ZeroOptimizer:
     def _arm(self) -> None:
         """Communicate in the next backward? Stage 2 always; stages 0/1 on the accumulation's last micro-batch."""
         if self.overlap is not None:
-            self.overlap.armed = self.stage == 2 or self.micro == self.train.grad_accum_steps - 1
+            self.overlap.armed = self.stage == 2 or self.micro == self.passes - 1
 
     # ---- gradients ------------------------------------------------------------------------------
     def _repoint_grads(self) -> None:
@@ -175,7 +191,7 @@ class ZeroOptimizer:
         micro, self.micro = self.micro, 0
         if self.overlap is not None:
             self._arm()
-            if self.stage == 2 or micro == self.train.grad_accum_steps:
+            if self.stage == 2 or micro == self.passes:
                 return  # the buckets already ran during the last backward (after_backward waited)
         if self.stage == 0:
             comm.all_reduce_coalesced(self._grad_views, op="avg", group=self.groups.dp)

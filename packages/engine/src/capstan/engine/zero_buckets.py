@@ -110,7 +110,11 @@ class OverlappedBuckets:
 
     def __init__(self, params: list[torch.Tensor], grad_views: list[torch.Tensor], flat_grad: torch.Tensor,
                  buckets: list[Bucket], group: comm.Group, shard_grad: torch.Tensor | None = None,
-                 shard: tuple[int, int] = (0, 0)) -> None:
+                 shard: tuple[int, int] = (0, 0), arrivals: int = 1, late: frozenset[int] = frozenset()) -> None:
+        """arrivals: gradient accumulations a parameter gets before it is complete: 1 for one backward
+        per collective; a pipeline schedule's micro-batch count when one armed pass spans them all.
+        late: indices of parameters that only `finish()` may send (a pipeline's tied weights, whose
+        gradients are summed over their stages after the schedule's last backward)."""
         self.params, self.grad_views, self.flat_grad = params, grad_views, flat_grad
         self.buckets, self.group, self.shard_grad = buckets, group, shard_grad
         self.shard = shard  # [lo, hi) of this rank's shard in the flat buffer (ZeRO 2 with all-reduce buckets)
@@ -119,7 +123,11 @@ class OverlappedBuckets:
             for i in bucket.params:
                 self.of_param[i].append(j)
         self.armed = False
+        self.arrivals, self.late = arrivals, late
         self.launched = 0  # buckets started in this backward (always a prefix: index order)
+        self.early = 0  # buckets started before `finish()` in this pass (what overlapped)
+        self.last_early = 0  # the same, for the last finished pass
+        self._seen = [0] * len(params)
         self._missing = [len(b.params) for b in buckets]
         self._pending: list[tuple[comm.CollectiveHandle, int, torch.Tensor | None]] = []
         for i, p in enumerate(params):
@@ -132,7 +140,10 @@ class OverlappedBuckets:
                 if param.grad is not None:
                     view.add_(param.grad)
                 param.grad = view
-            if not self.armed:
+            if not self.armed or i in self.late:
+                return
+            self._seen[i] += 1
+            if self._seen[i] != self.arrivals:
                 return
             for j in self.of_param[i]:
                 self._missing[j] -= 1
@@ -144,6 +155,7 @@ class OverlappedBuckets:
         while self.launched < len(self.buckets) and self._missing[self.launched] <= 0:
             self._launch(self.launched)
             self.launched += 1
+            self.early += 1
 
     def _launch(self, j: int) -> None:
         bucket, g = self.buckets[j], self.group
@@ -180,5 +192,7 @@ class OverlappedBuckets:
                     self.shard_grad[a - lo : b - lo].add_(self.flat_grad[a:b])
         self._pending = []
         self.launched = 0
+        self.last_early, self.early = self.early, 0
+        self._seen = [0] * len(self.params)
         self._missing = [len(b.params) for b in self.buckets]
         return True
