@@ -20,6 +20,7 @@ import pytest
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches, val_batches
+from capstan.engine.testing import assert_trajectories_close
 from capstan.engine.config_load import ConfigError, resolve
 
 STEPS = 12
@@ -93,12 +94,6 @@ def _trainer_resume(tmp: Path) -> dict:
     return {"full": full, "resumed": resumed}
 
 
-def _close(a: list[float], b: list[float], tol: float = 1e-5) -> float:
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert abs(x - y) <= tol * abs(y), (a, b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
 
 def _check(results: list[dict], layouts: list) -> None:
     refs: dict[str, dict] = {}
@@ -110,8 +105,8 @@ def _check(results: list[dict], layouts: list) -> None:
         tol = TOL.get(name, 1e-5)
         for rank, got in enumerate(results):  # every rank reports the global values
             assert got[name]["loss"][0] == pytest.approx(want["loss"][0], rel=1e-6 if tol < 1e-4 else tol)
-            worst = max(_close(got[name]["loss"], want["loss"], tol), _close(got[name]["norm"], want["norm"], tol),
-                        _close([got[name]["val"]], [want["val"]], tol))
+            worst = max(assert_trajectories_close(got[name]["loss"], want["loss"], tol), assert_trajectories_close(got[name]["norm"], want["norm"], tol),
+                        assert_trajectories_close([got[name]["val"]], [want["val"]], tol))
             print(f"{name} rank {rank}: largest relative difference {worst:.2e}")  # shown with -s
     assert max(refs[repr(LAYOUTS_2[0][2])]["norm"]) > 0.5  # clipping is active
 

@@ -18,6 +18,7 @@ import torch
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches
+from capstan.engine.testing import assert_trajectories_close
 from capstan.engine.config_load import resolve
 from capstan.engine.data import micro_batch
 from capstan.engine.schedule_lr import lr_at
@@ -60,11 +61,6 @@ def _two_rank_layouts() -> dict:
     return out
 
 
-def _close(a: list[float], b: list[float], tol: float = 1e-5) -> float:
-    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-    assert worst <= tol, worst
-    return worst
-
 
 def test_dp_zero_stages_and_tp_equal_one_process() -> None:
     ref = _trajectory(_cfg())
@@ -72,8 +68,8 @@ def test_dp_zero_stages_and_tp_equal_one_process() -> None:
     results = run_ranks(_two_rank_layouts, 2, timeout=240)
     for rank_result in results:
         for name, got in rank_result.items():
-            _close(got["loss"], ref["loss"])
-            _close(got["norm"], ref["norm"])
+            assert_trajectories_close(got["loss"], ref["loss"])
+            assert_trajectories_close(got["norm"], ref["norm"])
     assert results[0] == results[1] or all(results[0][k]["loss"] == results[1][k]["loss"] for k in results[0])
 
 
@@ -82,9 +78,9 @@ def test_offload_cpu_and_disk_equal_no_offload(tmp_path: Path) -> None:
     cpu = _trajectory(_cfg(memory={"offload": "cpu", "chunk_size": 8192}))
     disk = _trajectory(_cfg(memory={"offload": "disk", "chunk_size": 8192, "cpu_budget": 6 * 8192 * 4,
                                     "disk_dir": str(tmp_path / "chunks")}))
-    _close(cpu["loss"], ref["loss"])
-    _close(disk["loss"], ref["loss"])
-    _close(disk["norm"], ref["norm"])
+    assert_trajectories_close(cpu["loss"], ref["loss"])
+    assert_trajectories_close(disk["loss"], ref["loss"])
+    assert_trajectories_close(disk["norm"], ref["norm"])
     assert cpu["moved"] == 0 and disk["moved"] > 0  # the disk run really streamed chunks
 
 

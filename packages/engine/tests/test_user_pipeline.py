@@ -24,6 +24,7 @@ from torch import nn
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches
+from capstan.engine.testing import assert_trajectories_close
 from capstan.engine.config_load import resolve
 from capstan.pipeline import LayerSpec
 
@@ -100,12 +101,6 @@ def _layouts(which: str, tmp: str = "") -> dict:
     return out
 
 
-def _close(a: list[float], b: list[float], tol: float = 1e-5) -> float:
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert abs(x - y) <= tol * abs(y), (a, b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
 
 def _check(results: list[dict], layouts: list) -> None:
     for name, kind, _, ref in layouts:
@@ -113,7 +108,7 @@ def _check(results: list[dict], layouts: list) -> None:
         assert max(want["norm"]) > 0.5  # clipping is active
         assert want["loss"][-1] < want["loss"][0] - 0.5  # it trains
         for rank, got in enumerate(results):  # every rank reports the global values
-            worst = max(_close(got[name]["loss"], want["loss"]), _close(got[name]["norm"], want["norm"]))
+            worst = max(assert_trajectories_close(got[name]["loss"], want["loss"]), assert_trajectories_close(got[name]["norm"], want["norm"]))
             print(f"{name} rank {rank}: largest relative difference {worst:.2e}")  # shown with -s
             if kind != "sequential":  # built lazily: a stage allocates only its own layers
                 assert got[name]["params"] < want["params"], (name, rank)

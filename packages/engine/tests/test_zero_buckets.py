@@ -14,12 +14,11 @@ parameters of one blocking all-gather.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches
+from capstan.engine.testing import assert_trajectories_close
 from capstan.engine.zero_buckets import plan_all_reduce, plan_reduce_scatter
 
 STEPS = 8
@@ -94,10 +93,6 @@ def _layouts() -> dict:
     return out
 
 
-def _close(a: list[float], b: list[float], tol: float) -> None:
-    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b) if math.isfinite(y))
-    assert worst <= tol, worst
-
 
 def test_bucketed_overlap_equals_one_process_for_zero_0_1_2() -> None:
     ref = _run(_cfg(0, 1, 4, SMALL))  # the same micro-batches in one process
@@ -109,8 +104,8 @@ def test_bucketed_overlap_equals_one_process_for_zero_0_1_2() -> None:
         for stage in (0, 1, 2):
             fp32, after, fp16 = got[f"zero{stage}"], got[f"zero{stage}-after"], got[f"zero{stage}-fp16"]
             assert fp32["buckets"] >= 7 and after["buckets"] == 0
-            _close(fp32["loss"], ref["loss"], 1e-5)
-            _close(fp32["norm"], ref["norm"], 1e-5)
+            assert_trajectories_close(fp32["loss"], ref["loss"], 1e-5)
+            assert_trajectories_close(fp32["norm"], ref["norm"], 1e-5)
             assert fp32["loss"] == after["loss"]  # the same sums, only earlier
             # fp16: the overlap sums exactly what the post-backward path sums, overflow skips included.
             assert fp16 == {**got[f"zero{stage}-fp16-after"], "buckets": fp16["buckets"], "gathers": fp16["gathers"]}
@@ -119,7 +114,7 @@ def test_bucketed_overlap_equals_one_process_for_zero_0_1_2() -> None:
             # order; later steps are not compared because the first scale that does not overflow sits
             # within 2x of overflowing, and ~1e-7 differences in the weights decide whether a later
             # step overflows at it (the post-backward path shows the same).
-            _close(fp16["loss"][:1], ref16["loss"][:1], 1e-5)
+            assert_trajectories_close(fp16["loss"][:1], ref16["loss"][:1], 1e-5)
         assert got["zero2-ar"]["loss"] == got["zero2"]["loss"] and got["zero2-ar"]["buckets"] >= 7
         for stage in (1, 2):  # the overlapped parameter all-gather changes when values arrive, not which
             on, off = got[f"zero{stage}"], got[f"zero{stage}-gather-off"]
