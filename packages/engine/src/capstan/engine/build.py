@@ -48,7 +48,7 @@ def build_reference_model(cfg: Config, groups: comm.Groups) -> nn.Module:
     m = cfg.model
     gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
                     n_layers=m.n_layers, dropout=m.dropout)
-    return build_gpt(gpt, groups.tp, seed=cfg.train.seed)
+    return build_gpt(gpt, groups.tp, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel)
 
 
 def recompute_blocks(layers: Iterable[nn.Module]) -> int:
@@ -125,6 +125,9 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
             stage = PipelineStage(cfg, groups, user_layer_specs(model), loss_fn)
         return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
                       pipeline=stage, reference_model=model is None)
+    if cfg.parallel.sequence_parallel and model is not None:
+        raise ValueError("parallel.sequence_parallel slices the reference GPT; a model of your own sets it on its "
+                         "capstan.tensorpar layers (sequence_parallel=True) and leaves the option off")
     if cfg.memory.activation_checkpointing and model is not None:
         raise ValueError("memory.activation_checkpointing recomputes the reference GPT's blocks (or a pipeline's "
                          "stage chunks); for a module of your own at pp = 1 wrap its blocks with "

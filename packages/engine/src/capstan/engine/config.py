@@ -125,6 +125,8 @@ class ParallelConfig:
     """Pipeline schedule when pp > 1: "gpipe" (all forwards, then all backwards), "1f1b" (at most pp - stage micro-batches in flight) or "interleaved" (virtual_stages chunks per rank; grad_accum_steps must be a multiple of pp)."""
     virtual_stages: int = constraint(1, ge=1)
     """Model chunks per pipeline rank for the interleaved schedule (at least 2 there); more than 1 needs schedule = "interleaved"."""
+    sequence_parallel: bool = False
+    """Megatron-style sequence parallelism for the reference GPT at tp > 1: the norms, dropouts and residual stream between the tensor-parallel regions hold seq_len / tp tokens per rank instead of all of them (all-gather before, reduce-scatter after each region, the same bytes as the all-reduce it replaces), cutting that activation memory by tp. Needs tp > 1 and model.seq_len divisible by tp; same training as without it (dropout masks aside)."""
     partition: str = constraint("parameters", choices=("parameters", "flops", "uniform"))
     """How pp > 1 splits the layers into pp x virtual_stages contiguous parts: "parameters" (smallest largest parameter count, as DeepSpeed's default), "flops" (smallest largest forward FLOP count: the reference GPT's in closed form, 24 d^2 + 4 seq d per token per block and 2 d vocab for the head; a user pipeline's counted by torch's flop counter on a micro-batch of token ids), or "uniform" (the same number of layers each). The embedding holds parameters but computes nothing and the head both, so "flops" moves work off the last stage where the layer count lets it."""
 

@@ -222,6 +222,12 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
         raise ConfigError(f"train.min_lr = {t.min_lr} must not exceed train.lr = {t.lr}")
     if t.warmup_steps > t.steps:
         raise ConfigError(f"train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}")
+    if p.sequence_parallel and p.tp < 2:
+        raise ConfigError(f"parallel.sequence_parallel needs parallel.tp > 1 (got tp = {p.tp}, tp from "
+                          f"{_src(sources, 'parallel.tp')}): it splits the sequence over the tensor-parallel ranks")
+    if p.sequence_parallel and m.seq_len % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel: model.seq_len = {m.seq_len} must be divisible by "
+                          f"parallel.tp = {p.tp} (each tp rank holds seq_len / tp tokens)")
     if p.pp > 1:
         _check_pipeline(cfg, sources, reference_model)
     if p.virtual_stages > 1 and p.schedule != "interleaved":

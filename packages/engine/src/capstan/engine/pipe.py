@@ -140,7 +140,8 @@ class PipelineStage:
             m = cfg.model
             gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
                             n_layers=m.n_layers, dropout=m.dropout)
-            factories = gpt_layer_factories(gpt, groups.tp, seed=cfg.train.seed)
+            factories = gpt_layer_factories(gpt, groups.tp, seed=cfg.train.seed,
+                                            sequence_parallel=p.sequence_parallel)
             names = ["embedding", *(f"block{i}" for i in range(m.n_layers)), "final_norm", "head"]
             specs = [LayerSpec(f, name) for f, name in zip(factories, names, strict=True)]
             self.plan = Partition(tuple(specs), balanced_bounds(cfg, groups.pp.size * v), p.partition)
