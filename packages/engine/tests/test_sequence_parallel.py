@@ -3,7 +3,7 @@
 fp32, 8 steps with clipping active, dropout 0: tp = 2 with sequence
 parallelism on 2 ranks, and tp = 2 x pp = 2 with it on 4 ranks (stages pass
 [b, seq/tp, d] slices), follow one process within 1e-5 relative (loss and
-gradient norm), as tp = 2 without it does. With it, a forward saves fewer
+gradient norm; and the validation loss through the stages), as tp = 2 without it does. With it, a forward saves fewer
 activation bytes for backward on each rank (the norms' and the residual
 stream's tensors hold seq/tp tokens). Bad settings are config errors.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from capstan.comm.testing import run_ranks
-from capstan.engine import initialize, open_data, train_batches
+from capstan.engine import initialize, open_data, train_batches, val_batches
 from capstan.engine.config_load import ConfigError, resolve
 from capstan.engine.testing import assert_trajectories_close
 
@@ -44,8 +44,9 @@ def _run(config: dict) -> dict:
             engine.module(x)
     it = train_batches(data, engine.config, engine.groups.dp.size, engine.groups.dp.rank)
     infos = [engine.train_batch(it) for _ in range(STEPS)]
+    val = engine.eval_batch(list(val_batches(data, engine.config, 1, 0))[:2])  # the same batches on every rank
     engine.close()
-    return {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos], "saved": saved[0]}
+    return {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos], "saved": saved[0], "val": val}
 
 
 def _two() -> dict:
@@ -71,6 +72,7 @@ def test_tp2_pp2_with_sequence_parallelism_equals_one_process() -> None:
     for got in run_ranks(_four, 4, timeout=300):
         assert_trajectories_close(got["loss"], ref["loss"])
         assert_trajectories_close(got["norm"], ref["norm"])
+        assert_trajectories_close([got["val"]], [ref["val"]])  # validation through the stages' slices
 
 
 @pytest.mark.parametrize(("parallel", "model", "expected"), [
