@@ -2,10 +2,11 @@
 
 fp32, 8 steps with clipping active, dropout 0: tp = 2 with sequence
 parallelism on 2 ranks, and tp = 2 x pp = 2 with it on 4 ranks (stages pass
-[b, seq/tp, d] slices), follow one process within 1e-5 relative (loss and
-gradient norm; and the validation loss through the stages), as tp = 2 without it does. With it, a forward saves fewer
-activation bytes for backward on each rank (the norms' and the residual
-stream's tensors hold seq/tp tokens). Bad settings are config errors.
+[b, seq/tp, d] slices), follow one process within 1e-5 relative (loss,
+gradient norm, and the validation loss through the stages), as tp = 2
+without it does. With it, a forward saves fewer activation bytes for
+backward on each rank (the norms' and the residual stream's tensors hold
+seq/tp tokens). Bad settings are config errors.
 """
 
 from __future__ import annotations
