@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 LAYOUTS = [("tp=1", 1, False, False), ("tp=1 + activation_checkpointing", 1, False, True),
            ("tp=2", 2, False, False), ("tp=2 + sequence_parallel", 2, True, False),
            ("tp=2 + sequence_parallel + activation_checkpointing", 2, True, True)]
@@ -25,6 +23,7 @@ LAYOUTS = [("tp=1", 1, False, False), ("tp=1 + activation_checkpointing", 1, Fal
 def _saved_bytes(a: dict, tp: int, sp: bool, ckpt: bool) -> int:
     from capstan import comm
     from capstan.engine import initialize, open_data, train_batches
+    from capstan.engine.testing import count_saved_bytes
 
     cfg = {"model": {"n_layers": a["layers"], "n_heads": a["heads"], "d_model": a["d_model"], "seq_len": a["seq"]},
            "data": {"max_bytes": 2_000_000}, "train": {"micro_batch_size": a["micro"]},
@@ -35,13 +34,7 @@ def _saved_bytes(a: dict, tp: int, sp: bool, ckpt: bool) -> int:
         groups = comm.single_process_groups()
     engine = initialize(config=cfg, groups=groups) if groups else initialize(config=cfg)
     x, y = next(train_batches(open_data(engine.config), engine.config, 1, 0))
-    total = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        total[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with count_saved_bytes() as total:
         engine((x, y))
     return total[0]
 

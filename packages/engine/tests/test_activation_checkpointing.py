@@ -15,11 +15,11 @@ A user module at pp = 1 is refused with the way to do it by hand.
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches
+from capstan.engine.testing import count_saved_bytes
 
 STEPS = 6
 
@@ -59,13 +59,7 @@ def test_fewer_saved_activations() -> None:
     def saved(on: bool) -> int:
         engine = initialize(config=_cfg(on))
         x, y = next(train_batches(open_data(engine.config), engine.config, 1, 0))
-        total = [0]
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            total[0] += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with count_saved_bytes() as total:
             engine((x, y))
         return total[0]
 

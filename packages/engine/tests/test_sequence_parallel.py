@@ -12,12 +12,11 @@ seq/tp tokens). Bad settings are config errors.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches, val_batches
 from capstan.engine.config_load import ConfigError, resolve
-from capstan.engine.testing import assert_trajectories_close
+from capstan.engine.testing import assert_trajectories_close, count_saved_bytes
 
 STEPS = 8
 
@@ -35,13 +34,8 @@ def _run(config: dict) -> dict:
     data = open_data(engine.config)
     x, y = next(train_batches(data, engine.config, 1, 0))
     saved = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[0] += t.numel() * t.element_size()
-        return t
-
     if engine.pipeline is None:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with count_saved_bytes() as saved:
             engine.module(x)
     it = train_batches(data, engine.config, engine.groups.dp.size, engine.groups.dp.rank)
     infos = [engine.train_batch(it) for _ in range(STEPS)]

@@ -1,11 +1,28 @@
-"""Helpers for tests that compare training trajectories (losses, gradient norms) between layouts."""
+"""Helpers for tests and benchmarks: trajectories compared between layouts, activation bytes counted."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
-__all__ = ["assert_trajectories_close"]
+import torch
+
+__all__ = ["assert_trajectories_close", "count_saved_bytes"]
+
+
+@contextmanager
+def count_saved_bytes() -> Iterator[list[int]]:
+    """Counts the bytes of every tensor autograd saves for backward inside the block, in ``[0]`` of
+    the list it yields (a tensor saved by two ops counts twice, as autograd holds both)."""
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
 
 
 def assert_trajectories_close(got: Sequence[float], want: Sequence[float], tol: float = 1e-5) -> float:
