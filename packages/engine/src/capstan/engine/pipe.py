@@ -2,10 +2,11 @@
 
 With ``parallel.pp > 1`` the reference GPT's ``model.layers`` ([embedding,
 blocks..., final norm, head], untied) are partitioned over ``groups.pp`` (by
-``parallel.partition``: parameter count, forward FLOPs or layer count), and each rank builds only the layers of its stage (its
-chunks, with interleaving), sliced over ``groups.tp``. Every layer draws its
-values from its own seed (`tensorpar.gpt_layer_factories`), so a stage's
-layers equal the one-process model's.
+``parallel.partition``: parameter count, forward FLOPs or layer count), and
+each rank builds only the layers of its stage (its chunks, with
+interleaving), sliced over ``groups.tp``. Every layer draws its values from
+its own seed (`tensorpar.gpt_layer_factories`), so a stage's layers equal the
+one-process model's.
 
 A model of the user's own is a sequence of layers, as DeepSpeed's
 PipelineModule takes: a list of `capstan.pipeline.LayerSpec` (each stage
