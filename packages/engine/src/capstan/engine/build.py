@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from capstan import comm
@@ -82,7 +81,9 @@ def resolve_groups(cfg: Config, sources: dict[str, str]) -> comm.Groups:
 def _default_loss(model: nn.Module) -> LossFn:
     if callable(getattr(model, "loss", None)):
         return model.loss  # the reference GPT: vocab-parallel cross-entropy
-    return lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    from .pipe import token_cross_entropy
+
+    return token_cross_entropy
 
 
 def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] | Config | None = None, *,

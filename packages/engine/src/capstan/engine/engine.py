@@ -40,7 +40,7 @@ from .config_load import uses_chunks
 from .pipe import PipelineStage
 from .precision import autocast, loss_scaler
 from .schedule_lr import lr_at
-from .zero import ZeroOptimizer, decays
+from .zero import ZeroOptimizer, decays, is_stage_copy
 
 __all__ = ["Engine", "StepInfo", "LossFn"]
 
@@ -108,11 +108,11 @@ class Engine:
         # Adam hyper-parameters and one weight in the global gradient norm. Replicated parameters
         # (tp_dim None: identical on every tp rank) count on tp rank 0 only, sliced ones on every
         # tp rank; the sum then runs over tp and pp (stages hold disjoint parameters).
-        # A tied weight's copy on a higher pipeline stage (pipe.STAGE_COPY_ATTR) gets weight 0 in the norm.
+        # A tied weight's copy on a higher pipeline stage (zero.is_stage_copy) gets weight 0 in the norm.
         param_groups, adam, weights = [], [], []
         for sliced, decay, copy in itertools.product((True, False), (True, False), (False, True)):
             members = [n for n in names if (getattr(named[n], "tp_dim", None) is not None) == sliced
-                       and decays(named[n]) == decay and getattr(named[n], "capstan_stage_copy", False) == copy]
+                       and decays(named[n]) == decay and is_stage_copy(named[n]) == copy]
             if not members:
                 continue
             param_groups.append(members)

@@ -44,13 +44,10 @@ from capstan import comm
 from .config import Config
 from .config_load import reference_layer_flops, reference_layer_params
 from .precision import autocast
+from .zero import STAGE_COPY_ATTR
 
-__all__ = ["PipelineStage", "SCHEDULE_NAMES", "STAGE_COPY_ATTR", "balanced_bounds", "user_layer_specs",
+__all__ = ["PipelineStage", "SCHEDULE_NAMES", "balanced_bounds", "token_cross_entropy", "user_layer_specs",
            "user_partition"]
-
-# Set on a tied weight's copy on every stage but the lowest that holds it: the copies have equal
-# gradients (the executor sums them over the tied group), so the global gradient norm counts one.
-STAGE_COPY_ATTR = "capstan_stage_copy"
 
 # parallel.schedule -> capstan.pipeline.SCHEDULES key
 SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved-1f1b"}
@@ -95,7 +92,8 @@ def user_partition(cfg: Config, specs: Sequence, stages: int):  # -> capstan.pip
         raise ValueError(f"parallel.pp * virtual_stages = {stages} * {v}: {exc}") from None
 
 
-def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of [..., vocab] logits: the default loss of a user model."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -152,7 +150,7 @@ class PipelineStage:
                 raise ValueError(f"parallel.tp = {groups.tp.size} with a pipeline of your own layers: only the "
                                  "reference GPT is sliced for tensor parallelism under pp > 1; use tp = 1")
             self.plan = user_partition(cfg, specs, groups.pp.size)
-            self._loss_fn = loss_fn or _token_cross_entropy
+            self._loss_fn = loss_fn or token_cross_entropy
         self.schedule = make_schedule(SCHEDULE_NAMES[p.schedule], groups.pp.size,
                                       cfg.train.grad_accum_steps, v)
         self._scale = 1.0

@@ -73,6 +73,16 @@ def decays(param: torch.Tensor) -> bool:
     return param.dim() >= 2
 
 
+# Set on a tied weight's copy on every pipeline stage but the lowest that holds it (pipe.py): the
+# copies have equal gradients (the executor sums them over the tied group), so the global gradient
+# norm counts one of them.
+STAGE_COPY_ATTR = "capstan_stage_copy"
+
+
+def is_stage_copy(p: torch.Tensor) -> bool:
+    return getattr(p, STAGE_COPY_ATTR, False)
+
+
 @dataclass(frozen=True)
 class Segment:
     start: int
@@ -102,7 +112,7 @@ class ZeroOptimizer:
         # Late parameters first: buckets start from the buffer's end, in order, so theirs go last.
         late_ids = {id(t) for t in late_params}
         key = [(id(p) not in late_ids, getattr(p, "tp_dim", None) is None, not decays(p),
-                getattr(p, "capstan_stage_copy", False)) for p in params]
+                is_stage_copy(p)) for p in params]
         order = sorted(range(len(params)), key=lambda i: key[i])
         self.params = [params[i] for i in order]
         numel = sum(p.numel() for p in self.params)

@@ -111,7 +111,7 @@ def layer_flops(specs: Sequence[LayerSpec], example: torch.Tensor) -> list[int]:
     x, out = example, []
     for spec in specs:
         layer = spec._on_meta()
-        on_meta = all(t.is_meta for t in layer.parameters()) if any(True for _ in layer.parameters()) else True
+        on_meta = all(t.is_meta for t in layer.parameters())  # (a layer without parameters: True)
         x = x.to("meta") if on_meta else (torch.zeros(x.shape, dtype=x.dtype) if x.is_meta else x)
         # The math attention backend (as on meta): the counter sees its matmuls, not a fused CPU kernel.
         with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
