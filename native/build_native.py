@@ -26,6 +26,7 @@ word list; CXX is for the host only), else `<triple>-g++` if installed, else
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -187,6 +188,21 @@ def build_cuda(out_dir: Path) -> dict[str, object]:
     return {"built": True, "nvcc": nvcc, "path": lib.name}
 
 
+def source_digest() -> str:
+    """sha256 over every file the libraries are built from (csrc/, cuda/, this script).
+
+    build_info.json records it; capstan.native's loader rebuilds a checkout's
+    library whose record differs, so a pull or an edit of the C sources never
+    leaves a stale library behind the Python binding.
+    """
+    h = hashlib.sha256()
+    files = [f for d in (CSRC, CUDA_SRC) if d.is_dir() for f in d.rglob("*") if f.is_file()]
+    for f in sorted(files) + [Path(__file__).resolve()]:
+        h.update(f.relative_to(HERE).as_posix().encode() + b"\0")
+        h.update(f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def build_all(out_dir: Path = DEFAULT_OUT, sanitize: bool | None = None,
               cuda: bool = True, jobs: int = 2, target: str | None = None) -> dict[str, object]:
     """Build everything into out_dir and write build_info.json beside the libraries.
@@ -211,8 +227,11 @@ def build_all(out_dir: Path = DEFAULT_OUT, sanitize: bool | None = None,
         "sanitize": sanitize,
         "library": lib.name,
         "cuda": cuda_info,
+        "sources": source_digest(),
     }
-    (out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    # Atomically, after the library: a loader that finds this record current may trust the .so.
+    (out_dir / ".build_info.json.tmp").write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(out_dir / ".build_info.json.tmp", out_dir / "build_info.json")
     return info
 
 

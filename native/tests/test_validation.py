@@ -85,13 +85,8 @@ def test_cast_copy_sum_reductions():
 
 
 def test_isa_and_threads_arguments():
+    # Checked before the library is looked up: the same error with or without it.
     with pytest.raises(ValueError, match="^name must be one of"):
         kernels.set_isa("sse9")
     with pytest.raises(ValueError, match="^n must be"):
         kernels.set_num_threads(0)
-    before = kernels.get_num_threads()
-    kernels.set_num_threads(1)
-    assert kernels.get_num_threads() == 1
-    x = torch.randn(100_000)
-    assert kernels.sumsq(x) == pytest.approx(float(x.double().square().sum()), rel=1e-5)
-    kernels.set_num_threads(before)

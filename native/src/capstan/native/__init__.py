@@ -31,9 +31,9 @@ def _build_info(directory) -> dict[str, object]:
 
 def status() -> dict[str, object]:
     """What `capstan info` prints about the native library (never raises)."""
+    lib = _lib.get()  # first: loading may build the library and its build_info.json
     path = _lib.library_path()
     info = _build_info(path.parent)
-    lib = _lib.get()
     out: dict[str, object] = {"library": str(path), "built": path.exists(),
                               "loaded": lib is not None}
     if lib is None:

@@ -2,7 +2,12 @@
 
 The library is looked up at `$CAPSTAN_NATIVE_LIB` if set (another build, e.g.
 the sanitizer build), else at `lib/libcapstan.so` beside this file, where the
-hatch build hook puts it for wheels and editable installs alike. Loading checks
+hatch build hook puts it for wheels and editable installs alike. Imported from
+a source checkout (an editable install), the loader first (re)builds that
+library when it is missing or its build record names other sources: an
+environment that outlives its checkout (a CI cache, `git clean`, a pull that
+changed csrc/) would otherwise load nothing, or a stale library.
+`CAPSTAN_NATIVE_BUILD=0` turns that off. Loading checks
 the ABI version and the CPU feature probe, declares every function's
 argtypes/restype once (csrc/capstan.h is the reference), sizes the thread pool
 and applies `CAPSTAN_NATIVE_ISA`. If any of that fails, `get()` returns None,
@@ -12,7 +17,11 @@ one warning names the reason, and the kernels use the pure-torch fallback.
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import importlib.util
+import json
 import os
+import sys
 import threading
 import warnings
 from ctypes import POINTER, c_char_p, c_double, c_int, c_int64, c_uint32, c_void_p
@@ -23,6 +32,9 @@ __all__ = ["ABI_VERSION", "DTYPE_CODES", "ISA_NAMES", "NativeError", "get", "loa
 
 ABI_VERSION = 1  # must equal CAPSTAN_ABI_VERSION in csrc/capstan.h
 LIB_DIR = Path(__file__).resolve().parent / "lib"
+# native/ of a source checkout (this file is native/src/capstan/native/_lib.py there);
+# an installed wheel has no build_native.py at this place.
+CHECKOUT = Path(__file__).resolve().parents[3]
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # torch dtype name -> CAPSTAN_F32 / CAPSTAN_BF16 / CAPSTAN_F16
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
@@ -93,7 +105,53 @@ def _default_threads() -> int:
     return max(1, min(1024, torch.get_num_threads()))
 
 
+def _builder():
+    """native/build_native.py of this checkout as a module, or None outside a checkout."""
+    script = CHECKOUT / "build_native.py"
+    if not (script.is_file() and (CHECKOUT / "csrc").is_dir()):
+        return None
+    spec = importlib.util.spec_from_file_location("_capstan_build_native", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stale(builder) -> str | None:
+    """Why lib/ must be (re)built from the checkout's sources, or None when it is current."""
+    if not (LIB_DIR / "libcapstan.so").exists():
+        return "not built yet"
+    try:
+        recorded = json.loads((LIB_DIR / "build_info.json").read_text()).get("sources")
+    except (OSError, ValueError, AttributeError):
+        return "no build record"
+    return None if recorded == builder.source_digest() else "the sources changed since it was built"
+
+
+def ensure_built() -> None:
+    """In a source checkout, build lib/libcapstan.so (and the CUDA library where nvcc
+    exists) when it is missing or stale. One process builds; concurrent ranks wait on
+    a lock file and then find it current. Raises OSError naming the failure."""
+    if "CAPSTAN_NATIVE_LIB" in os.environ or os.environ.get("CAPSTAN_NATIVE_BUILD", "1") == "0":
+        return
+    builder = _builder()
+    if builder is None or _stale(builder) is None:
+        return
+    try:
+        LIB_DIR.mkdir(parents=True, exist_ok=True)
+        with open(LIB_DIR / ".build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            reason = _stale(builder)
+            if reason is None:
+                return
+            print(f"capstan.native: building {LIB_DIR / 'libcapstan.so'} from {CHECKOUT} "
+                  f"({reason})", file=sys.stderr, flush=True)
+            builder.build_all(LIB_DIR)
+    except (OSError, RuntimeError) as exc:
+        raise OSError(f"building it from {CHECKOUT} failed: {str(exc)[-2000:]}") from exc
+
+
 def _load() -> ctypes.CDLL:
+    ensure_built()
     path = library_path()
     if not path.exists():
         hint = ("CAPSTAN_NATIVE_LIB points at a missing file" if "CAPSTAN_NATIVE_LIB" in os.environ

@@ -212,9 +212,9 @@ def _need_lib(what: str):
 
 def set_isa(name: str) -> None:
     """Force the kernels of one ISA ('scalar', 'avx2', 'avx512'); ValueError if unusable here."""
-    lib = _need_lib("set_isa")
     if name not in _lib.ISA_NAMES:
         raise ValueError(f"name must be one of {', '.join(_lib.ISA_NAMES)}, got {name!r}")
+    lib = _need_lib("set_isa")
     if lib.capstan_set_isa(_lib.ISA_NAMES.index(name)) != 0:
         raise ValueError(f"name={name!r}: not compiled in or not supported by this CPU")
 
@@ -226,8 +226,8 @@ def get_isa() -> str:
 def set_num_threads(n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1024:
         raise ValueError(f"n must be an int in 1..1024, got {n!r}")
-    _lib.check(_need_lib("set_num_threads"), _need_lib("").capstan_set_num_threads(n),
-               "capstan_set_num_threads")
+    lib = _need_lib("set_num_threads")
+    _lib.check(lib, lib.capstan_set_num_threads(n), "capstan_set_num_threads")
 
 
 def get_num_threads() -> int:
