@@ -17,6 +17,7 @@ recomputes it from the chunks and is run at every move when `audit=True`.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -63,6 +64,7 @@ class ChunkManager:
         # Chunks + non-model memory; after warm-up the chunks' capacity follows the trace (nonmodel.py).
         self.memory_limit = memory_limit
         if memory_limit is not None:
+            gc.collect()  # garbage freed later in the warm-up step would lower RSS below the base
             return_freed_memory()
         self.warmup_budget = cpu_budget
         self._pinned: list[int] = []  # warm-up: bytes of chunks in use at each moment
