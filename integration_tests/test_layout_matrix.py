@@ -52,10 +52,6 @@ def _cfg(dp: int, tp: int, pp: int, zero: int = 0, offload: str = "none", dtype:
     if offload == "disk":  # one chunk above the least RAM the layout accepts: chunks stream through disk
         budget = MIN_BUDGET[(dp, tp, pp)] + 8192 * 4
         cfg["memory"] = {"offload": "disk", "chunk_size": 8192, "cpu_budget": budget, "disk_dir": disk_dir}
-    elif zero == 3:
-        # Chunks sized for this model: the default (2^20 elements) pads its few thousand parameters per
-        # rank to whole 4 MiB chunks, which made each ZeRO-3 run 4-7x slower than the others here.
-        cfg["memory"] = {"chunk_size": 8192}
     return cfg
 
 

@@ -12,7 +12,8 @@ import torch
 
 from capstan.chunkmem import (
     LRU, Belady, BudgetError, Chunk, ChunkKind, ChunkManager, ChunkState, DiskStore, DiskTierError,
-    LayoutError, ModuleSpec, ParamSpec, StateError, TensorState, Tier, plan_layout, search_chunk_size,
+    LayoutError, ModuleSpec, ParamSpec, StateError, TensorState, Tier, auto_chunk_size, plan_layout,
+    search_chunk_size,
     utilization,
 )
 from capstan.chunkmem.states import chunk_state_of
@@ -69,6 +70,23 @@ def test_chunk_size_search_minimizes_waste() -> None:
     assert util == pytest.approx(utilization(mods, size))
     assert util > 0.95 and 1000 <= size
     assert util >= max(utilization(mods, s) for s in range(1000, 1200, 8))
+
+
+def test_auto_chunk_size_least_waste_with_padding() -> None:
+    four = _mods((5120,), (5120,), (5120,), (5120,))
+    assert auto_chunk_size([four]) == 5120  # one module per chunk: nothing wasted
+    # Two chunk lists, each padded to a multiple of 4 chunks (ZeRO-3 over 4 ranks): still the
+    # smallest size that holds a module, not the 2^20 elements of a fixed default.
+    pad4 = lambda n: -(-n // 4) * 4  # noqa: E731
+    size = auto_chunk_size([four, _mods((3000,), (100,))], pad=pad4)
+    assert size == 5120
+    allocated = sum(pad4(len(plan_layout(m, size))) * size for m in (four, _mods((3000,), (100,))))
+    assert allocated == 8 * 5120
+    # A tensor above the cap sets the size (rounded up to the step); nothing smaller could hold it.
+    assert auto_chunk_size([_mods((3_000_000,))]) == 2930 * 1024
+    # Sizes are multiples of the step, never below the largest tensor.
+    size = auto_chunk_size([_mods((1500, 700), (2200,), (90,))])
+    assert size % 1024 == 0 and size >= 2200
 
 
 def test_tier_budget_is_exact() -> None:

@@ -13,10 +13,11 @@ model (PatrickStar's chunk-size search), and `utilization` reports it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ParamSpec", "ModuleSpec", "plan_layout", "search_chunk_size", "utilization", "LayoutError"]
+__all__ = ["ParamSpec", "ModuleSpec", "plan_layout", "search_chunk_size", "auto_chunk_size", "utilization",
+           "LayoutError", "DEFAULT_MAX_CHUNK"]
 
 
 class LayoutError(ValueError):
@@ -98,3 +99,30 @@ def search_chunk_size(
         size += step
     assert best is not None
     return best
+
+
+DEFAULT_MAX_CHUNK = 1 << 20  # elements: 4 MiB fp32 chunks unless one tensor needs more
+
+
+def auto_chunk_size(groups: Sequence[Sequence[ModuleSpec]], pad: Callable[[int], int] = lambda n: n,
+                    max_size: int = DEFAULT_MAX_CHUNK, step: int = 1024, candidates: int = 256) -> int:
+    """The chunk size a model gets when none is configured: the least waste over all its chunk lists.
+
+    groups: one module list per chunk list (parameter group). pad: how many chunks a list of n
+    takes (ZeRO-3 sharding pads every list to a multiple of the data-parallel size, so a model
+    of a few thousand parameters in 8 chunk lists of 2^20 elements would move and update almost
+    nothing but padding). Sizes are multiples of `step` from the largest tensor up to `max_size`
+    (or the largest tensor, if larger), at most `candidates` of them; ties go to the smaller size.
+    """
+    largest = max((p.numel for mods in groups for m in mods for p in m.params), default=1)
+    lo = -(-max(largest, step) // step) * step
+    hi = max(lo, max_size)
+    stride = max(step, -(-(hi - lo) // (candidates * step)) * step)
+    total = sum(m.numel for mods in groups for m in mods)
+    best_size, best_waste = lo, None
+    for size in range(lo, hi + 1, stride):
+        allocated = sum(pad(len(plan_layout(mods, size))) * size for mods in groups)
+        waste = allocated - total
+        if best_waste is None or waste < best_waste:
+            best_size, best_waste = size, waste
+    return best_size

@@ -46,7 +46,7 @@ from capstan import comm
 from capstan.comm import Group
 
 from .chunk import Chunk, TensorSlot
-from .layout import ModuleSpec, ParamSpec, plan_layout
+from .layout import ModuleSpec, ParamSpec, auto_chunk_size, plan_layout
 from .manager import BudgetError, ChunkManager
 from .order import module_order
 from .saved import ChunkViewSaver
@@ -87,15 +87,16 @@ class _PreBackward(torch.autograd.Function):
 class ChunkedModel(nn.Module):
     """Wraps `module` so its parameters live in chunks managed by `manager`.
 
-    chunk_size: elements per chunk. param_groups: optional list of lists of
-    parameter names, one chunk list per group (so each chunk has one set of
-    optimizer hyper-parameters); parameters not listed go to group 0.
+    chunk_size: elements per chunk; None picks the least-waste size for this model and its chunk
+    lists (`layout.auto_chunk_size`, padding included) and `self.chunk_size` then holds it.
+    param_groups: optional list of lists of parameter names, one chunk list per group (so each
+    chunk has one set of optimizer hyper-parameters); parameters not listed go to group 0.
     order: "modules" packs modules in creation order (`named_modules()`); "trace" in the order
     one forward on `example_inputs` (a tuple of positional arguments, run without gradients, on
     the meta device for a meta-device model) first calls them, uncalled modules last (order.py).
     """
 
-    def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int,
+    def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int | None,
                  param_groups: list[list[str]] | None = None,
                  atomic_types: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,),
                  dtype: torch.dtype = torch.float32, accumulate_grads: bool = False,
@@ -222,6 +223,8 @@ class ChunkedModel(nn.Module):
         next_id = 0
         for kind in self.kinds():
             self.chunks[kind] = [[] for _ in range(n_groups)]
+        if self.chunk_size is None:
+            self.chunk_size = auto_chunk_size(specs, pad=self._padded_count)
         for g in range(n_groups):
             plan = plan_layout(specs[g], self.chunk_size)
             plan += [[] for _ in range(self._padded_count(len(plan)) - len(plan))]

@@ -49,7 +49,7 @@ __all__ = ["ShardedChunkedModel"]
 class ShardedChunkedModel(ChunkedModel):
     """A `ChunkedModel` whose chunks are sharded over the data-parallel group `group`."""
 
-    def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int, group: Group,
+    def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int | None, group: Group,
                  memory_saving: bool = False, **kwargs: object) -> None:
         self.group = group
         self.memory_saving = memory_saving

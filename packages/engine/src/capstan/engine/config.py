@@ -137,8 +137,8 @@ class MemoryConfig:
 
     offload: str = constraint("none", choices=("none", "cpu", "disk"))
     """"none": plain tensors; "cpu": chunked, all in RAM within cpu_budget; "disk": chunked, RAM within cpu_budget and the rest on disk_dir."""
-    chunk_size: int = constraint(1 << 20, ge=1024)
-    """Elements per chunk; at least the largest parameter tensor."""
+    chunk_size: int | None = constraint(None, ge=1024, nullable=True)
+    """Elements per chunk; at least the largest parameter tensor. Unset: chosen per model, the size with the least padding over its chunk lists (ZeRO-3 pads each to a multiple of dp) between the largest tensor and 2^20 elements (chunkmem.auto_chunk_size); the run log names it."""
     cpu_budget: int | None = constraint(None, gt=0, nullable=True)
     """Bytes of chunks allowed in RAM (unset: unlimited; required for offload = "disk")."""
     ram_limit: int | None = constraint(None, gt=0, nullable=True)

@@ -288,12 +288,15 @@ def _check_pipeline(cfg: Config, sources: Sources, reference_model: bool = True)
 def _check_chunk_path(cfg: Config, sources: Sources) -> None:
     p, mem = cfg.parallel, cfg.memory
     why = f"memory.offload = {mem.offload!r}, parallel.zero_stage = {p.zero_stage}"
-    chunk_bytes = mem.chunk_size * 4
+    # Unset, the chunk size is chosen per model (at least 1024 elements) once the model exists.
+    chunk = (f"memory.chunk_size = {mem.chunk_size} fp32 elements" if mem.chunk_size is not None
+             else "the smallest chunk (1024 fp32 elements; memory.chunk_size unset)")
+    chunk_bytes = (mem.chunk_size or 1024) * 4
     if mem.offload == "disk" and mem.cpu_budget is None:
         raise ConfigError("memory.offload = \"disk\" needs memory.cpu_budget (bytes of chunks kept in RAM)")
     if mem.cpu_budget is not None and mem.cpu_budget < chunk_bytes:
         raise ConfigError(f"memory.cpu_budget = {mem.cpu_budget} bytes cannot hold one chunk of "
-                          f"memory.chunk_size = {mem.chunk_size} fp32 elements ({chunk_bytes} bytes)")
+                          f"{chunk} ({chunk_bytes} bytes)")
     if mem.offload == "cpu" and mem.cpu_budget is not None:
         # param, grad, exp_avg, exp_avg_sq: four fp32 copies of every parameter stay in RAM.
         need = 16 * reference_param_count(cfg)

@@ -44,7 +44,8 @@ def run(cfg: Config, sources: Sources, data: TokenData) -> list[dict]:
     sink = MetricsSink(run_dir, rank0, cfg.log.tensorboard, append=start > 0)
     if rank0:
         (run_dir / "config.resolved.toml").write_text(to_toml(cfg, derived))
-    comm.log_rank0(log, "%s | %d tokens (%d train, %d validation) from %s | %s", _layout(cfg, groups),
+    chunks = f" | chunks of {engine.module.chunk_size} elements" if engine.chunked else ""
+    comm.log_rank0(log, "%s%s | %d tokens (%d train, %d validation) from %s | %s", _layout(cfg, groups), chunks,
                    len(data.tokens), data.n_train, data.n_val, data.source,
                    ", ".join(f"{k} {v}" for k, v in derived.items()))
     batches = train_batches(data, cfg, dp, dp_rank, start_step=start)
