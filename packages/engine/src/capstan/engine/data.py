@@ -27,6 +27,7 @@ trajectory comparable with one process. Example::
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,8 +53,12 @@ class DataError(ValueError):
 def stdlib_text(max_bytes: int) -> bytes:
     """The standard library's ``.py`` sources in sorted path order, at most `max_bytes` (deterministic)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if not _SKIP_DIRS & set(p.relative_to(root).parts))
-    return _concat(files, max_bytes, f"the standard library at {root}")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Pruned, not filtered afterwards: site-packages alone can hold more files than the stdlib.
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    return _concat(sorted(files), max_bytes, f"the standard library at {root}")
 
 
 def _concat(files: list[Path], max_bytes: int, what: str) -> bytes:
