@@ -165,6 +165,9 @@ class ChunkedModel(nn.Module):
                 need, what = total, f"module {name or type(module).__name__}"
         return need, what
 
+    # `_budget_need` is the least budget that works; the sharded model's is a bound that always suffices.
+    budget_need_exact = True
+
     def _budget_need(self) -> tuple[int, str]:
         """The minimum budget checked at construction (the sharded model takes the largest over its group)."""
         return self.minimum_budget()
@@ -174,12 +177,17 @@ class ChunkedModel(nn.Module):
         if capacity is None:
             return
         need, what = self._budget_need()
-        if capacity < need:
+        if capacity >= need:
+            return
+        if self.budget_need_exact:
             raise BudgetError(
                 f"cpu budget of {capacity} bytes is below the working set: {what} needs {need} bytes of "
                 f"chunks in RAM at once; the minimum budget for this model and chunk size is {need} bytes "
-                f"(plus its activations)"
-            )
+                f"(plus its activations)")
+        raise BudgetError(
+            f"cpu budget of {capacity} bytes is below what {what} may need at once: {need} bytes of chunks "
+            f"and gather/reduce buffers in the worst case, the budget this model and chunk size need to be "
+            f"sure to fit (plus its activations)")
 
     def _bind_resident_grads(self) -> None:
         """When RAM is unbounded and there is no disk tier, nothing ever moves: each `param.grad`

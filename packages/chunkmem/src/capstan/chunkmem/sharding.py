@@ -149,6 +149,8 @@ class ShardedChunkedModel(ChunkedModel):
     def _unit_indices(self, g: int, unit: int) -> range:
         return range(unit * self._span, (unit + 1) * self._span)
 
+    budget_need_exact = False  # assumes the busiest module, every open gradient buffer and a flush coincide
+
     def _budget_need(self) -> tuple[int, str]:
         """The largest minimum over the group: every rank then accepts or refuses the budget alike
         (no rank left waiting in a collective for one that raised), and `_spare_units` agrees."""
