@@ -150,6 +150,15 @@ def test_budget_below_the_working_set_is_refused_before_training(tmp_path) -> No
     model.manager.close()
 
 
+def test_budget_below_one_chunk_names_the_chunk_size(tmp_path) -> None:
+    with pytest.raises(BudgetError, match=f"cpu budget of 100 bytes cannot hold one chunk of {CHUNK} elements "
+                                          fr"\({CHUNK * 4} bytes\)"):
+        ChunkedModel(TinyGPT(), ChunkManager(100, DiskStore(tmp_path)), chunk_size=CHUNK)
+    with pytest.raises(BudgetError, match=r"cannot hold one chunk of \d+ elements \(\d+ bytes, the size chosen "
+                                          r"for this model\)"):
+        ChunkedModel(TinyGPT(), ChunkManager(100, DiskStore(tmp_path / "auto")), chunk_size=None)
+
+
 def test_belady_moves_no_more_than_lru(tmp_path) -> None:
     moved = {}
     for policy in ("belady", "lru"):

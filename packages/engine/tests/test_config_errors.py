@@ -81,6 +81,9 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (s + ["memory.offload=\"disk\""], "needs memory.cpu_budget"),
         (s + ["memory.cpu_budget=1000000"], "memory.cpu_budget only applies to chunked memory"),
         (s + ["memory.offload=\"disk\"", "--set", "memory.cpu_budget=1000"], "cannot hold one chunk"),
+        # Past the config check (one 1024-element chunk fits), below the chunk sized for the model.
+        (s + ["memory.offload=\"disk\"", "--set", "memory.cpu_budget=5000", "--set", f"memory.disk_dir={tmp / 'c'}"],
+         "the size chosen for this model)"),
         (s + ["memory.offload=\"cpu\"", "--set", "memory.cpu_budget=4194304", "--set", "model.d_model=256"],
          "below the model states'"),
         (s + ["parallel.zero_stage=4"], "parallel.zero_stage = 4 must be <= 3"),

@@ -231,8 +231,13 @@ class ChunkedModel(nn.Module):
         next_id = 0
         for kind in self.kinds():
             self.chunks[kind] = [[] for _ in range(n_groups)]
-        if self.chunk_size is None:
+        sized_here = self.chunk_size is None
+        if sized_here:
             self.chunk_size = auto_chunk_size(specs, pad=self._padded_count)
+        capacity, one = self.manager.cpu.capacity, self.chunk_size * 4  # fp32 kinds are the largest
+        if capacity is not None and capacity < one:
+            raise BudgetError(f"cpu budget of {capacity} bytes cannot hold one chunk of {self.chunk_size} "
+                              f"elements ({one} bytes{', the size chosen for this model' if sized_here else ''})")
         for g in range(n_groups):
             plan = plan_layout(specs[g], self.chunk_size)
             plan += [[] for _ in range(self._padded_count(len(plan)) - len(plan))]
