@@ -79,45 +79,39 @@ def utilization(modules: Sequence[ModuleSpec], chunk_size: int) -> float:
 def search_chunk_size(
     modules: Sequence[ModuleSpec], min_size: int | None = None, max_size: int | None = None, step: int = 1024
 ) -> tuple[int, float]:
-    """The chunk size (a multiple of `step`) in [min_size, max_size] with the least waste.
+    """The chunk size (a multiple of `step`) in [min_size, max_size] with the least waste, and its
+    utilization.
 
     Defaults: from the largest tensor up to max(4x that, a quarter of the model), which
     keeps at least a handful of chunks so there is something to move between tiers.
-    Ties go to the smaller size (finer-grained movement).
+    Every multiple of `step` is tried; ties go to the smaller size (finer-grained movement).
     """
     largest = max((p.numel for m in modules for p in m.params), default=1)
     total = sum(m.numel for m in modules)
-    lo = max(min_size or largest, largest)
-    hi = max(max_size or max(4 * largest, total // 4), lo)
-    lo = -(-lo // step) * step
-    best: tuple[int, float] | None = None
-    size = lo
-    while size <= max(hi, lo):
-        u = utilization(modules, size)
-        if best is None or u > best[1] + 1e-12:
-            best = (size, u)
-        size += step
-    assert best is not None
-    return best
+    hi = max_size or max(4 * largest, total // 4)
+    size = auto_chunk_size([modules], min_size=min_size, max_size=hi, step=step, candidates=None)
+    return size, utilization(modules, size)
 
 
 DEFAULT_MAX_CHUNK = 1 << 20  # elements: 4 MiB fp32 chunks unless one tensor needs more
 
 
 def auto_chunk_size(groups: Sequence[Sequence[ModuleSpec]], pad: Callable[[int], int] = lambda n: n,
-                    max_size: int = DEFAULT_MAX_CHUNK, step: int = 1024, candidates: int = 256) -> int:
+                    max_size: int = DEFAULT_MAX_CHUNK, step: int = 1024, candidates: int | None = 256,
+                    min_size: int | None = None) -> int:
     """The chunk size a model gets when none is configured: the least waste over all its chunk lists.
 
     groups: one module list per chunk list (parameter group). pad: how many chunks a list of n
     takes (ZeRO-3 sharding pads every list to a multiple of the data-parallel size, so a model
     of a few thousand parameters in 8 chunk lists of 2^20 elements would move and update almost
-    nothing but padding). Sizes are multiples of `step` from the largest tensor up to `max_size`
-    (or the largest tensor, if larger), at most `candidates` of them; ties go to the smaller size.
+    nothing but padding). Sizes are multiples of `step` from the largest tensor (or `min_size`,
+    if larger) up to `max_size` (or the lower end, if larger), at most `candidates` of them (None:
+    every one); ties go to the smaller size.
     """
     largest = max((p.numel for mods in groups for m in mods for p in m.params), default=1)
-    lo = -(-max(largest, step) // step) * step
+    lo = -(-max(largest, min_size or 0, step) // step) * step
     hi = max(lo, max_size)
-    stride = max(step, -(-(hi - lo) // (candidates * step)) * step)
+    stride = step if candidates is None else max(step, -(-(hi - lo) // (candidates * step)) * step)
     total = sum(m.numel for mods in groups for m in mods)
     best_size, best_waste = lo, None
     for size in range(lo, hi + 1, stride):
