@@ -41,3 +41,51 @@ def _groups_under_mpi() -> list[float]:
 
 def test_mpi_sub_communicators_follow_the_topology() -> None:
     assert run_mpirun(_groups_under_mpi, 4) == [[1.0, 2.0], [1.0, 4.0], [5.0, 2.0], [5.0, 4.0]]
+
+
+_DROPPED_GATHERS = """
+import gc, torch
+from capstan import comm
+w = comm.init()
+for i in range(4):
+    x = torch.full((1 << 21,), float(w.rank + 1))
+    out = torch.empty(x.numel() * w.size)
+    h = comm.all_gather(out, x, async_op=True)
+    del h, out, x  # never waited for: MPI still writes into `out`
+gc.collect()
+reuse = [torch.zeros(1 << 21) for _ in range(8)]
+print('OK', w.rank, comm.backend(), flush=True)
+"""
+
+
+def test_async_collectives_nobody_waited_for_complete_before_mpi_finalize() -> None:
+    # Before comm tracked in-flight requests this segfaulted in MPI_Finalize every time (3 of 3):
+    # the dropped buffers were freed and reused while MPI delivered into them (the ZeRO-2
+    # parameter all-gathers started after a run's last step did the same).
+    from capstan.comm.testing.harness import _clean_env
+
+    out = subprocess.run(mpirun_args(2) + [sys.executable, "-c", _DROPPED_GATHERS], env=_clean_env(None),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("OK")) == ["OK 0 mpi", "OK 1 mpi"]
+
+
+_UNMATCHED_GATHER = """
+import torch
+from capstan import comm
+w = comm.init()
+if w.rank == 0:  # rank 1 never posts the matching all-gather
+    x = torch.ones(1 << 21)
+    h = comm.all_gather(torch.empty(x.numel() * 2), x, async_op=True)
+    del h, x
+print('OK', w.rank, flush=True)
+"""
+
+
+def test_shutdown_gives_up_on_an_operation_no_peer_posted_within_the_timeout() -> None:
+    from capstan.comm.testing.harness import _clean_env
+
+    out = subprocess.run(mpirun_args(2) + [sys.executable, "-c", _UNMATCHED_GATHER],
+                         env=_clean_env({"CAPSTAN_COMM_TIMEOUT": "2"}), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 non-blocking MPI operation(s) did not complete within 2 s" in out.stderr

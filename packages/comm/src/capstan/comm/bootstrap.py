@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import state
+from . import mpi_backend, state
 from .errors import DirLiveness, Liveness, StoreLiveness
 from .groups import Group
 from .launch_env import LaunchError, LaunchInfo, detect_launch
@@ -48,6 +48,9 @@ def is_initialized() -> bool:
 
 
 DEFAULT_TIMEOUT_S = 300.0
+# How long shutdown waits for non-blocking MPI operations nobody waited for (capped by the comm timeout).
+# Posted by every rank, they complete in milliseconds; only a dead peer makes them wait this long.
+DRAIN_LIMIT_S = 30.0
 TIMEOUT_VAR = "CAPSTAN_COMM_TIMEOUT"
 
 
@@ -148,7 +151,16 @@ class _InitWatchdog:
 
 
 def shutdown() -> None:
-    """Tear down the process group (safe to call when nothing was initialized)."""
+    """Tear down the process group (safe to call when nothing was initialized).
+
+    Non-blocking MPI operations nobody waited for are completed first (see
+    `mpi_backend.drain`): their buffers must not be freed while MPI writes into them.
+    """
+    if mpi_backend.inflight():
+        left = mpi_backend.drain(min(state.timeout_s(), DRAIN_LIMIT_S))
+        if left:
+            log.warning("shutdown: %d non-blocking MPI operation(s) did not complete within %.0f s; their buffers "
+                        "are kept until the process exits", left, min(state.timeout_s(), DRAIN_LIMIT_S))
     if dist.is_initialized():
         dist.destroy_process_group()
     state.clear()

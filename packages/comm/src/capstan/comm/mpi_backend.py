@@ -7,6 +7,14 @@ collectives stay on the gloo group; fp32, fp64 and integers go here.
 MPI calls block without a timeout; a watchdog thread turns a collective that
 outlives the configured timeout into a CommError message and MPI_Abort (a
 clean, named, non-zero exit of the whole job) instead of a silent hang.
+
+Every non-blocking request is also entered in `_inflight` with the tensors
+it reads and writes until it is waited for. MPI writes into those by address
+until the request completes; a request nobody waited for (the ZeRO parameter
+all-gathers started after the last step of a run, say) would otherwise let
+the interpreter's teardown free them while MPI still delivers into them,
+which corrupted the heap and crashed MPI_Finalize. `drain()`, called by
+`comm.shutdown()`, completes them first.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch
 from . import state
 
 __all__ = ["supports", "iall_reduce", "iall_gather", "ireduce_scatter", "wait", "all_reduce", "all_gather", "reduce_scatter",
-           "reduce", "broadcast", "barrier", "p2p_ok", "post_p2p", "P2PRequests"]
+           "reduce", "broadcast", "barrier", "p2p_ok", "post_p2p", "P2PRequests", "drain", "inflight"]
 
 _TYPES: dict[torch.dtype, object] = {}
 _OPS: dict[str, object] = {}
@@ -28,6 +36,49 @@ _IN_PLACE: list[object] = []
 _fromaddress: list = []
 _BYTE: list = []
 P2P_TAG = 7  # one tag for every capstan point-to-point message: MPI keeps each (source, tag, comm) in order
+# id(request) -> (MPI requests, the tensors they use), from start until waited for (see the module docstring).
+_inflight: dict[int, tuple[list[object], tuple[torch.Tensor, ...]]] = {}
+_kept_forever: list[object] = []  # requests that never completed by shutdown (drain), with their tensors
+
+
+def _track(request: object, *tensors: torch.Tensor) -> object:
+    _inflight[id(request)] = ([request], tensors)
+    return request
+
+
+def inflight() -> int:
+    """How many non-blocking MPI operations were started and not yet waited for."""
+    return len(_inflight)
+
+
+def drain(limit_s: float) -> int:
+    """Complete every request nobody waited for, polling up to `limit_s` seconds; return how many were left.
+
+    Called at shutdown, when all ranks have posted what they will post: the
+    matching operations complete in milliseconds. A request still open after
+    `limit_s` (a peer died) is never freed: its tensors are kept for the life
+    of the process, so MPI_Finalize cannot write into memory that was reused.
+    """
+    if not _inflight:
+        return 0
+    from mpi4py import MPI
+
+    deadline = _monotonic() + limit_s
+    while True:
+        for key, (requests, _) in list(_inflight.items()):
+            if MPI.Request.Testall(requests):
+                del _inflight[key]
+        if not _inflight or _monotonic() > deadline:
+            break
+        time.sleep(0.001)
+    left = len(_inflight)
+    if left:
+        import ctypes
+
+        _kept_forever.extend(_inflight.values())
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_kept_forever))  # survives the module's teardown too
+        _inflight.clear()
+    return left
 
 
 def _load() -> None:
@@ -136,12 +187,12 @@ def iall_reduce(tensor: torch.Tensor, op: str, group: object) -> object:
     Open MPI progresses non-blocking collectives mostly inside MPI calls, so
     without other MPI traffic much of the transfer may happen in `wait`.
     """
-    return group.mpi_comm.Iallreduce(_IN_PLACE[0], _view(tensor), op=_op(op))  # type: ignore[attr-defined]
+    return _track(group.mpi_comm.Iallreduce(_IN_PLACE[0], _view(tensor), op=_op(op)), tensor)  # type: ignore[attr-defined]
 
 
 def iall_gather(output: torch.Tensor, tensor: torch.Tensor, group: object) -> object:
     """Start a non-blocking even all-gather (MPI_Iallgather); `wait` it."""
-    return group.mpi_comm.Iallgather(_view(tensor), _view(output))  # type: ignore[attr-defined]
+    return _track(group.mpi_comm.Iallgather(_view(tensor), _view(output)), output, tensor)  # type: ignore[attr-defined]
 
 
 def ireduce_scatter(output: torch.Tensor, tensor: torch.Tensor, counts: list[int] | None, op: str,
@@ -149,8 +200,8 @@ def ireduce_scatter(output: torch.Tensor, tensor: torch.Tensor, counts: list[int
     """Start a non-blocking reduce-scatter (counts None: even split); `wait` it. ``avg`` is the caller's."""
     comm = group.mpi_comm  # type: ignore[attr-defined]
     if counts is None:
-        return comm.Ireduce_scatter_block(_view(tensor), _view(output), op=_op(op))
-    return comm.Ireduce_scatter(_view(tensor), _view(output), recvcounts=counts, op=_op(op))
+        return _track(comm.Ireduce_scatter_block(_view(tensor), _view(output), op=_op(op)), output, tensor)
+    return _track(comm.Ireduce_scatter(_view(tensor), _view(output), recvcounts=counts, op=_op(op)), output, tensor)
 
 
 def wait(request: object, op: str, group: object) -> None:
@@ -160,6 +211,7 @@ def wait(request: object, op: str, group: object) -> None:
         request.Wait()  # type: ignore[attr-defined]
     finally:
         _watchdog.disarm()
+    _inflight.pop(id(request), None)
 
 
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, counts: list[int] | None, group: object) -> None:
@@ -239,6 +291,7 @@ class P2PRequests:
 
     def __init__(self, requests: list[object], tensors: list[torch.Tensor]) -> None:
         self.requests, self.tensors = requests, tensors
+        _inflight[id(self)] = (requests, tuple(tensors))
 
     def wait(self, op: str, group: object) -> None:
         from mpi4py import MPI
@@ -249,11 +302,15 @@ class P2PRequests:
         finally:
             _watchdog.disarm()
         self.tensors = []
+        _inflight.pop(id(self), None)
 
     def is_completed(self) -> bool:
         from mpi4py import MPI
 
-        return bool(MPI.Request.Testall(self.requests))
+        done = bool(MPI.Request.Testall(self.requests))
+        if done:
+            _inflight.pop(id(self), None)
+        return done
 
 
 def post_p2p(ops: list[tuple[str, torch.Tensor, int]], group: object) -> P2PRequests:
