@@ -10,13 +10,18 @@ and matches the post-backward path (``bucket_mb = 0``) exactly, in fp16 too
 parameter all-gather after the ZeRO 1/2 step, overlapped with the next
 forward in buckets (zero_gather.py), gives exactly the losses, norms and
 parameters of one blocking all-gather.
+
+Under mpirun (capstan's MPI backend) the all-reduce buckets are blocking
+calls made by the hooks, and with one backward per step ZeRO 2 keeps its
+shard gradient in place in the flat buffer; both are checked against one
+process the same way.
 """
 
 from __future__ import annotations
 
 import torch
 
-from capstan.comm.testing import run_ranks
+from capstan.comm.testing import requires_mpirun, run_mpirun, run_ranks
 from capstan.engine import initialize, open_data, train_batches
 from capstan.engine.testing import assert_trajectories_close
 from capstan.engine.zero_buckets import plan_all_reduce, plan_reduce_scatter
@@ -59,8 +64,12 @@ def _cfg(stage: int, dp: int, accum: int, bucket_mb: float, collective: str = "r
     return cfg
 
 
-def _run(config: dict) -> dict:
+def _run(config: dict, probe: dict | None = None) -> dict:
     engine = initialize(config=config)
+    if probe is not None:  # how this engine communicates (read before training)
+        overlap = getattr(engine.optimizer, "overlap", None)
+        probe.update(blocking=overlap is not None and overlap.blocking,
+                     shard_in_place=engine.optimizer.stage == 2 and engine.optimizer.shard_grad is None)
     it = train_batches(open_data(engine.config), engine.config, engine.groups.dp.size, engine.groups.dp.rank)
     infos = [engine.train_batch(it) for _ in range(STEPS)]
     overlap = getattr(engine.optimizer, "overlap", None)
@@ -121,3 +130,30 @@ def test_bucketed_overlap_equals_one_process_for_zero_0_1_2() -> None:
             assert on["gathers"] >= 7 and off["gathers"] == 0 and got[f"zero{stage}-after"]["gathers"] == 0
             assert {**on, "gathers": 0} == off
     assert results[0] == results[1]
+
+
+def _mpi_layouts() -> dict:
+    out = {}
+    for stage in (0, 1, 2):
+        for name, mb in (("small", SMALL), ("default", 25.0), ("after", 0.0)):
+            probe: dict = {}
+            out[f"zero{stage}-{name}"] = {**_run(_cfg(stage, 2, 1, mb, "all_reduce"), probe), **probe}
+    return out
+
+
+@requires_mpirun()
+def test_blocking_mpi_buckets_and_in_place_shard_gradient_equal_one_process() -> None:
+    ref = _run(_cfg(0, 1, 2, SMALL))  # dp=2 with one micro-batch each == one process accumulating two
+    results = run_mpirun(_mpi_layouts, 2, timeout=300)
+    for got in results:
+        for stage in (0, 1, 2):
+            small, default, after = (got[f"zero{stage}-{n}"] for n in ("small", "default", "after"))
+            assert small["buckets"] >= 7 and default["buckets"] == 1 and after["buckets"] == 0
+            assert small["blocking"] and default["blocking"]  # MPI: the hooks all-reduce in place, blocking
+            assert small["shard_in_place"] == default["shard_in_place"] == (stage == 2)
+            assert not after["shard_in_place"]  # the post-backward reduce-scatter accumulates into the shard
+            for run in (small, default, after):
+                assert_trajectories_close(run["loss"], ref["loss"], 1e-5)
+                assert_trajectories_close(run["norm"], ref["norm"], 1e-5)
+            assert small["loss"] == default["loss"]  # the same sums, cut into other buckets
+    assert results[0]["zero2-small"]["params"] == results[1]["zero2-small"]["params"]

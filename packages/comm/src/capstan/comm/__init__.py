@@ -15,7 +15,8 @@ Example (runs as one process, or under ``mpirun -np 4`` / ``torchrun --nproc_per
 from .bootstrap import BACKENDS, CPU_DEFAULT_BACKEND, init, is_initialized, shutdown
 from .bucketing import all_reduce_coalesced, flatten, plan_buckets, unflatten
 from .collectives import (
-    REDUCE_OPS, CollectiveHandle, all_gather, all_reduce, barrier, broadcast, reduce, reduce_scatter, shard_bounds,
+    REDUCE_OPS, CollectiveHandle, all_gather, all_reduce, barrier, broadcast, progresses_in_background, reduce,
+    reduce_scatter, shard_bounds,
 )
 from .errors import CommError
 from .groups import Group, Groups, build_groups, single_process_groups
@@ -30,6 +31,6 @@ __all__ = [
     "LaunchInfo", "P2PHandle", "P2POp", "REDUCE_OPS", "Topology", "TopologyError", "all_gather",
     "all_reduce", "all_reduce_coalesced", "backend", "barrier", "broadcast", "build_groups",
     "detect_launch", "exchange", "flatten", "get_logger", "init", "irecv", "is_initialized", "isend",
-    "launch", "log_rank0", "plan_buckets", "recv", "reduce", "reduce_scatter", "send", "shard_bounds",
+    "launch", "log_rank0", "plan_buckets", "progresses_in_background", "recv", "reduce", "reduce_scatter", "send", "shard_bounds",
     "shutdown", "single_process_groups", "unflatten", "warn_once", "world",
 ]

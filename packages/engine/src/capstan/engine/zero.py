@@ -20,7 +20,9 @@ and padded to a multiple of the dp size so every rank's shard has the same lengt
   rank's shard accumulator (a reduce-scatter, or all-reduced buckets of which
   each rank keeps its shard's part) and the flat gradient cleared, so the gradient kept
   across micro-batches is 1/dp too (the full flat gradient still exists during
-  backward).
+  backward). With one backward per step and all-reduced buckets there is
+  nothing to keep across micro-batches: the shard's range of the flat
+  gradient is used in place, with no accumulator.
 
 With ``bucket_bytes > 0`` (``parallel.bucket_mb``, the engine's default) the
 communication overlaps backward: gradient hooks start each bucket's
@@ -145,13 +147,18 @@ class ZeroOptimizer:
         self.lo, self.hi = (0, self.padded) if stage == 0 else comm.shard_bounds(self.padded, dp, groups.dp.rank)
         self.exp_avg = torch.zeros(self.hi - self.lo)
         self.exp_avg_sq = torch.zeros(self.hi - self.lo)
-        self.shard_grad = torch.zeros(self.hi - self.lo) if stage == 2 else None
         self.step_count = 0
         self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
         # Backward passes per optimizer step: the accumulation's micro-batches, or one pipeline schedule.
         self.passes = 1 if pipeline_microbatches else train.grad_accum_steps
+        overlap = bucket_bytes > 0 and dp > 1
+        # One backward per step with all-reduced buckets: the flat gradient's own shard range already
+        # holds the averaged shard gradient, and nothing accumulates across micro-batches, so stage 2
+        # uses it in place (no shard accumulator, no copy into it, no clearing the flat gradient twice).
+        in_place = overlap and self.passes == 1 and zero2_collective == "all_reduce"
+        self.shard_grad = torch.zeros(self.hi - self.lo) if stage == 2 and not in_place else None
         self.overlap: OverlappedBuckets | None = None
-        if bucket_bytes > 0 and dp > 1:
+        if overlap:
             offsets, sizes = _offsets(self.params), [p.numel() for p in self.params]
             elems = max(1, bucket_bytes // 4)
             plan = (plan_reduce_scatter(offsets, sizes, self.padded, dp, elems)
@@ -185,7 +192,7 @@ class ZeroOptimizer:
         self.micro += 1
         if self.overlap is not None:
             ran = self.overlap.finish()
-            if self.stage == 2 and ran:
+            if self.shard_grad is not None and ran:  # stage 2, kept in the accumulator
                 self.flat_grad.zero_()
             self._arm()
             if ran or self.stage < 2:

@@ -20,7 +20,12 @@ Two layouts:
   (avg) in place; under ZeRO 2 each rank then adds the bucket's part inside
   its own shard to the shard accumulator. Twice a reduce-scatter's traffic,
   but ready as early as DDP's buckets, no packing copy, and on gloo faster
-  (docs/benchmarks.md).
+  (docs/benchmarks.md). Through MPI (capstan's backend under mpirun) each
+  bucket's all-reduce is a blocking call made by the hook itself: MPI's
+  non-blocking collectives progress only inside MPI calls, so "started"
+  buckets waited in `finish()` anyway, at about 3x the blocking call's cost
+  (`comm.progresses_in_background`), and the hook's call finds the bucket's
+  gradients still in cache.
 * `reduce_scatter` buckets (ZeRO 2 with ``"reduce_scatter"``): this rank's shard is
   ``flat[r*S : (r+1)*S]`` (S = padded / dp, the contiguous shards that the
   update, the norm and checkpoints use), and bucket j is the same
@@ -118,6 +123,7 @@ class OverlappedBuckets:
         self.params, self.grad_views, self.flat_grad = params, grad_views, flat_grad
         self.buckets, self.group, self.shard_grad = buckets, group, shard_grad
         self.shard = shard  # [lo, hi) of this rank's shard in the flat buffer (ZeRO 2 with all-reduce buckets)
+        self.blocking = not comm.progresses_in_background(flat_grad, group)
         self.of_param: list[list[int]] = [[] for _ in params]
         for j, bucket in enumerate(buckets):
             for i in bucket.params:
@@ -129,7 +135,7 @@ class OverlappedBuckets:
         self.last_early = 0  # the same, for the last finished pass
         self._seen = [0] * len(params)
         self._missing = [len(b.params) for b in buckets]
-        self._pending: list[tuple[comm.CollectiveHandle, int, torch.Tensor | None]] = []
+        self._pending: list[tuple[comm.CollectiveHandle | None, int, torch.Tensor | None]] = []
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(self._hook(i))
 
@@ -161,8 +167,12 @@ class OverlappedBuckets:
         bucket, g = self.buckets[j], self.group
         if len(bucket.ranges) == 1:
             (a, b), = bucket.ranges
-            handle = comm.all_reduce(self.flat_grad[a:b], op="avg", group=g, async_op=True)
-            self._pending.append((handle, j, None))
+            if self.blocking:
+                comm.all_reduce(self.flat_grad[a:b], op="avg", group=g)
+                self._pending.append((None, j, None))
+            else:
+                handle = comm.all_reduce(self.flat_grad[a:b], op="avg", group=g, async_op=True)
+                self._pending.append((handle, j, None))
             return
         a, b = bucket.shard
         n = b - a
@@ -181,7 +191,8 @@ class OverlappedBuckets:
             self._launch(j)
         lo, hi = self.shard
         for handle, j, out in self._pending:
-            handle.wait()
+            if handle is not None:
+                handle.wait()
             if out is not None:
                 a, b = self.buckets[j].shard
                 self.shard_grad[a:b].add_(out)  # type: ignore[index]
