@@ -62,6 +62,14 @@ def _all_cases(_unused: int = 0) -> list[str]:
             out = torch.empty(end - start, dtype=dtype)
             comm.reduce_scatter(out, mine, "sum")
             check(f"reduce_scatter {tag}", out, stacked.sum(0).to(dtype)[start:end])
+            for op, want in (("sum", stacked.sum(0)), ("max", stacked.max(0).values if size else stacked.sum(0))):
+                scratch, out = mine.clone(), torch.empty(end - start, dtype=dtype)
+                comm.reduce_scatter(out, scratch, op, overwrite_input=True)  # MPI: an all-reduce in place
+                check(f"reduce_scatter {op} overwrite_input {tag}", out, want.to(dtype)[start:end])
+            if dtype == torch.float32:
+                scratch, out = mine.clone(), torch.empty(end - start, dtype=dtype)
+                comm.reduce_scatter(out, scratch, "avg", overwrite_input=True)
+                check(f"reduce_scatter avg overwrite_input {tag}", out, (stacked.sum(0) / n).to(dtype)[start:end])
 
             t = mine.clone()
             comm.reduce(t, dst=n - 1, op="sum")

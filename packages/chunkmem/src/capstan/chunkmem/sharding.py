@@ -28,6 +28,14 @@ and `minimum_budget()` is a safe bound of what the code above holds at once
 (`_hooks_need`): the units of every parameter group one module (with its
 ancestors, tied and frozen parameters) touches, the open gradient buffers and
 a flush's chunks.
+
+With RAM unbounded the unit and gradient buffers are kept for reuse when
+dropped (still counted as transient bytes): at dp = 2 they are 2 chunks
+(33.5 MB for 4M-element chunks), above glibc's largest mmap threshold
+(32 MiB), so each fresh one was a new mapping whose pages all faulted and
+were zeroed on first touch: 80 ms of a 1.8 s step of a 27M-parameter GPT
+went to `torch.zeros` alone. Under a budget they are freed as before, so the
+headroom goes to chunks.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ class ShardedChunkedModel(ChunkedModel):
         self.unit_gathers = 0  # units materialized so far (all-gathers, or broadcasts in memory-saving mode)
         self._spare_units = 0  # unpinned units that may stay gathered under a budget (`_units_kept`)
         self._grad_bufs: dict[tuple[int, int], torch.Tensor] = {}
+        self._spares: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # RAM unbounded: buffers to reuse
         self._grad_missing: dict[tuple[int, int], int] = {}
         self._grad_expected: dict[tuple[int, int], int] = {}
         self._current: tuple[int, int] | None = None
@@ -141,6 +150,23 @@ class ShardedChunkedModel(ChunkedModel):
     def _unit(self, index: int) -> int:
         return index // self._span
 
+    # ---- transient buffers ----------------------------------------------------------------------
+    def _take_buffer(self, numel: int, dtype: torch.dtype, what: str, zero: bool = False) -> torch.Tensor:
+        """A transient buffer, reserved in the cpu tier: a kept one of the same shape if there is one."""
+        spares = self._spares.get((numel, dtype))
+        if spares:
+            buf = spares.pop()  # still reserved since it was first made
+            return buf.zero_() if zero else buf
+        self.manager.reserve_transient(numel * torch.empty(0, dtype=dtype).element_size(), what)
+        return torch.zeros(numel, dtype=dtype) if zero else torch.empty(numel, dtype=dtype)
+
+    def _give_buffer(self, buf: torch.Tensor) -> None:
+        """Done with a `_take_buffer` buffer: keep it (RAM unbounded) or free it and its reservation."""
+        if self.manager.cpu.capacity is None and self.manager.memory_limit is None:
+            self._spares.setdefault((buf.numel(), buf.dtype), []).append(buf)
+        else:
+            self.manager.release_transient(buf.numel() * buf.element_size())
+
     def _place(self, g: int, index: int, init: torch.Tensor) -> None:
         if self.owned(index):
             super()._place(g, index, init)
@@ -194,9 +220,7 @@ class ShardedChunkedModel(ChunkedModel):
         self.unit_gathers += 1
         cap = self.chunk_size
         indices = self._unit_indices(g, unit)
-        nbytes = len(indices) * cap * torch.empty(0, dtype=self.dtype).element_size()
-        self.manager.reserve_transient(nbytes, f"gathered chunks of unit {key}")
-        buf = torch.empty(cap * len(indices), dtype=self.dtype)
+        buf = self._take_buffer(cap * len(indices), self.dtype, f"gathered chunks of unit {key}")
         if self.memory_saving:
             (i,) = indices
             if self.owned(i):
@@ -223,8 +247,7 @@ class ShardedChunkedModel(ChunkedModel):
             chunk = self.chunks[ChunkKind.PARAM][g][i]
             self._unbind(chunk)
             chunk.payload = None
-        buf = self._gathered.pop(key)
-        self.manager.release_transient(buf.numel() * buf.element_size())
+        self._give_buffer(self._gathered.pop(key))
 
     def _param_homes(self, g: int, index: int) -> list[ParamHome]:
         return self._homes_in(self.chunks[ChunkKind.PARAM][g][index])
@@ -263,8 +286,7 @@ class ShardedChunkedModel(ChunkedModel):
                 # filled (the owner's GRAD chunk adds up), so the open buffers stay within the budget.
                 self._flush(next(iter(self._grad_bufs)))
             n = self.chunk_size * (1 if self.memory_saving else self.group.size)
-            self.manager.reserve_transient(n * 4, f"gradient buffer of unit {key}")
-            buf = torch.zeros(n)
+            buf = self._take_buffer(n, torch.float32, f"gradient buffer of unit {key}", zero=True)
         self._grad_bufs[key] = buf  # re-inserted: the dict's order is least recently used first
         pos = 0 if self.memory_saving else home.index % self.group.size
         start = pos * self.chunk_size + home.slot.offset
@@ -288,7 +310,7 @@ class ShardedChunkedModel(ChunkedModel):
         else:
             self.manager.reserve_transient(self.chunk_size * 4, f"reduced gradient chunk of unit {key}")
             mine_grad = torch.empty(self.chunk_size)
-            comm.reduce_scatter(mine_grad, buf, op="avg", group=self.group)
+            comm.reduce_scatter(mine_grad, buf, op="avg", group=self.group, overwrite_input=True)  # buf is freed next
             mine = next(i for i in self._unit_indices(g, idx) if self.owned(i))
         if mine is not None and mine_grad is not None:
             grad_chunk = self.chunks[ChunkKind.GRAD][g][mine]
@@ -298,7 +320,7 @@ class ShardedChunkedModel(ChunkedModel):
         if not self.memory_saving:
             del mine_grad
             self.manager.release_transient(self.chunk_size * 4)
-        self.manager.release_transient(buf.numel() * 4)
+        self._give_buffer(buf)
 
     def _end_backward(self) -> None:
         for key in sorted(self._grad_bufs):  # units with unused parameters: same order everywhere

@@ -199,7 +199,7 @@ class ZeroOptimizer:
                 return
         if self.stage == 2:
             part = torch.empty(self.hi - self.lo)
-            comm.reduce_scatter(part, self.flat_grad, op="avg", group=self.groups.dp)
+            comm.reduce_scatter(part, self.flat_grad, op="avg", group=self.groups.dp, overwrite_input=True)  # cleared next
             self.shard_grad.add_(part)  # type: ignore[union-attr]
             self.flat_grad.zero_()
 
