@@ -98,6 +98,38 @@ def bench_adam(n: int, reps: int) -> list[tuple[str, float]]:
     return interleaved(fns, reps)
 
 
+def bench_adam_shared(n: int, reps: int) -> list[tuple[str, float]]:
+    """capstan's AdamW and torch's fused AdamW stepping the *same* tensors, alternately.
+
+    For sizes where each optimizer cannot have its own copy (1B parameters: p,
+    g, m, v are 16 GB). Both update p, m, v in place from g, so the bytes moved
+    per step are the same. The bandwidth reference is a copy of half the
+    gradient buffer onto its other half (n*2 B read + n*2 B written), in the
+    same rounds: a copy of 28 B/param would need 28 GB more.
+    """
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen).mul_(1e-3)
+    m, v = torch.zeros(n), torch.zeros(n)
+    step = [0]
+    step_t = torch.zeros(())
+
+    def ours():
+        step[0] += 1
+        kernels.adam_update(p, g, m, v, step=step[0], **HP)
+
+    def torch_fused():
+        step_t.add_(1)
+        torch._fused_adamw_([p], [g], [m], [v], [], [step_t], lr=HP["lr"], beta1=HP["beta1"],
+                            beta2=HP["beta2"], weight_decay=HP["weight_decay"], eps=HP["eps"],
+                            amsgrad=False, maximize=False)
+
+    half = n // 2
+    fns = [("capstan adam_update (fp32 grads)", ours), ("torch fused AdamW (_fused_adamw_)", torch_fused),
+           ("capstan copy_ of half the gradient (8 B/2 params)", lambda: kernels.copy_(g[half:2 * half], g[:half]))]
+    return interleaved(fns, reps)
+
+
 def bench_offload_step(n: int, reps: int) -> list[tuple[str, float]]:
     """bf16 grads in, unscale + overflow check, AdamW on fp32, bf16 params out."""
     gen = torch.Generator().manual_seed(1)
@@ -317,7 +349,8 @@ def main() -> None:
     ap.add_argument("--deepspeed-python", default=None,
                     help="python of a separate venv with deepspeed (DeepSpeedCPUAdam comparison)")
     ap.add_argument("--only", default="adam,offload,casts,io,overlap,deepspeed",
-                    help="comma-separated sections to run")
+                    help="comma-separated sections to run (adam-shared: capstan and torch fused "
+                         "AdamW on the same tensors, for sizes like 1B where each cannot have its own)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     n = args.params
@@ -329,6 +362,15 @@ def main() -> None:
         base = rows[0][1]
         for name, t in rows:
             print(f"| {name} | {t:.3f} | {n / t / 1e6:.0f} | {28 * n / t / 1e9:.2f} | {t / base:.2f}x |")
+    if "adam-shared" in only:
+        print(f"\n### Adam step on shared tensors, {n / 1e6:.0f}M fp32 params (median of {args.reps})\n")
+        print("| variant | s/step | Mparams/s | GB/s | vs capstan |\n|---|---|---|---|---|")
+        rows = bench_adam_shared(n, args.reps)
+        base = rows[0][1]
+        for i, (name, t) in enumerate(rows):
+            nbytes = 28 * n if i < 2 else 4 * (n // 2) * 2
+            rate = f"{n / t / 1e6:.0f}" if i < 2 else "-"
+            print(f"| {name} | {t:.3f} | {rate} | {nbytes / t / 1e9:.2f} | {t / base:.2f}x |")
     if "deepspeed" in only and args.deepspeed_python:
         print(f"\n### CPUAdam vs DeepSpeedCPUAdam, {n / 1e6:.0f}M fp32 params, AdamW, "
               f"interleaved (median of {args.reps})\n")
