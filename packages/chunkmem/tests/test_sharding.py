@@ -267,3 +267,82 @@ def _tied_frozen(memory_saving: bool) -> tuple[int, int]:
 def test_tied_and_frozen_parameters_fit_the_minimum_budget(memory_saving: bool) -> None:
     for need, peak in run_ranks(_tied_frozen, 2, memory_saving, timeout=240):
         assert peak <= need
+
+
+class _WithUnused(torch.nn.Module):
+    """A model with a layer forward never calls, so the unit holding it never completes in backward.
+
+    one_unit: the whole model is one unit, whose gradient buffer then stays open across micro-batches
+    (no other buffer opens and flushes it) and takes a second gradient for the same slots. Otherwise
+    (`_model()`'s many units) the buffer is flushed with the spare's slots never written: they must
+    reach the owners as zeros, not as whatever a reused buffer held.
+    """
+
+    def __init__(self, one_unit: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        width = 16 if one_unit else 32
+        self.body = (torch.nn.Sequential(torch.nn.Embedding(64, width), torch.nn.Linear(width, 64)) if one_unit
+                     else _model())
+        self.spare = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _micro(step: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _data(step) if half == 0 else _data(1000 + step)
+
+
+def _accumulated_reference(steps: int, one_unit: bool) -> list[float]:
+    model = _WithUnused(one_unit)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    out = []
+    for s in range(steps):
+        total = 0.0
+        for half in (0, 1):
+            loss = _loss(model, *_micro(s, half)) / 2
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        out.append(total)
+    return out
+
+
+def _sharded_accumulated(steps: int, one_unit: bool) -> list[float]:
+    from capstan import comm
+    from capstan.chunkmem import ChunkAdam, ChunkManager, ShardedChunkedModel
+
+    torch.set_num_threads(1)
+    dp = comm.build_groups(comm.Topology(dp=comm.world().size)).dp
+    manager = ChunkManager(None, audit=True)
+    model = ShardedChunkedModel(_WithUnused(one_unit), manager, CHUNK, group=dp)
+    opt = ChunkAdam(model, lr=1e-2, weight_decay=0.1)
+    rows = slice(dp.rank * 4 // dp.size, (dp.rank + 1) * 4 // dp.size)
+    out = []
+    for s in range(steps):
+        manager.begin_step()
+        total = torch.zeros(1)
+        with model.saved_tensors():  # two backwards, then one finish_backward (as a pipeline drives it)
+            for half in (0, 1):
+                x, y = _micro(s, half)
+                loss = _loss(model.module, x[rows], y[rows]) / 2
+                loss.backward()
+                total += loss.detach()
+        model.finish_backward()
+        opt.step(grad_clip=1.0)
+        manager.end_step()
+        comm.all_reduce(total, op="avg", group=dp)
+        out.append(total.item())
+    manager.close()
+    return out
+
+
+@pytest.mark.parametrize("one_unit", [True, False])
+def test_gradient_buffers_add_up_across_micro_batches_and_zero_unwritten_slots(one_unit: bool) -> None:
+    want = _accumulated_reference(5, one_unit)
+    for got in run_ranks(_sharded_accumulated, 2, 5, one_unit, timeout=240):
+        assert _rel(got, want) <= 1e-6, (got, want)
+    assert want[-1] < want[0]

@@ -35,7 +35,10 @@ dropped (still counted as transient bytes): at dp = 2 they are 2 chunks
 (32 MiB), so each fresh one was a new mapping whose pages all faulted and
 were zeroed on first touch: 80 ms of a 1.8 s step of a 27M-parameter GPT
 went to `torch.zeros` alone. Under a budget they are freed as before, so the
-headroom goes to chunks.
+headroom goes to chunks. A gradient buffer is not cleared when taken: each
+slot's first gradient is copied in (later ones add), and `_flush` zeroes
+only the slots no gradient wrote (padding, unused parameters) before the
+reduction, which saves a clearing pass and the add's read of zeros.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class ShardedChunkedModel(ChunkedModel):
         self.unit_gathers = 0  # units materialized so far (all-gathers, or broadcasts in memory-saving mode)
         self._spare_units = 0  # unpinned units that may stay gathered under a budget (`_units_kept`)
         self._grad_bufs: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_slots: dict[tuple[int, int], dict[int, int]] = {}  # open buffer -> {slot start: end} written
         self._spares: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # RAM unbounded: buffers to reuse
         self._grad_missing: dict[tuple[int, int], int] = {}
         self._grad_expected: dict[tuple[int, int], int] = {}
@@ -286,11 +290,17 @@ class ShardedChunkedModel(ChunkedModel):
                 # filled (the owner's GRAD chunk adds up), so the open buffers stay within the budget.
                 self._flush(next(iter(self._grad_bufs)))
             n = self.chunk_size * (1 if self.memory_saving else self.group.size)
-            buf = self._take_buffer(n, torch.float32, f"gradient buffer of unit {key}", zero=True)
+            buf = self._take_buffer(n, torch.float32, f"gradient buffer of unit {key}")
+            self._grad_slots[key] = {}
         self._grad_bufs[key] = buf  # re-inserted: the dict's order is least recently used first
         pos = 0 if self.memory_saving else home.index % self.group.size
         start = pos * self.chunk_size + home.slot.offset
-        buf.narrow(0, start, home.slot.numel).add_(grad.reshape(-1))
+        slots = self._grad_slots[key]
+        if start in slots:  # a second gradient for this slot (a weight used twice): add
+            buf.narrow(0, start, home.slot.numel).add_(grad.reshape(-1))
+        elif home.slot.numel:  # the first: the buffer is not cleared beforehand, so write it (`_flush` zeroes the rest)
+            buf.narrow(0, start, home.slot.numel).copy_(grad.reshape(-1))
+            slots[start] = start + home.slot.numel
         self._grad_missing[key] -= 1
         if self._grad_missing[key] == 0:
             self._flush(key)
@@ -301,6 +311,13 @@ class ShardedChunkedModel(ChunkedModel):
     def _flush(self, key: tuple[int, int]) -> None:
         """Average a unit's gradients over the group into the owners' GRAD chunks (symmetric)."""
         buf = self._grad_bufs.pop(key)
+        pos = 0
+        for start, end in sorted(self._grad_slots.pop(key).items()):  # zero what no gradient wrote
+            if start > pos:
+                buf[pos:start].zero_()
+            pos = max(pos, end)
+        if pos < buf.numel():
+            buf[pos:].zero_()
         g, idx = key
         if self.memory_saving:
             owner = self.owner(idx)
