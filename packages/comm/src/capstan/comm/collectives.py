@@ -319,9 +319,11 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
         if mpi_backend.supports(tensor, g):
             if overwrite_input:
                 mpi_backend.all_reduce(tensor, "sum" if op == "avg" else op, g)
-                output.view(-1).copy_(tensor.view(-1)[start:end])
-                if op == "avg":
-                    _div_avg(output, g.size)
+                mine = tensor.view(-1)[start:end]
+                if op == "avg":  # divide on the way out: one pass over the shard, not a copy and a division
+                    torch.div(mine, g.size, out=output.view(-1))
+                else:
+                    output.view(-1).copy_(mine)
                 return output
             counts = None
             if tensor.numel() % g.size:
