@@ -155,18 +155,17 @@ class ShardedChunkedModel(ChunkedModel):
         return index // self._span
 
     # ---- transient buffers ----------------------------------------------------------------------
-    def _take_buffer(self, numel: int, dtype: torch.dtype, what: str, zero: bool = False) -> torch.Tensor:
-        """A transient buffer, reserved in the cpu tier: a kept one of the same shape if there is one."""
+    def _take_buffer(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """An uninitialized transient buffer, reserved in the cpu tier: a kept one of the same shape if any."""
         spares = self._spares.get((numel, dtype))
         if spares:
-            buf = spares.pop()  # still reserved since it was first made
-            return buf.zero_() if zero else buf
+            return spares.pop()  # still reserved since it was first made
         self.manager.reserve_transient(numel * torch.empty(0, dtype=dtype).element_size(), what)
-        return torch.zeros(numel, dtype=dtype) if zero else torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype)
 
     def _give_buffer(self, buf: torch.Tensor) -> None:
         """Done with a `_take_buffer` buffer: keep it (RAM unbounded) or free it and its reservation."""
-        if self.manager.cpu.capacity is None and self.manager.memory_limit is None:
+        if self.manager.cpu.capacity is None:  # no budget (a ram_limit always sets one)
             self._spares.setdefault((buf.numel(), buf.dtype), []).append(buf)
         else:
             self.manager.release_transient(buf.numel() * buf.element_size())
