@@ -216,3 +216,34 @@ def test_meta_module_without_reset_parameters_needs_an_init_fn(tmp_path) -> None
         bare = Bare()
     model = ChunkedModel(bare, ChunkManager(None), chunk_size=16, init_fn=lambda m: m.w.fill_(2.0))
     assert model.state_tensors()["w"].tolist() == [2.0] * 10
+
+
+def test_a_lazily_freed_chunk_reads_as_zeros_unless_the_caller_overwrites_it() -> None:
+    manager = ChunkManager(None, None, audit=True)
+    manager.add(Chunk(0, ChunkKind.GRAD, torch.float32, 8), torch.arange(8.0))
+    chunk = manager.entries[0].chunk
+    assert not manager.reads_as_zeros(0)
+    manager.free(0, lazy=True)  # RAM unbounded: the buffer stays, its old contents unread
+    assert manager.reads_as_zeros(0) and chunk.payload is not None
+    assert manager.access(0).payload.tolist() == [0.0] * 8  # an ordinary access clears it first
+    manager.release(0)
+    assert not manager.reads_as_zeros(0)
+    chunk.payload.fill_(5.0)
+    manager.free(0, lazy=True)
+    buf = manager.access(0, overwrite=True).payload  # the caller writes it all: no clearing pass
+    assert buf.tolist() == [5.0] * 8 and not manager.reads_as_zeros(0)
+    manager.release(0)
+    manager.free(0)  # eager: cleared now
+    assert chunk.payload.tolist() == [0.0] * 8 and not manager.reads_as_zeros(0)
+    assert manager.cpu.resident == 32
+
+
+def test_a_chunk_never_written_reads_as_zeros_and_overwrite_skips_the_clearing() -> None:
+    manager = ChunkManager(64, None, audit=True)
+    manager.add(Chunk(0, ChunkKind.GRAD, torch.float32, 8))  # no data yet
+    assert manager.reads_as_zeros(0)
+    assert manager.access(0, write=True).payload.tolist() == [0.0] * 8
+    manager.release(0)
+    manager.free(0, lazy=True)  # under a budget the buffer goes (lazy only matters without one)
+    assert manager.entries[0].chunk.payload is None and manager.cpu.resident == 0
+    assert manager.reads_as_zeros(0)

@@ -43,6 +43,7 @@ class _Entry:
     write: object | None = None  # write-back in flight (holds the buffer, and its budget)
     write_buf: torch.Tensor | None = None
     read: object | None = None  # prefetch in flight into chunk.payload
+    stale: bool = False  # freed in place (RAM unbounded): the payload's contents are old, the chunk reads as zeros
 
 
 def _rss_bytes() -> int:
@@ -103,8 +104,11 @@ class ChunkManager:
         self._after_move()
 
     # ---- access ---------------------------------------------------------------------------------
-    def access(self, chunk_id: int, write: bool = False) -> Chunk:
-        """Make the chunk resident in the compute tier and pin it (until `release`)."""
+    def access(self, chunk_id: int, write: bool = False, overwrite: bool = False) -> Chunk:
+        """Make the chunk resident in the compute tier and pin it (until `release`).
+
+        overwrite: the caller writes every used element before anything reads them (implies
+        `write`), so a chunk that reads as zeros (`reads_as_zeros`) is not cleared first."""
         entry = self.entries[chunk_id]
         chunk = entry.chunk
         self._record(chunk_id)
@@ -113,9 +117,13 @@ class ChunkManager:
             self._finish_read(entry)
             self.counters["prefetch_hits" if waited else "prefetch_misses"] += 1
         elif entry.where != "cpu":
-            self._load(entry)
+            self._load(entry, overwrite)
+        if entry.stale:
+            if not overwrite:
+                entry.chunk.payload.zero_()  # type: ignore[union-attr]
+            entry.stale = False
         entry.pins += 1
-        if write:
+        if write or overwrite:
             entry.disk_valid = False
         self._prefetch()
         self._after_move()
@@ -138,8 +146,18 @@ class ChunkManager:
         self.cpu.release(nbytes)
         self.transient -= nbytes
 
-    def free(self, chunk_id: int) -> None:
-        """Drop the chunk's data (it next reads as zeros): gradients after the optimizer step."""
+    def reads_as_zeros(self, chunk_id: int) -> bool:
+        """True if the chunk holds no data (never written, or freed): `access(..., overwrite=True)`
+        may then skip clearing it."""
+        entry = self.entries[chunk_id]
+        return entry.where is None or entry.stale
+
+    def free(self, chunk_id: int, lazy: bool = False) -> None:
+        """Drop the chunk's data (it next reads as zeros): gradients after the optimizer step.
+
+        lazy: with RAM unbounded the buffer stays and is cleared by the next `access` that does not
+        overwrite it, instead of now. Only for chunks nobody reads except through `access` (not
+        gradient chunks bound to `param.grad`, which autograd writes directly)."""
         entry = self.entries[chunk_id]
         if entry.pins:
             raise RuntimeError(f"cannot free chunk {chunk_id}: it is in use")
@@ -150,7 +168,10 @@ class ChunkManager:
         if entry.where == "cpu" and self.cpu.capacity is None:
             # Unbounded RAM: zero in place. Dropping and re-allocating would cost a fresh
             # allocation and its page faults every step for nothing.
-            entry.chunk.payload.zero_()  # type: ignore[union-attr]
+            if lazy:
+                entry.stale = True
+            else:
+                entry.chunk.payload.zero_()  # type: ignore[union-attr]
             return
         if entry.where == "cpu":
             self._drop_payload(entry)
@@ -159,7 +180,7 @@ class ChunkManager:
         self._after_move()
 
     # ---- moving ---------------------------------------------------------------------------------
-    def _load(self, entry: _Entry) -> None:
+    def _load(self, entry: _Entry, overwrite: bool = False) -> None:
         chunk = entry.chunk
         if entry.write is not None:  # evicted, write still in flight: take the buffer back
             entry.write.result()
@@ -175,8 +196,8 @@ class ChunkManager:
             self._disk().read_async(chunk.chunk_id, chunk.payload).result()
             self.counters["stall_s"] += time.perf_counter() - start
             self._count_read(chunk)
-        else:
-            chunk.payload = self._alloc(chunk).zero_()
+        else:  # no data yet: zeros, unless the caller overwrites them all
+            chunk.payload = self._alloc(chunk) if overwrite else self._alloc(chunk).zero_()
         entry.where = "cpu"
         self._resident(chunk)
 
@@ -235,6 +256,9 @@ class ChunkManager:
         chunk = entry.chunk
         if self.disk is None:
             raise BudgetError(f"cpu budget of {self.cpu.capacity} bytes is full and there is no disk tier")
+        if entry.stale:  # only under RAM unbounded, which never evicts; kept exact regardless
+            chunk.payload.zero_()  # type: ignore[union-attr]
+            entry.stale = False
         for cb in self.on_evict:
             cb(chunk)
         self.cpu.stats.evictions += 1

@@ -137,9 +137,12 @@ class ChunkAdam:
     def _drop_grads(self) -> None:
         """Gradients are consumed: free gradient chunks (zero_grad), clear slot-reuse marks."""
         if self.model.grad_chunks:
+            # Cleared when next accessed, or never where the reduction overwrites them (sharding.py);
+            # not where param.grad is bound to the chunk (autograd adds into it unseen).
+            lazy = not self.model.resident_grads
             for g, group in enumerate(self.model.chunks[ChunkKind.GRAD]):
                 for i in self.model.owned_indices(g):
-                    self.model.manager.free(group[i].chunk_id)
+                    self.model.manager.free(group[i].chunk_id, lazy=lazy)
         for home in self.model.homes.values():
             home.grad_in_slot = False
 

@@ -58,7 +58,7 @@ class ChunkViewSaver:
         offset = t.storage_offset()
         for chunk in chunks:
             base = chunk.payload.storage_offset()  # type: ignore[union-attr]
-            if base <= offset < base + chunk.capacity:
+            if base <= offset < base + chunk.payload.numel():  # type: ignore[union-attr]  # a gathered remote chunk's payload is its used part (sharding.py)
                 return _ChunkRef(chunk, offset - base, t.shape, t.stride())
         return t
 

@@ -74,6 +74,8 @@ class ShardedChunkedModel(ChunkedModel):
         self._grad_missing: dict[tuple[int, int], int] = {}
         self._grad_expected: dict[tuple[int, int], int] = {}
         self._current: tuple[int, int] | None = None
+        self._widths: dict[tuple[int, int], int] = {}  # (param group, unit) -> elements moved per chunk
+        self.collective_elements = 0  # elements this rank sent into unit gathers and gradient reductions
         self._open_cap = 1  # reduction buffers open at once (`_grad_cap`, set with the counts)
         super().__init__(module, manager, chunk_size, **kwargs)  # type: ignore[arg-type]
         self._reset_grad_counts()
@@ -103,7 +105,8 @@ class ShardedChunkedModel(ChunkedModel):
         for parameters used late, its backward), tied parameters' (pinned from their last use's
         backward to their gradient) and frozen ones' (pinned from backward to `finish_backward`).
         A module's parameters in several parameter groups sit in one unit per group. Besides the
-        units' buffers (span chunks each), this rank's own chunks among those pinned stay resident.
+        units' buffers (span times the unit's `_width` each), this rank's own chunks among those
+        pinned stay resident.
 
         Gradients: at most one reduction buffer per parameter group with gradients is open
         (`_grad_arrived` flushes the oldest early otherwise). A flush adds the reduce-scatter's
@@ -113,8 +116,11 @@ class ShardedChunkedModel(ChunkedModel):
         if not self.homes:
             return 0, "nothing"
         cap, elem = self.chunk_size, torch.empty(0, dtype=self.dtype).element_size()
-        open_grads = self._grad_cap() * self._span * cap * 4
-        flush = (0 if self.memory_saving else cap * 4) + cap * 4
+        widest = {g: max(self._width(g, u) for u in range(len(lst) // self._span))
+                  for g, lst in enumerate(self.chunks[ChunkKind.PARAM]) if lst}
+        with_grads = {h.group for h in self.homes.values() if h.param.requires_grad}
+        open_grads = sum(self._span * widest[g] * 4 for g in with_grads)  # one buffer per group
+        flush = (0 if self.memory_saving else max(widest.values()) * 4) + cap * 4
         users: dict[int, int] = {}
         hooked = [m for m in self._hooked_modules() if self._module_homes(m)]
         for m in hooked:
@@ -134,7 +140,7 @@ class ShardedChunkedModel(ChunkedModel):
                 up = parent.get(id(up))
             units = {self._key(h) for h in pinned}
             own = len({(h.group, h.index) for h in pinned if self.owned(h.index)})
-            held = len(units) * self._span * cap * elem + open_grads
+            held = sum(self._span * self._width(*u) for u in units) * elem + open_grads
             total = held + max(own * cap * elem + flush, min(own + 1, len(units)) * cap * elem)
             if total > need:
                 need, what = total, (f"module {names.get(id(m)) or type(m).__name__} ({len(units)} gathered "
@@ -153,6 +159,20 @@ class ShardedChunkedModel(ChunkedModel):
 
     def _unit(self, index: int) -> int:
         return index // self._span
+
+    def _width(self, g: int, unit: int) -> int:
+        """Elements per chunk a unit's collectives move: the longest used prefix of its chunks.
+
+        What follows in every chunk is padding nobody reads, and it can be most of a unit: a
+        parameter group of a few norms' weights fills one chunk of many and is padded with
+        another (`_padded_count`). Gathered chunks sit `width` apart in the unit's buffer and the
+        gradient buffer has the same layout, so neither the all-gather, the reduction nor the
+        clearing of unwritten slots touches padding. The layout is the same on every rank."""
+        key = (g, unit)
+        if key not in self._widths:
+            chunks = self.chunks[ChunkKind.PARAM][g]
+            self._widths[key] = max(1, max(chunks[i].used for i in self._unit_indices(g, unit)))
+        return self._widths[key]
 
     # ---- transient buffers ----------------------------------------------------------------------
     def _take_buffer(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -221,26 +241,27 @@ class ShardedChunkedModel(ChunkedModel):
             for other in idle[: max(0, len(idle) - kept)]:  # least recently used first
                 self._drop_unit(other)
         self.unit_gathers += 1
-        cap = self.chunk_size
+        width = self._width(g, unit)
         indices = self._unit_indices(g, unit)
-        buf = self._take_buffer(cap * len(indices), self.dtype, f"gathered chunks of unit {key}")
+        buf = self._take_buffer(width * len(indices), self.dtype, f"gathered chunks of unit {key}")
         if self.memory_saving:
             (i,) = indices
             if self.owned(i):
                 own = self.manager.access(self.chunks[ChunkKind.PARAM][g][i].chunk_id)
-                buf.copy_(own.payload)  # type: ignore[arg-type]
+                buf.copy_(own.payload.narrow(0, 0, width))  # type: ignore[union-attr]
                 self.manager.release(own.chunk_id)
             comm.broadcast(buf, src=self.owner(i), group=self.group)
         else:
             mine = next(i for i in indices if self.owned(i))
             own = self.manager.access(self.chunks[ChunkKind.PARAM][g][mine].chunk_id)
-            comm.all_gather(buf, own.payload, group=self.group)  # type: ignore[arg-type]
+            comm.all_gather(buf, own.payload.narrow(0, 0, width), group=self.group)  # type: ignore[union-attr]
             self.manager.release(own.chunk_id)
+        self.collective_elements += width
         self._gathered[key] = buf
         for pos, i in enumerate(indices):
             if not self.owned(i):
                 chunk = self.chunks[ChunkKind.PARAM][g][i]
-                chunk.payload = buf.narrow(0, pos * cap, cap)
+                chunk.payload = buf.narrow(0, pos * width, width)  # its used elements; the rest is padding
                 self._bind(chunk)
 
     def _drop_unit(self, key: tuple[int, int]) -> None:
@@ -288,12 +309,11 @@ class ShardedChunkedModel(ChunkedModel):
                 # built in another order than it runs): reduce the longest idle buffer now, partly
                 # filled (the owner's GRAD chunk adds up), so the open buffers stay within the budget.
                 self._flush(next(iter(self._grad_bufs)))
-            n = self.chunk_size * (1 if self.memory_saving else self.group.size)
-            buf = self._take_buffer(n, torch.float32, f"gradient buffer of unit {key}")
+            buf = self._take_buffer(self._span * self._width(*key), torch.float32, f"gradient buffer of unit {key}")
             self._grad_slots[key] = {}
         self._grad_bufs[key] = buf  # re-inserted: the dict's order is least recently used first
         pos = 0 if self.memory_saving else home.index % self.group.size
-        start = pos * self.chunk_size + home.slot.offset
+        start = pos * self._width(*key) + home.slot.offset
         slots = self._grad_slots[key]
         if start in slots:  # a second gradient for this slot (a weight used twice): add
             buf.narrow(0, start, home.slot.numel).add_(grad.reshape(-1))
@@ -318,25 +338,37 @@ class ShardedChunkedModel(ChunkedModel):
         if pos < buf.numel():
             buf[pos:].zero_()
         g, idx = key
+        width = self._width(g, idx)
+        self.collective_elements += buf.numel()
         if self.memory_saving:
             owner = self.owner(idx)
             comm.reduce(buf, dst=owner, op="avg", group=self.group)
-            mine = idx if owner == self.group.rank else None
-            mine_grad = buf if mine is not None else None
+            if owner == self.group.rank:
+                self._add_grad(g, idx, buf, width)
         else:
-            self.manager.reserve_transient(self.chunk_size * 4, f"reduced gradient chunk of unit {key}")
-            mine_grad = torch.empty(self.chunk_size)
-            comm.reduce_scatter(mine_grad, buf, op="avg", group=self.group, overwrite_input=True)  # buf is freed next
             mine = next(i for i in self._unit_indices(g, idx) if self.owned(i))
-        if mine is not None and mine_grad is not None:
-            grad_chunk = self.chunks[ChunkKind.GRAD][g][mine]
-            self.manager.access(grad_chunk.chunk_id, write=True)
-            grad_chunk.payload.add_(mine_grad)  # type: ignore[union-attr]
-            self.manager.release(grad_chunk.chunk_id)
-        if not self.memory_saving:
-            del mine_grad
-            self.manager.release_transient(self.chunk_size * 4)
+            grad_id = self.chunks[ChunkKind.GRAD][g][mine].chunk_id
+            if self.manager.reads_as_zeros(grad_id):  # this step's first reduction: straight into the chunk
+                grad = self.manager.access(grad_id, overwrite=True).payload.narrow(0, 0, width)  # type: ignore[union-attr]
+                comm.reduce_scatter(grad, buf, op="avg", group=self.group, overwrite_input=True)
+                self.manager.release(grad_id)
+            else:  # the unit was flushed before in this step (partly filled, or an earlier micro-batch)
+                self.manager.reserve_transient(width * 4, f"reduced gradient chunk of unit {key}")
+                shard = torch.empty(width)
+                comm.reduce_scatter(shard, buf, op="avg", group=self.group, overwrite_input=True)  # buf is freed next
+                self._add_grad(g, mine, shard, width)
+                del shard
+                self.manager.release_transient(width * 4)
         self._give_buffer(buf)
+
+    def _add_grad(self, g: int, index: int, reduced: torch.Tensor, width: int) -> None:
+        """Add a reduced gradient into the owned GRAD chunk `index` (copy it, if the chunk holds none)."""
+        grad_id = self.chunks[ChunkKind.GRAD][g][index].chunk_id
+        if self.manager.reads_as_zeros(grad_id):
+            self.manager.access(grad_id, overwrite=True).payload.narrow(0, 0, width).copy_(reduced)  # type: ignore[union-attr]
+        else:
+            self.manager.access(grad_id, write=True).payload.narrow(0, 0, width).add_(reduced)  # type: ignore[union-attr]
+        self.manager.release(grad_id)
 
     def _end_backward(self) -> None:
         for key in sorted(self._grad_bufs):  # units with unused parameters: same order everywhere

@@ -15,6 +15,11 @@ all-gathers started after the last step of a run, say) would otherwise let
 the interpreter's teardown free them while MPI still delivers into them,
 which corrupted the heap and crashed MPI_Finalize. `drain()`, called by
 `comm.shutdown()`, completes them first.
+
+Large blocking all-reduces and all-gathers go in segments (`SEGMENT_BYTES`):
+Open MPI's choice of algorithm for one call of 32 MiB or more took 2.2-2.6x
+as long as the same bytes in 8 MiB calls (2 ranks, shared memory; all-gather
+1.5x at 33.5 MiB of output); docs/comm.md has the measurements.
 """
 
 from __future__ import annotations
@@ -39,6 +44,25 @@ P2P_TAG = 7  # one tag for every capstan point-to-point message: MPI keeps each 
 # id(request) -> (MPI requests, the tensors they use), from start until waited for (see the module docstring).
 _inflight: dict[int, tuple[list[object], tuple[torch.Tensor, ...]]] = {}
 _kept_forever: list[object] = []  # requests that never completed by shutdown (drain), with their tensors
+
+
+def _segment_bytes() -> int:
+    """Largest message of one blocking all-reduce call (an all-gather's output per call: twice it);
+    CAPSTAN_MPI_SEGMENT_MIB overrides, 0 sends everything in one call. Every rank must use the
+    same value (the ranks call MPI once per segment)."""
+    import os
+
+    raw = os.environ.get("CAPSTAN_MPI_SEGMENT_MIB", "8")
+    try:
+        mib = float(raw)
+    except ValueError:
+        raise ValueError(f"CAPSTAN_MPI_SEGMENT_MIB must be a number of MiB, got {raw!r}") from None
+    if mib < 0:
+        raise ValueError(f"CAPSTAN_MPI_SEGMENT_MIB must be >= 0, got {raw!r}")
+    return int(mib * 2**20) or (1 << 62)
+
+
+SEGMENT_BYTES = _segment_bytes()
 
 
 def _track(request: object, *tensors: torch.Tensor) -> object:
@@ -174,11 +198,23 @@ def all_reduce(tensor: torch.Tensor, op: str, group: object) -> None:
     else:
         wd.current = ("all_reduce", group, _monotonic() + state._timeout_s)
     try:
-        comm.Allreduce(_IN_PLACE[0], buf, op=_OPS[op])
+        if tensor.nbytes <= SEGMENT_BYTES:
+            comm.Allreduce(_IN_PLACE[0], buf, op=_OPS[op])
+        else:
+            _all_reduce_segments(comm, tensor, _OPS[op])
     finally:
         wd.current = None
     if op == "avg":
         tensor.div_(comm.Get_size())
+
+
+def _all_reduce_segments(comm: object, tensor: torch.Tensor, mpi_op: object) -> None:
+    """One in-place all-reduce per `SEGMENT_BYTES` of a contiguous tensor (see the module docstring)."""
+    flat, mpi_type = tensor.view(-1), _TYPES[tensor.dtype]
+    step = max(1, SEGMENT_BYTES // tensor.element_size())
+    for start in range(0, flat.numel(), step):
+        piece = flat[start:start + step]
+        comm.Allreduce(_IN_PLACE[0], [_fromaddress[0](piece.data_ptr(), piece.nbytes), mpi_type], op=mpi_op)  # type: ignore[attr-defined]
 
 
 def iall_reduce(tensor: torch.Tensor, op: str, group: object) -> object:
@@ -219,12 +255,28 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, counts: list[int] | N
     comm = group.mpi_comm  # type: ignore[attr-defined]
     _watchdog.arm("all_gather", group)
     try:
-        if counts is None:
+        if counts is None and output.nbytes > 2 * SEGMENT_BYTES:
+            _all_gather_segments(comm, output, tensor)
+        elif counts is None:
             comm.Allgather(_view(tensor), _view(output))
         else:
             comm.Allgatherv(_view(tensor), _counts_view(output, counts))
     finally:
         _watchdog.disarm()
+
+
+def _all_gather_segments(comm: object, output: torch.Tensor, tensor: torch.Tensor) -> None:
+    """An even all-gather in calls of at most 2 x `SEGMENT_BYTES` of output: each call gathers the
+    same slice of every rank's part straight to its place in `output` (Allgatherv displacements)."""
+    size, n = comm.Get_size(), tensor.numel()  # type: ignore[attr-defined]
+    out_buf, mpi_type = _view(output)
+    step = max(1, 2 * SEGMENT_BYTES // (size * tensor.element_size()))
+    flat = tensor.view(-1)
+    for start in range(0, n, step):
+        count = min(step, n - start)
+        piece = flat[start:start + count]
+        comm.Allgatherv([_fromaddress[0](piece.data_ptr(), piece.nbytes), mpi_type],  # type: ignore[attr-defined]
+                        [out_buf, [count] * size, [r * n + start for r in range(size)], mpi_type])
 
 
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, counts: list[int] | None, op: str,
