@@ -324,8 +324,26 @@ def ds_worker(a: dict, stage: int) -> dict:
     return {**timed_steps(step, a, world), "losses": losses, "params": n_params}
 
 
-def run_deepspeed(python: str, stage: int, world: int, a: dict) -> list[dict]:
+def run_deepspeed(python: str, stage: int, world: int, a: dict, tries: int = 3) -> list[dict]:
+    """`run_deepspeed_once`, started again (a fresh port) when a run hangs: one of DeepSpeed's ranks
+    under mpirun once waited forever for a peer that had gone (session 7), which stalled a whole
+    benchmark. A retried run is named on stderr."""
+    import subprocess
+
+    for attempt in range(1, tries + 1):
+        try:
+            return run_deepspeed_once(python, stage, world, a)
+        except subprocess.TimeoutExpired:
+            print(f"deepspeed ZeRO-{stage} run {attempt} of {tries} hung; killed", file=sys.stderr, flush=True)
+    raise RuntimeError(f"deepspeed ZeRO-{stage} hung {tries} times")
+
+
+DS_RUN_TIMEOUT_S = 300  # a DeepSpeed run of the benchmark takes 30-90 s here
+
+
+def run_deepspeed_once(python: str, stage: int, world: int, a: dict) -> list[dict]:
     """`world` ranks of `python tools/bench_engine.py --ds-worker` (env:// rendezvous, gloo)."""
+    import signal
     import socket
     import subprocess
     import tempfile
@@ -347,7 +365,14 @@ def run_deepspeed(python: str, stage: int, world: int, a: dict) -> list[dict]:
             cmd = mpirun_args(world) + [python, os.path.abspath(__file__), "--ds-worker", json.dumps(a),
                                         "--ds-stage", str(stage), "--json", out]
             log = os.path.join(tmp, "log")
-            code = subprocess.run(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, timeout=900).returncode
+            proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                code = proc.wait(timeout=DS_RUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # mpirun and every rank it started
+                proc.wait()
+                raise
             if code:
                 raise RuntimeError(f"deepspeed under mpirun exited {code}:\n" + open(log).read()[-3000:])
             return [json.load(open(out.replace("%r", str(r)))) for r in range(world)]
@@ -361,7 +386,13 @@ def run_deepspeed(python: str, stage: int, world: int, a: dict) -> list[dict]:
             procs.append(subprocess.Popen([python, os.path.abspath(__file__), "--ds-worker", json.dumps(a),
                                            "--ds-stage", str(stage), "--json", out], env=env,
                                           stdout=open(os.path.join(tmp, f"log.{r}"), "w"), stderr=subprocess.STDOUT))
-        codes = [p.wait(timeout=600) for p in procs]
+        try:
+            codes = [p.wait(timeout=DS_RUN_TIMEOUT_S) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.wait()
+            raise
         if any(codes):
             raise RuntimeError(f"deepspeed ranks exited {codes}:\n" + open(os.path.join(tmp, "log.0")).read()[-3000:])
         return [json.load(open(os.path.join(tmp, f"result.{r}.json"))) for r in range(world)]
