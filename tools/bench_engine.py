@@ -58,7 +58,7 @@ import torch
 
 VOCAB = 256  # the default vocabulary (bytes); --vocab 8192 gives the issue's 27.4M-parameter GPT
 CHUNK = 1 << 20  # chunk elements for the capstan-z3-* systems (4 MiB fp32 chunks; more if a tensor is larger)
-DISK_RUN_BUDGET = 96 << 20  # RAM for chunks in capstan-z3-disk: ~65% of a rank's 154 MB of fp32 states
+DISK_RUN_BUDGET_MIB = 96  # RAM for chunks in capstan-z3-disk: ~65% of a rank's 154 MB of fp32 states (19.3M GPT)
 
 
 def model_config(a: dict) -> dict:
@@ -127,7 +127,7 @@ def make_system(system: str, a: dict, world: int, rank: int):
                    # ZeRO-3 through chunks (chunkmem): all states in RAM, or a RAM budget with the rest on disk.
                    "capstan-z3-cpu": {"zero_stage": 3, "memory": {"offload": "cpu", "chunk_size": chunk}},
                    "capstan-z3-disk": {"zero_stage": 3, "memory": {
-                       "offload": "disk", "chunk_size": chunk, "cpu_budget": DISK_RUN_BUDGET,
+                       "offload": "disk", "chunk_size": chunk, "cpu_budget": a.get("disk_budget_mib", DISK_RUN_BUDGET_MIB) << 20,
                        "disk_dir": os.path.join(tempfile.gettempdir(), f"bench-engine-chunks-{os.getpid()}")}},
                    }.get(system, {})
         engine = initialize(config=model_config(dict(a, **variant)))
@@ -455,6 +455,8 @@ def main() -> int:
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--disk-budget-mib", type=int, default=DISK_RUN_BUDGET_MIB,
+                   help="capstan-z3-disk's RAM budget for chunks (the 27.4M GPT at --vocab 8192 needs at least 131)")
     p.add_argument("--vocab", type=int, default=VOCAB,
                    help="vocabulary size (256: bytes, 19.3M parameters; 8192: the 27.4M GPT the issue names)")
     p.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
@@ -487,7 +489,7 @@ def main() -> int:
         return 0
     a = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq, "vocab": args.vocab,
          "micro": args.micro, "steps": args.steps, "warmup": args.warmup, "deepspeed": args.deepspeed,
-         "mpirun": args.mpirun, "capstan_backend": args.capstan_backend}
+         "mpirun": args.mpirun, "capstan_backend": args.capstan_backend, "disk_budget_mib": args.disk_budget_mib}
     print(f"torch {torch.__version__}, {os.cpu_count()} cpus, model {a}", flush=True)
     results = {}
     if args.only in (None, "single"):

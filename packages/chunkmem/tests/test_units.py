@@ -12,8 +12,8 @@ import torch
 
 from capstan.chunkmem import (
     LRU, Belady, BudgetError, Chunk, ChunkKind, ChunkManager, ChunkState, DiskStore, DiskTierError,
-    LayoutError, ModuleSpec, ParamSpec, StateError, TensorState, Tier, auto_chunk_size, plan_layout,
-    search_chunk_size,
+    ChunkedModel, LayoutError, ModuleSpec, ParamSpec, StateError, TensorState, Tier, auto_chunk_size,
+    list_capacity, plan_layout, search_chunk_size,
     utilization,
 )
 from capstan.chunkmem.states import chunk_state_of
@@ -247,3 +247,24 @@ def test_a_chunk_never_written_reads_as_zeros_and_overwrite_skips_the_clearing()
     manager.free(0, lazy=True)  # under a budget the buffer goes (lazy only matters without one)
     assert manager.entries[0].chunk.payload is None and manager.cpu.resident == 0
     assert manager.reads_as_zeros(0)
+
+
+def test_a_small_chunk_list_gets_chunks_of_its_own_size() -> None:
+    # Capacity = the longest used prefix of the list, rounded up to 2048 elements (4 KiB of 16-bit
+    # values for direct I/O), never above the chunk size.
+    assert list_capacity(plan_layout(_mods((3000,), (100,)), 65536), 65536) == 4096
+    assert list_capacity(plan_layout(_mods((5120,), (5120,)), 5120), 5120) == 5120
+    assert list_capacity(plan_layout(_mods((10,)), 1024), 1024) == 1024
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 64))
+    decay = [n for n, p in net.named_parameters() if p.dim() == 2]
+    rest = [n for n, p in net.named_parameters() if p.dim() < 2]  # 256 elements
+    manager = ChunkManager(None, None, audit=True)
+    model = ChunkedModel(net, manager, 16384, param_groups=[decay, rest])
+    big, small = (lst[0].capacity for lst in model.chunks[ChunkKind.PARAM])
+    assert (big, small) == (8192, 2048)
+    assert {c.capacity for kind in model.kinds() for c in model.chunks[kind][1]} == {2048}  # every sibling
+    # Resident now: the parameter chunks and the gradient chunks bound to param.grad (the moments
+    # take memory when first touched), 2 x (8192 + 2048) elements rather than 2 x 2 x 16384.
+    assert manager.cpu.resident == 2 * (8192 + 2048) * 4
+    out = model.module(torch.ones(2, 64))
+    assert out.shape == (2, 64)

@@ -65,8 +65,8 @@ TWO = {
     "pp2-zero3": (_cfg(parallel={"dp": 1, "pp": 2, "zero_stage": 3}, memory={"chunk_size": CHUNK}), _cfg()),
 }
 FOUR = {
-    "dp2-tp2-disk": (_cfg(1, parallel={"dp": 2, "tp": 2, "zero_stage": 3}, memory=_disk(12)), _cfg()),
-    "dp2-pp2-disk": (_cfg(parallel={"dp": 2, "pp": 2}, memory=_disk(12)), _cfg(4)),
+    "dp2-tp2-disk": (_cfg(1, parallel={"dp": 2, "tp": 2, "zero_stage": 3}, memory=_disk(8)), _cfg()),
+    "dp2-pp2-disk": (_cfg(parallel={"dp": 2, "pp": 2}, memory=_disk(8)), _cfg(4)),
     "tp2-pp2-cpu": (_cfg(parallel={"dp": 1, "tp": 2, "pp": 2}, memory={"offload": "cpu", "chunk_size": CHUNK}),
                     _cfg()),
 }

@@ -31,8 +31,8 @@ Not yet built (see docs/chunkmem.md): the cuda tier.
 from .chunk import Chunk, TensorSlot
 from .disk import DiskStore, DiskTierError
 from .eviction import LRU, Belady, EvictionPolicy, make_policy
-from .layout import (LayoutError, ModuleSpec, ParamSpec, auto_chunk_size, plan_layout, search_chunk_size,
-                     utilization)
+from .layout import (LayoutError, ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, plan_layout,
+                     search_chunk_size, utilization)
 from .manager import BudgetError, ChunkManager
 from .model import ChunkedModel
 from .optim import AdamGroup, ChunkAdam
@@ -45,5 +45,5 @@ __all__ = [
     "AdamGroup", "Belady", "BudgetError", "Chunk", "ChunkAdam", "ChunkKind", "ChunkManager", "ChunkState",
     "ChunkedModel", "DiskStore", "DynamicLossScaler", "DiskTierError", "EvictionPolicy", "LRU", "LayoutError", "ModuleSpec",
     "ParamSpec", "ShardedChunkedModel", "StateError", "TensorSlot", "TensorState", "Tier", "make_policy", "plan_layout",
-    "auto_chunk_size", "search_chunk_size", "utilization",
+    "auto_chunk_size", "list_capacity", "search_chunk_size", "utilization",
 ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ParamSpec", "ModuleSpec", "plan_layout", "search_chunk_size", "auto_chunk_size", "utilization",
+__all__ = ["ParamSpec", "ModuleSpec", "plan_layout", "list_capacity", "search_chunk_size", "auto_chunk_size", "utilization",
            "LayoutError", "DEFAULT_MAX_CHUNK"]
 
 
@@ -69,6 +69,20 @@ def plan_layout(modules: Sequence[ModuleSpec], chunk_size: int) -> list[list[tup
     return chunks
 
 
+CAPACITY_ALIGN = 2048  # elements: 4 KiB of 16-bit values, the disk tier's direct-I/O granule
+
+
+def list_capacity(plan: Sequence[Sequence[tuple[ParamSpec, int]]], chunk_size: int) -> int:
+    """Elements per chunk of one chunk list: the chunk size, or less when no chunk of the list
+    needs all of it (the longest used prefix, rounded up to `CAPACITY_ALIGN`).
+
+    A parameter group much smaller than a chunk (norm weights and biases, a position embedding)
+    would otherwise take a whole chunk of every kind (parameter, gradient, master, moments) in
+    RAM and on disk, and with ZeRO-3 sharding its padding chunks as well."""
+    longest = max((offset + p.numel for members in plan for p, offset in members), default=0)
+    return min(chunk_size, max(CAPACITY_ALIGN, -(-longest // CAPACITY_ALIGN) * CAPACITY_ALIGN))
+
+
 def utilization(modules: Sequence[ModuleSpec], chunk_size: int) -> float:
     """Fraction of allocated chunk elements that hold parameters."""
     chunks = plan_layout(modules, chunk_size)
@@ -115,7 +129,8 @@ def auto_chunk_size(groups: Sequence[Sequence[ModuleSpec]], pad: Callable[[int],
     total = sum(m.numel for mods in groups for m in mods)
     best_size, best_waste = lo, None
     for size in range(lo, hi + 1, stride):
-        allocated = sum(pad(len(plan_layout(mods, size))) * size for mods in groups)
+        plans = [plan_layout(mods, size) for mods in groups]
+        allocated = sum(pad(len(plan)) * list_capacity(plan, size) for plan in plans)
         waste = allocated - total
         if best_waste is None or waste < best_waste:
             best_size, best_waste = size, waste

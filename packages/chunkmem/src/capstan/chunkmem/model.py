@@ -46,7 +46,7 @@ from capstan import comm
 from capstan.comm import Group
 
 from .chunk import Chunk, TensorSlot
-from .layout import ModuleSpec, ParamSpec, auto_chunk_size, plan_layout
+from .layout import ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, plan_layout
 from .manager import BudgetError, ChunkManager
 from .order import module_order
 from .saved import ChunkViewSaver
@@ -240,12 +240,13 @@ class ChunkedModel(nn.Module):
                               f"elements ({one} bytes{', the size chosen for this model' if sized_here else ''})")
         for g in range(n_groups):
             plan = plan_layout(specs[g], self.chunk_size)
+            size = list_capacity(plan, self.chunk_size)  # a small group's chunks are small
             plan += [[] for _ in range(self._padded_count(len(plan)) - len(plan))]
             for index, members in enumerate(plan):
-                init = torch.zeros(self.chunk_size)
+                init = torch.zeros(size)
                 for kind in self.chunks:
                     dtype = self.dtype if kind is ChunkKind.PARAM else torch.float32
-                    chunk = Chunk(next_id, kind, dtype, self.chunk_size)
+                    chunk = Chunk(next_id, kind, dtype, size)
                     next_id += 1
                     for spec, offset in members:
                         p = named[spec.name]

@@ -115,12 +115,12 @@ class ShardedChunkedModel(ChunkedModel):
         """
         if not self.homes:
             return 0, "nothing"
-        cap, elem = self.chunk_size, torch.empty(0, dtype=self.dtype).element_size()
+        elem = torch.empty(0, dtype=self.dtype).element_size()
         widest = {g: max(self._width(g, u) for u in range(len(lst) // self._span))
                   for g, lst in enumerate(self.chunks[ChunkKind.PARAM]) if lst}
         with_grads = {h.group for h in self.homes.values() if h.param.requires_grad}
         open_grads = sum(self._span * widest[g] * 4 for g in with_grads)  # one buffer per group
-        flush = (0 if self.memory_saving else max(widest.values()) * 4) + cap * 4
+        flush = (0 if self.memory_saving else max(widest.values()) * 4) + self._largest_capacity() * 4
         users: dict[int, int] = {}
         hooked = [m for m in self._hooked_modules() if self._module_homes(m)]
         for m in hooked:
@@ -139,13 +139,21 @@ class ShardedChunkedModel(ChunkedModel):
                     pinned += self._module_homes(up)
                 up = parent.get(id(up))
             units = {self._key(h) for h in pinned}
-            own = len({(h.group, h.index) for h in pinned if self.owned(h.index)})
+            own = sum({(h.group, h.index): self._capacity(h.group) for h in pinned if self.owned(h.index)}.values())
             held = sum(self._span * self._width(*u) for u in units) * elem + open_grads
-            total = held + max(own * cap * elem + flush, min(own + 1, len(units)) * cap * elem)
+            gather = own + max((self._capacity(g) for g, _ in units), default=0)  # the new unit's own chunk
+            total = held + max(own * elem + flush, gather * elem)
             if total > need:
                 need, what = total, (f"module {names.get(id(m)) or type(m).__name__} ({len(units)} gathered "
                                      f"unit(s) of {self._span} chunk(s) at once) with its gradient reduction")
         return need, what
+
+    def _capacity(self, g: int) -> int:
+        """Elements per chunk of parameter group `g`'s list (`layout.list_capacity`)."""
+        return self.chunks[ChunkKind.PARAM][g][0].capacity
+
+    def _largest_capacity(self) -> int:
+        return max((lst[0].capacity for lst in self.chunks[ChunkKind.PARAM] if lst), default=self.chunk_size)
 
     def _key(self, home: ParamHome) -> tuple[int, int]:
         return (home.group, self._unit(home.index))
