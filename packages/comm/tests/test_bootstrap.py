@@ -83,6 +83,18 @@ def test_bad_backend_and_timeout_are_rejected() -> None:
         comm.init(timeout=0, environ={})
 
 
+@pytest.mark.parametrize("raw", ["big", "-1", "nan"])
+def test_a_bad_mpi_segment_size_is_named(raw: str, monkeypatch) -> None:
+    from capstan import comm
+    from capstan.comm import mpi_backend
+
+    before = mpi_backend.SEGMENT_BYTES
+    monkeypatch.setenv("CAPSTAN_MPI_SEGMENT_MIB", raw)
+    with pytest.raises(comm.LaunchError, match=f"CAPSTAN_MPI_SEGMENT_MIB='{raw}' is not a number of MiB >= 0"):
+        comm.init(environ={})
+    assert mpi_backend.SEGMENT_BYTES == before and not comm.is_initialized()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where CUDA is absent")
 def test_nccl_without_cuda_is_rejected() -> None:
     from capstan import comm

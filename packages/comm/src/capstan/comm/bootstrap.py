@@ -77,6 +77,13 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
             timeout = float(raw) if raw else DEFAULT_TIMEOUT_S
         except ValueError:
             raise LaunchError(f"environment variable {TIMEOUT_VAR}={raw!r} is not a number of seconds") from None
+    raw = os.environ.get(mpi_backend.SEGMENT_VAR, "")
+    if raw:
+        try:
+            mpi_backend.set_segment_mib(float(raw))
+        except ValueError:
+            raise LaunchError(f"environment variable {mpi_backend.SEGMENT_VAR}={raw!r} is not a number of MiB "
+                              ">= 0") from None
     td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     if td.total_seconds() <= 0:
         raise ValueError(f"comm timeout must be positive, got {td.total_seconds()} s")

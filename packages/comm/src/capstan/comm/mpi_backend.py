@@ -46,23 +46,18 @@ _inflight: dict[int, tuple[list[object], tuple[torch.Tensor, ...]]] = {}
 _kept_forever: list[object] = []  # requests that never completed by shutdown (drain), with their tensors
 
 
-def _segment_bytes() -> int:
-    """Largest message of one blocking all-reduce call (an all-gather's output per call: twice it);
-    CAPSTAN_MPI_SEGMENT_MIB overrides, 0 sends everything in one call. Every rank must use the
-    same value (the ranks call MPI once per segment)."""
-    import os
-
-    raw = os.environ.get("CAPSTAN_MPI_SEGMENT_MIB", "8")
-    try:
-        mib = float(raw)
-    except ValueError:
-        raise ValueError(f"CAPSTAN_MPI_SEGMENT_MIB must be a number of MiB, got {raw!r}") from None
-    if mib < 0:
-        raise ValueError(f"CAPSTAN_MPI_SEGMENT_MIB must be >= 0, got {raw!r}")
-    return int(mib * 2**20) or (1 << 62)
+SEGMENT_VAR = "CAPSTAN_MPI_SEGMENT_MIB"
+# Largest message of one blocking all-reduce call (an all-gather's output per call: twice it).
+SEGMENT_BYTES = 8 << 20
 
 
-SEGMENT_BYTES = _segment_bytes()
+def set_segment_mib(mib: float) -> None:
+    """Set `SEGMENT_BYTES` (`init()` does, from CAPSTAN_MPI_SEGMENT_MIB); 0 sends everything in one
+    call. Every rank must use the same value: the ranks call MPI once per segment."""
+    global SEGMENT_BYTES
+    if not mib >= 0:
+        raise ValueError(f"MPI segment size must be >= 0 MiB, got {mib}")
+    SEGMENT_BYTES = int(mib * 2**20) or (1 << 62)
 
 
 def _track(request: object, *tensors: torch.Tensor) -> object:
