@@ -9,7 +9,7 @@ parameters are transient:
 * normal mode: the first access to any chunk of a group all-gathers the
   whole group into one buffer (every rank contributes its owned chunk); an
   unpinned buffer stays for reuse until the end of backward with RAM
-  unbounded, or while it fits in the budget's headroom (`_units_kept`), and
+  unbounded, or while it fits in the budget's headroom (`_kept_bytes`), and
   is dropped least recently used first otherwise. Gradients of a group go into a group-sized buffer
   that is reduce-scattered (averaged) to the owners once every parameter of
   the group has its gradient (or at the end of backward). At most one such
@@ -67,7 +67,7 @@ class ShardedChunkedModel(ChunkedModel):
         self._span = 1 if memory_saving else group.size  # chunks per transient unit
         self._gathered: dict[tuple[int, int], torch.Tensor] = {}  # (param group, unit) -> buffer
         self.unit_gathers = 0  # units materialized so far (all-gathers, or broadcasts in memory-saving mode)
-        self._spare_units = 0  # unpinned units that may stay gathered under a budget (`_units_kept`)
+        self._spare_bytes = 0  # bytes of unpinned units that may stay gathered under a budget (`_kept_bytes`)
         self._grad_bufs: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_slots: dict[tuple[int, int], dict[int, int]] = {}  # open buffer -> {slot start: end} written
         self._spares: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # RAM unbounded: buffers to reuse
@@ -210,31 +210,31 @@ class ShardedChunkedModel(ChunkedModel):
 
     def _budget_need(self) -> tuple[int, str]:
         """The largest minimum over the group: every rank then accepts or refuses the budget alike
-        (no rank left waiting in a collective for one that raised), and `_spare_units` agrees."""
+        (no rank left waiting in a collective for one that raised), and `_spare_bytes` agrees."""
         need, what = self.minimum_budget()
         worst = torch.tensor([float(need)], dtype=torch.float64)
         comm.all_reduce(worst, op="max", group=self.group)
         most = int(worst.item())
         if most > need:
             need, what = most, f"another rank's working set (here {what}, {need} bytes)"
-        capacity = self.manager.cpu.capacity
-        unit = self._span * self.chunk_size * torch.empty(0, dtype=self.dtype).element_size()
-        self._spare_units = max(0, (capacity or 0) - need) // unit
+        self._spare_bytes = max(0, (self.manager.cpu.capacity or 0) - need)
         return need, what
 
-    def _units_kept(self) -> int | None:
-        """How many unpinned gathered units may stay for reuse (None: all, until the end of backward).
+    def _kept_bytes(self) -> int | None:
+        """Bytes of unpinned gathered units that may stay for reuse (None: all, until the end of backward).
 
         Each unit dropped while a later module still needs it is all-gathered again (the no-decay
         group's unit serves every layer, and backward revisits them all). With RAM unbounded every
         unit stays until `_end_backward`, as DeepSpeed ZeRO-3 keeps parameters live below
         ``stage3_max_live_parameters``: one all-gather per unit per step. Under a budget the units
         that fit in what the budget leaves above the (group-wide) minimum stay, most recently used
-        first, so the transient memory stays within the budget; the count is the same on every rank.
+        first, so the transient memory stays within the budget. Counted in bytes, as units differ
+        in size (`_width`): a small group's unit costs what it holds, not a whole unit of chunks.
+        The bytes, widths and order are the same on every rank, so every rank keeps the same units.
         """
         if self.memory_saving:
             return 0
-        return None if self.manager.cpu.capacity is None else self._spare_units
+        return None if self.manager.cpu.capacity is None else self._spare_bytes
 
     def _gather(self, g: int, unit: int) -> None:
         """Materialize every chunk of a unit (symmetric on all ranks)."""
@@ -242,11 +242,15 @@ class ShardedChunkedModel(ChunkedModel):
         if key in self._gathered:
             self._gathered[key] = self._gathered.pop(key)  # most recently used last
             return
-        kept = self._units_kept()
+        kept = self._kept_bytes()
         if kept is not None:
             idle = [k for k in self._gathered
                     if not any(h.pins for i in self._unit_indices(*k) for h in self._param_homes(k[0], i))]
-            for other in idle[: max(0, len(idle) - kept)]:  # least recently used first
+            held = sum(self._gathered[k].nbytes for k in idle)
+            for other in idle:  # least recently used first
+                if held <= kept:
+                    break
+                held -= self._gathered[other].nbytes
                 self._drop_unit(other)
         self.unit_gathers += 1
         width = self._width(g, unit)
