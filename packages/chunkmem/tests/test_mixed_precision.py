@@ -51,7 +51,7 @@ def _torch_bf16_reference() -> list[float]:
 
 
 def _chunked(tmp_path, budget: int | None, accumulate: bool, dtype=torch.bfloat16) -> tuple[list[float], ChunkedModel]:
-    manager = ChunkManager(budget, DiskStore(tmp_path), audit=True)
+    manager = ChunkManager(budget, DiskStore(tmp_path) if tmp_path is not None else None, audit=True)
     model = ChunkedModel(_net(), manager, CHUNK, dtype=dtype, accumulate_grads=accumulate)
     opt = ChunkAdam(model, lr=1e-2, weight_decay=0.1)
     out = []
@@ -86,6 +86,20 @@ def test_gradient_slot_reuse_equals_separate_gradient_chunks(tmp_path) -> None:
     assert sum(m2.chunks[k][0][0].nbytes // CHUNK for k in m2.kinds()) == 18
     m1.manager.close()
     m2.manager.close()
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_chunks_that_stay_put_train_without_module_hooks_like_the_hooked_path(tmp_path, accumulate: bool) -> None:
+    # RAM unbounded and no disk tier: nothing can move, so no access/release hooks are installed
+    # (model.py `_chunks_stay_put`); the 16-bit gradients still reach their slots or chunks.
+    hooked, m1 = _chunked(tmp_path, 10 * CHUNK * 4, accumulate=accumulate)
+    static, m2 = _chunked(None, None, accumulate=accumulate)
+    assert static == hooked
+    assert not m1.static and m2.static
+    assert all(not m._forward_pre_hooks for m in m2.module.modules())
+    assert any(m._forward_pre_hooks for m in m1.module.modules())
+    assert m2.manager.stats()["moved_bytes"] == 0
+    m1.manager.close()
 
 
 def test_fp16_overflow_skips_the_step_and_restores_parameters(tmp_path) -> None:

@@ -18,6 +18,10 @@ Hooks move the data (PatrickStar's scheme):
   (HOLD_AFTER_BWD). A parameter used by several modules (tied weights) is
   pinned once per use and released after its single gradient hook.
 
+Where no chunk can move (RAM unbounded, no disk tier, nothing sharded) the
+module and saved-tensor hooks are not installed at all: parameters stay
+bound to their slots and only gradients of 16-bit parameters need a hook.
+
 Activation checkpointing works because recomputation simply runs the
 forward hooks again inside backward.
 
@@ -36,6 +40,7 @@ and `reduce_any` global; chunkmem knows nothing of what the groups are.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+import contextlib
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -189,13 +194,16 @@ class ChunkedModel(nn.Module):
             f"and gather/reduce buffers in the worst case, the budget this model and chunk size need to be "
             f"sure to fit (plus its activations)")
 
+    def _grads_bound(self) -> bool:
+        # Not in mixed precision: autograd's gradient of a 16-bit parameter is 16-bit, the chunk fp32.
+        return (self.grad_chunks and not self.mixed and self.manager.cpu.capacity is None
+                and self.manager.disk is None and not self._gathers)
+
     def _bind_resident_grads(self) -> None:
         """When RAM is unbounded and there is no disk tier, nothing ever moves: each `param.grad`
         is bound to its GRAD chunk slot once, so autograd accumulates straight into the chunk
         (no per-step gradient allocation, no copy into the chunk)."""
-        # Not in mixed precision: autograd's gradient of a 16-bit parameter is 16-bit, the chunk fp32.
-        self.resident_grads = (self.grad_chunks and not self.mixed and self.manager.cpu.capacity is None
-                               and self.manager.disk is None and type(self)._grad_arrived is ChunkedModel._grad_arrived)
+        self.resident_grads = self._grads_bound()
         if not self.resident_grads:
             return
         for home in self.homes.values():
@@ -403,7 +411,22 @@ class ChunkedModel(nn.Module):
                 inside.update(id(m) for m in module.modules() if m is not module)
             yield module
 
+    def _chunks_stay_put(self) -> bool:
+        """True when no chunk can ever leave RAM: the budget is unbounded, there is no disk tier and
+        no chunk lives on another rank. Every parameter then stays bound to its chunk slot for good,
+        and the per-module access/release hooks and the saved-tensor hooks would only count pins
+        (7-8 ms of a 200 ms step on a small GPT, docs/chunkmem.md): they are left out."""
+        return self.manager.cpu.capacity is None and self.manager.disk is None and not self._gathers
+
+    _gathers = False  # True where chunks live on other ranks and hooks gather them (sharding.py)
+
     def _install_hooks(self) -> None:
+        self.static = self._chunks_stay_put()
+        if self.static:
+            for home in self.homes.values():  # slot-reuse or 16-bit gradients still go into chunks
+                if home.param.requires_grad and not self._grads_bound():
+                    home.param.register_post_accumulate_grad_hook(self._make_grad_hook(home))
+            return
         for module in self._hooked_modules():
             homes = self._module_homes(module)
             if not homes:
@@ -481,7 +504,10 @@ class ChunkedModel(nn.Module):
     def saved_tensors(self) -> AbstractContextManager[None]:
         """The saved-tensor hooks `forward` runs under: views of parameter chunks that autograd saves
         are kept as references (saved.py). Wrap forwards made by calling submodules directly (a
-        pipeline executor running this model's stage chunks) in it."""
+        pipeline executor running this model's stage chunks) in it. Where chunks stay put there is
+        nothing to guard against and autograd saves tensors as usual."""
+        if self.static:
+            return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self.saver.pack, self.saver.unpack)
 
     def forward(self, *args: object, **kwargs: object) -> object:

@@ -60,6 +60,8 @@ __all__ = ["ShardedChunkedModel"]
 class ShardedChunkedModel(ChunkedModel):
     """A `ChunkedModel` whose chunks are sharded over the data-parallel group `group`."""
 
+    _gathers = True
+
     def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int | None, group: Group,
                  memory_saving: bool = False, **kwargs: object) -> None:
         self.group = group
