@@ -6,24 +6,9 @@ order one traced forward first calls the modules: order.py) into PARAM chunks, w
 GRAD, EXP_AVG and EXP_AVG_SQ chunks at the same offsets so the optimizer
 works chunk by chunk. Pure-fp32 mode: the PARAM chunk is the master copy.
 
-Hooks move the data (PatrickStar's scheme):
-
-* forward pre-hook of a module: its parameters' chunks are accessed (made
-  resident and pinned) and `param.data` becomes a view into the chunk;
-* forward hook: released (HOLD_AFTER_FWD) — the chunk may be evicted, and
-  `param.data` then points at an empty tensor; the module's outputs are
-  wrapped so that their backward re-accesses the parameters first;
-* after a parameter's gradient is accumulated: it is added into the GRAD
-  chunk, `param.grad` is dropped, and the parameter is released
-  (HOLD_AFTER_BWD). A parameter used by several modules (tied weights) is
-  pinned once per use and released after its single gradient hook.
-
-Where no chunk can move (RAM unbounded, no disk tier, nothing sharded) the
-module and saved-tensor hooks are not installed at all: parameters stay
-bound to their slots and only gradients of 16-bit parameters need a hook.
-
-Activation checkpointing works because recomputation simply runs the
-forward hooks again inside backward.
+Hooks (hooks.py) move the data, PatrickStar's scheme: a module's forward
+accesses its parameters' chunks and releases them after, its backward
+re-accesses them, and each gradient lands in its chunk.
 
 Driving backward from outside (a pipeline schedule calls
 `torch.autograd.backward` on stage outputs, several micro-batches in
@@ -39,8 +24,8 @@ and `reduce_any` global; chunkmem knows nothing of what the groups are.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -51,6 +36,7 @@ from capstan import comm
 from capstan.comm import Group
 
 from .chunk import Chunk, TensorSlot
+from .hooks import install_hooks
 from .layout import ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, plan_layout
 from .manager import BudgetError, ChunkManager
 from .order import module_order
@@ -75,20 +61,6 @@ class ParamHome:
     grad_in_slot: bool = False  # slot-reuse mode: the PARAM slot holds this step's gradient
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity whose backward calls `hook` first: re-access a module's parameters before its backward."""
-
-    @staticmethod
-    def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.hook = hook
-        return tensors if len(tensors) > 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.hook()
-        return (None, *grads)
-
-
 class ChunkedModel(nn.Module):
     """Wraps `module` so its parameters live in chunks managed by `manager`.
 
@@ -100,6 +72,8 @@ class ChunkedModel(nn.Module):
     one forward on `example_inputs` (a tuple of positional arguments, run without gradients, on
     the meta device for a meta-device model) first calls them, uncalled modules last (order.py).
     """
+
+    _gathers = False  # True where chunks live on other ranks and hooks gather them (sharding.py)
 
     def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int | None,
                  param_groups: list[list[str]] | None = None,
@@ -420,63 +394,9 @@ class ChunkedModel(nn.Module):
         (7-8 ms of a 200 ms step on a small GPT, docs/chunkmem.md): they are left out."""
         return self.manager.cpu.capacity is None and self.manager.disk is None and not self._gathers
 
-    _gathers = False  # True where chunks live on other ranks and hooks gather them (sharding.py)
-
     def _install_hooks(self) -> None:
         self.static = self._chunks_stay_put()
-        if self.static:
-            for home in self.homes.values():  # slot-reuse or 16-bit gradients still go into chunks
-                if home.param.requires_grad and not self._grads_bound():
-                    home.param.register_post_accumulate_grad_hook(self._make_grad_hook(home))
-            return
-        for module in self._hooked_modules():
-            homes = self._module_homes(module)
-            if not homes:
-                continue
-            module.register_forward_pre_hook(self._make_pre_forward(homes))
-            module.register_forward_hook(self._make_post_forward(homes))
-        for home in self.homes.values():
-            if home.param.requires_grad:
-                home.param.register_post_accumulate_grad_hook(self._make_grad_hook(home))
-
-    def _make_pre_forward(self, homes: list[ParamHome]) -> Callable[..., None]:
-        def hook(module: nn.Module, args: object) -> None:
-            for home in homes:
-                self._access(home)
-        return hook
-
-    def _make_post_forward(self, homes: list[ParamHome]) -> Callable[..., object]:
-        def pre_backward() -> None:
-            for home in homes:
-                self._access(home)
-
-        def hook(module: nn.Module, args: object, output: object) -> object:
-            for home in homes:
-                self._release(home, TensorState.HOLD_AFTER_FWD)
-            if not torch.is_grad_enabled():
-                return output
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                return _PreBackward.apply(pre_backward, output)
-            if isinstance(output, tuple):
-                idx = [i for i, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-                if idx:
-                    wrapped = _PreBackward.apply(pre_backward, *(output[i] for i in idx))
-                    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-                    out = list(output)
-                    for i, t in zip(idx, wrapped):
-                        out[i] = t
-                    return type(output)(out) if type(output) is tuple else out
-            return output
-        return hook
-
-    def _make_grad_hook(self, home: ParamHome) -> Callable[[nn.Parameter], None]:
-        def hook(param: nn.Parameter) -> None:
-            assert param.grad is not None
-            if not self.resident_grads:  # else autograd already accumulated into the chunk slot
-                self._grad_arrived(home, param.grad)
-                param.grad = None
-            self._release(home, TensorState.HOLD_AFTER_BWD, all_pins=True)
-        return hook
+        install_hooks(self, modules=not self.static, grads=not (self.static and self._grads_bound()))
 
     def _grad_arrived(self, home: ParamHome, grad: torch.Tensor) -> None:
         """Accumulate one gradient into its GRAD chunk slot, or store it in its parameter's slot."""
