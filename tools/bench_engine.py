@@ -37,7 +37,8 @@ Two measurements (launched with `capstan.comm.testing.run_ranks`):
    ratios are printed.
 2. processes (peak RSS): each (system, round) is a fresh set of processes, so
    `ru_maxrss` is that system's alone; tokens/s is printed too (noisier:
-   the systems run minutes apart). DeepSpeed runs only here (its own venv).
+   the systems run minutes apart). DeepSpeed runs only here (its own venv;
+   tools/bench_engine_deepspeed.py).
 
 tokens/s counts every rank's tokens over the timed steps (after `--warmup`
 untimed ones), divided by the slowest rank's wall time.
@@ -277,144 +278,13 @@ def bench_interleaved(name: str, world: int, systems: list[str], a: dict, rounds
     return out
 
 
-def ds_worker(a: dict, stage: int) -> dict:
-    """DeepSpeed ZeRO-`stage` with offload_optimizer cpu on this rank (run under --deepspeed's python)."""
-    torch.set_num_threads(1)
-    import deepspeed
-    import torch.distributed as dist
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    from types import SimpleNamespace
-
-    from capstan import comm
-    from capstan.tensorpar import GPTConfig, build_gpt
-
-    # capstan.engine's defaults, written out: the engine package needs capstan.native, not in this venv.
-    t = SimpleNamespace(seed=1234, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0)
-    torch.manual_seed(t.seed)
-    gpt = GPTConfig(vocab_size=a.get("vocab", VOCAB), seq_len=a["seq"], d_model=a["d_model"], n_heads=a["heads"],
-                    n_layers=a["layers"], dropout=0.0)
-    model = build_gpt(gpt, comm.single_process_groups().tp, seed=t.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    ds_config = {
-        "train_micro_batch_size_per_gpu": a["micro"], "gradient_accumulation_steps": 1,
-        "gradient_clipping": t.grad_clip, "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps,
-                                                  "weight_decay": t.weight_decay}},
-        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}},
-    }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
-    loss_of = model.loss
-    data = batches(a["micro"], a["seq"], rank, world, a.get("vocab", VOCAB))
-    losses: list[float] = []
-
-    def step() -> None:
-        x, y = next(data)
-        loss = loss_of(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        v = loss.detach().clone()
-        dist.all_reduce(v)
-        losses.append(float(v) / world)
-
-    return {**timed_steps(step, a, world), "losses": losses, "params": n_params}
-
-
-def run_deepspeed(python: str, stage: int, world: int, a: dict, tries: int = 3) -> list[dict]:
-    """`run_deepspeed_once`, started again (a fresh port) when a run hangs or fails: one of
-    DeepSpeed's ranks under mpirun once waited forever for a peer that had gone (session 7), which
-    stalled a whole benchmark. A retried run is named on stderr."""
-    import subprocess
-
-    for attempt in range(1, tries + 1):
-        try:
-            return run_deepspeed_once(python, stage, world, a)
-        except subprocess.TimeoutExpired:
-            print(f"deepspeed ZeRO-{stage} run {attempt} of {tries} hung; killed", file=sys.stderr, flush=True)
-        except DeepSpeedFailed as e:
-            print(f"deepspeed ZeRO-{stage} run {attempt} of {tries} failed: {e}", file=sys.stderr, flush=True)
-    raise RuntimeError(f"deepspeed ZeRO-{stage} failed or hung {tries} times")
-
-
-class DeepSpeedFailed(RuntimeError):
-    """A DeepSpeed run of the benchmark exited non-zero before every rank wrote its results."""
-
-
-DS_RUN_TIMEOUT_S = 300  # a DeepSpeed run of the benchmark takes 30-90 s here
-
-
-def run_deepspeed_once(python: str, stage: int, world: int, a: dict) -> list[dict]:
-    """`world` ranks of `python tools/bench_engine.py --ds-worker` (env:// rendezvous, gloo)."""
-    import signal
-    import socket
-    import subprocess
-    import tempfile
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="bench-ds-") as tmp:
-        if a.get("mpirun"):  # the same launcher (and core binding) as capstan's ranks under --mpirun
-            from capstan.comm.testing.harness import mpirun_args
-
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       DS_ACCELERATOR="cpu",
-                       PYTHONPATH=os.pathsep.join(f"{root}/packages/{p}/src" for p in ("comm", "tensorpar", "engine")))
-            for k in [k for k in env if k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]:
-                del env[k]
-            out = os.path.join(tmp, "result.%r.json")
-            cmd = mpirun_args(world) + [python, os.path.abspath(__file__), "--ds-worker", json.dumps(a),
-                                        "--ds-stage", str(stage), "--json", out]
-            log = os.path.join(tmp, "log")
-            proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                code = proc.wait(timeout=DS_RUN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # mpirun and every rank it started
-                proc.wait()
-                raise
-            files = [out.replace("%r", str(r)) for r in range(world)]
-            if code and all(os.path.exists(f) for f in files):
-                # Every rank wrote its timings, then one aborted in torch's teardown ("terminate
-                # called without an active exception", once in session 7): the run itself is complete.
-                print(f"deepspeed ZeRO-{stage} exited {code} after writing every rank's results; kept",
-                      file=sys.stderr, flush=True)
-            elif code:
-                raise DeepSpeedFailed(f"deepspeed under mpirun exited {code}:\n" + open(log).read()[-3000:])
-            return [json.load(open(f)) for f in files]
-        procs = []
-        for r in range(world):
-            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                       PYTHONPATH=os.pathsep.join(f"{root}/packages/{p}/src" for p in ("comm", "tensorpar", "engine")))
-            out = os.path.join(tmp, f"result.{r}.json")
-            procs.append(subprocess.Popen([python, os.path.abspath(__file__), "--ds-worker", json.dumps(a),
-                                           "--ds-stage", str(stage), "--json", out], env=env,
-                                          stdout=open(os.path.join(tmp, f"log.{r}"), "w"), stderr=subprocess.STDOUT))
-        try:
-            codes = [p.wait(timeout=DS_RUN_TIMEOUT_S) for p in procs]
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-                p.wait()
-            raise
-        if any(codes):
-            raise DeepSpeedFailed(f"deepspeed ranks exited {codes}:\n" + open(os.path.join(tmp, "log.0")).read()[-3000:])
-        return [json.load(open(os.path.join(tmp, f"result.{r}.json"))) for r in range(world)]
-
-
 def run(system: str, world: int, a: dict) -> dict:
     from capstan.comm.testing import run_ranks
 
     timeout = 120 + 60 * (a["steps"] + a["warmup"])
     if system.startswith("ds-zero"):
+        from bench_engine_deepspeed import run_deepspeed
+
         res = run_deepspeed(a["deepspeed"], int(system[-1]), world, a)
     elif system.startswith("capstan") and world > 1 and a.get("mpirun"):
         from capstan.comm.testing import run_mpirun
@@ -486,19 +356,7 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--deepspeed", default=None, metavar="PYTHON",
                    help="a python with deepspeed (a separate venv): adds ds-zero2 and ds-zero3, offload_optimizer cpu")
-    p.add_argument("--ds-worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--ds-stage", type=int, default=2, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.ds_worker:
-        for var, ompi in (("RANK", "OMPI_COMM_WORLD_RANK"), ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"),
-                          ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
-                          ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")):
-            if var not in os.environ and ompi in os.environ:  # started by mpirun (--mpirun)
-                os.environ[var] = os.environ[ompi]
-        res = ds_worker(json.loads(args.ds_worker), args.ds_stage)
-        with open(args.json.replace("%r", os.environ.get("RANK", "0")), "w") as f:
-            json.dump(res, f)
-        return 0
     a = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq, "vocab": args.vocab,
          "micro": args.micro, "steps": args.steps, "warmup": args.warmup, "deepspeed": args.deepspeed,
          "mpirun": args.mpirun, "capstan_backend": args.capstan_backend, "disk_budget_mib": args.disk_budget_mib}
