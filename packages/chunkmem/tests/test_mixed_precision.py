@@ -25,8 +25,8 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x * 3 + 1) % 64
 
 
-def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:
-    x, y = _batch(step)
+def _loss(model: torch.nn.Module, step: int, device: str = "cpu") -> torch.Tensor:
+    x, y = (t.to(device) for t in _batch(step))
     return torch.nn.functional.cross_entropy(model(x).float().reshape(-1, 64), y.reshape(-1))
 
 
@@ -50,14 +50,16 @@ def _torch_bf16_reference() -> list[float]:
     return out
 
 
-def _chunked(tmp_path, budget: int | None, accumulate: bool, dtype=torch.bfloat16) -> tuple[list[float], ChunkedModel]:
-    manager = ChunkManager(budget, DiskStore(tmp_path) if tmp_path is not None else None, audit=True)
+def _chunked(tmp_path, budget: int | None, accumulate: bool, dtype=torch.bfloat16, device: str | None = None,
+             device_budget: int | None = None) -> tuple[list[float], ChunkedModel]:
+    manager = ChunkManager(budget, DiskStore(tmp_path) if tmp_path is not None else None, audit=True,
+                           device=device, device_budget=device_budget)
     model = ChunkedModel(_net(), manager, CHUNK, dtype=dtype, accumulate_grads=accumulate)
     opt = ChunkAdam(model, lr=1e-2, weight_decay=0.1)
     out = []
     for s in range(STEPS):
         manager.begin_step()
-        loss = _loss(model, s)
+        loss = _loss(model, s, device or "cpu")
         model.backward(loss)
         opt.step()
         manager.end_step()
@@ -100,6 +102,24 @@ def test_chunks_that_stay_put_train_without_module_hooks_like_the_hooked_path(tm
     assert any(m._forward_pre_hooks for m in m1.module.modules())
     assert m2.manager.stats()["moved_bytes"] == 0
     m1.manager.close()
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # "cpu": a stand-in device tier
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_bf16_chunks_through_a_device_tier_train_exactly_like_ram_only(tmp_path, device: str, accumulate: bool) -> None:
+    # Slot reuse: the bf16 gradient lands in its parameter's slot on the device and reaches the
+    # optimizer in RAM with it; with accumulation, fp32 gradient chunks are added to on the device.
+    ram, m1 = _chunked(tmp_path / "ram", 10 * CHUNK * 4, accumulate=accumulate)
+    budget = 2 * CHUNK * 4
+    dev, m2 = _chunked(tmp_path / "dev", 10 * CHUNK * 4, accumulate=accumulate, device=device, device_budget=budget)
+    assert dev == ram
+    tier = m2.manager.stats()["device" if device == "cpu" else device]
+    assert tier["peak_bytes"] <= budget and tier["evictions"] > 0
+    m1.manager.close()
+    m2.manager.close()
 
 
 def test_fp16_overflow_skips_the_step_and_restores_parameters(tmp_path) -> None:

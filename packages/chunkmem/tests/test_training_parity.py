@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkManager, DiskStore
+from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkKind, ChunkManager, DiskStore
 
 VOCAB, SEQ, D, HEADS, LAYERS = 64, 16, 32, 4, 2
 CHUNK = 4096  # elements: ~11 param chunks, x4 kinds, so the budget below forces disk traffic
@@ -30,7 +30,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
-        mask = torch.triu(torch.full((x.shape[1], x.shape[1]), float("-inf")), 1)
+        mask = torch.triu(torch.full((x.shape[1], x.shape[1]), float("-inf"), device=x.device), 1)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         return x + self.proj(torch.relu(self.fc(self.ln2(x))))
 
@@ -47,7 +47,7 @@ class TinyGPT(nn.Module):
             self.head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         logits = self.head(self.ln_f(self.blocks(x)))
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
@@ -224,3 +224,57 @@ def test_norm_weights_and_backward_driven_outside() -> None:
     assert ChunkAdam(model).grad_norm() == pytest.approx(want, rel=1e-6)
     with pytest.raises(ValueError, match="1 norm weights for 2 parameter groups"):
         ChunkedModel(nn.Linear(2, 2), ChunkManager(None), 256, param_groups=[["weight"], ["bias"]], norm_weights=[1.0])
+
+
+# The compute device above RAM: a CPU stand-in here (the same moves, into separately counted
+# buffers); on a machine with CUDA the real device is tested as well.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICE_BUDGET = 5 * CHUNK * 4  # 5 of the 22 PARAM + GRAD chunks: every step evicts from the device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("eviction", ["belady", "lru"])
+def test_a_device_tier_above_ram_and_disk_trains_like_plain_pytorch(device: str, eviction: str, tmp_path) -> None:
+    steps = 20
+    want = _reference(steps, 1, tied=False)
+    torch.manual_seed(0)
+    net = TinyGPT(False)
+    manager = ChunkManager(BUDGET, DiskStore(tmp_path), eviction=eviction, audit=True, device=device,
+                           device_budget=DEVICE_BUDGET)
+    model = ChunkedModel(net, manager, chunk_size=CHUNK)
+    opt = ChunkAdam(model, lr=3e-3, weight_decay=0.1)
+    to_device = manager._to_device
+    kinds_on_device: set[ChunkKind] = set()
+
+    def spy(entry) -> None:
+        kinds_on_device.add(entry.chunk.kind)
+        to_device(entry)
+
+    manager._to_device = spy  # type: ignore[method-assign]
+    got = []
+    for batch in _batches(steps, 1):
+        manager.begin_step()
+        x, y = (t.to(device) for t in batch[0])
+        loss = model(x, y)
+        model.backward(loss)
+        opt.step()
+        manager.end_step()
+        got.append(loss.item())
+    assert _rel(got, want) <= 1e-6, (got, want)
+    stats = manager.stats()
+    dev = stats["device" if device == "cpu" else device]
+    assert dev["peak_bytes"] <= DEVICE_BUDGET and dev["evictions"] > 0
+    assert dev["bytes_in"] > steps * DEVICE_BUDGET  # the parameters really went through the device
+    assert stats["cpu"]["peak_bytes"] <= BUDGET
+    assert stats["disk"]["bytes_out"] > steps * BUDGET
+    # Forward and backward compute on the device; the optimizer's chunks stay in RAM and on disk.
+    assert kinds_on_device == {ChunkKind.PARAM, ChunkKind.GRAD}
+    manager.close()
+
+
+def test_a_device_budget_below_the_working_set_names_the_minimum(tmp_path) -> None:
+    # The largest module here is an attention block: its in-projection and out-projection chunks.
+    with pytest.raises(BudgetError, match=r"device budget of 40000 bytes is below the working set: "
+                                          r"module .* needs \d+ bytes .* minimum device budget"):
+        ChunkedModel(TinyGPT(False), ChunkManager(BUDGET, DiskStore(tmp_path), device="cpu", device_budget=40_000),
+                     chunk_size=CHUNK)

@@ -25,7 +25,10 @@ masters; without gradient accumulation a gradient reuses its parameter's
 the order one traced forward first uses their modules (order.py) instead of
 creation order.
 
-Not yet built (see docs/chunkmem.md): the cuda tier.
+`ChunkManager(..., device="cuda", device_budget=N)` adds a compute-device tier
+above RAM (device.py): parameter and gradient chunks compute there, the
+optimizer's chunks stay in RAM and on disk. Tested with a CPU stand-in
+device; never run on a GPU (see docs/chunkmem.md).
 """
 
 from .chunk import Chunk, TensorSlot

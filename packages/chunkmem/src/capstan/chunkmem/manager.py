@@ -1,7 +1,8 @@
 """`ChunkManager`: keeps each chunk's payload in the compute tier while it is used, and moves the rest.
 
 Tiers on a CPU machine: `cpu` (the compute tier, with a budget) above `disk`
-(unbounded by default). Every access is a *moment*. The first step is the
+(unbounded by default); with `device=` a device tier sits above `cpu` and
+becomes the compute tier (device.py). Every access is a *moment*. The first step is the
 warm-up: the manager records which chunk each moment touches (and the
 non-model memory, sampled from RSS) and evicts LRU. From then on the trace
 drives placement: the policy (Belady by default) evicts the chunk used
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .chunk import Chunk
+from .device import DeviceMoves, device_tier
 from .disk import DiskStore
 from .eviction import EvictionPolicy, make_policy
 from .nonmodel import check_memory_limit, nonmodel_ahead, return_freed_memory
@@ -37,7 +39,7 @@ __all__ = ["ChunkManager", "BudgetError"]
 @dataclass
 class _Entry:
     chunk: Chunk
-    where: str | None = None  # "cpu", "disk", or None (no data yet: reads as zeros)
+    where: str | None = None  # "device", "cpu", "disk", or None (no data yet: reads as zeros)
     disk_valid: bool = False  # the disk slot holds the current data
     pins: int = 0  # accesses not yet released
     write: object | None = None  # write-back in flight (holds the buffer, and its budget)
@@ -51,17 +53,22 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class ChunkManager:
-    """Places chunks between the cpu tier (budget `cpu_budget` bytes) and an optional disk tier."""
+class ChunkManager(DeviceMoves):
+    """Places chunks between the cpu tier (budget `cpu_budget` bytes) and an optional disk tier.
+
+    device: an optional compute device above RAM (`device_budget` bytes for chunks on it, None
+    unbounded): chunks accessed for compute live there, the rest in RAM or on disk (device.py)."""
 
     def __init__(self, cpu_budget: int | None, disk: DiskStore | None = None, eviction: str = "belady",
-                 prefetch: int = 2, audit: bool = False, memory_limit: int | None = None) -> None:
+                 prefetch: int = 2, audit: bool = False, memory_limit: int | None = None,
+                 device: torch.device | str | None = None, device_budget: int | None = None) -> None:
         if cpu_budget is not None and cpu_budget <= 0:
             raise ValueError(f"cpu budget must be positive, got {cpu_budget}")
         if memory_limit is not None and (cpu_budget is None or memory_limit < cpu_budget):
             raise ValueError(f"memory_limit ({memory_limit} bytes) needs a cpu budget for the warm-up step "
                              f"that is no larger (got {cpu_budget})")
         self.cpu = Tier("cpu", cpu_budget)
+        self.device, self.dev = device_tier(device, device_budget)
         # Chunks + non-model memory; after warm-up the chunks' capacity follows the trace (nonmodel.py).
         self.memory_limit = memory_limit
         if memory_limit is not None:
@@ -104,24 +111,34 @@ class ChunkManager:
         self._after_move()
 
     # ---- access ---------------------------------------------------------------------------------
-    def access(self, chunk_id: int, write: bool = False, overwrite: bool = False) -> Chunk:
-        """Make the chunk resident in the compute tier and pin it (until `release`).
+    def access(self, chunk_id: int, write: bool = False, overwrite: bool = False, compute: bool = False) -> Chunk:
+        """Make the chunk resident in RAM, or with `compute` in the compute tier (the device where
+        there is one, else RAM), and pin it (until `release`).
 
         overwrite: the caller writes every used element before anything reads them (implies
         `write`), so a chunk that reads as zeros (`reads_as_zeros`) is not cleared first."""
         entry = self.entries[chunk_id]
         chunk = entry.chunk
         self._record(chunk_id)
+        on_device = compute and self.dev is not None
+        if entry.where == "device" and not on_device:
+            self._off_device(entry)
         if entry.read is not None:  # prefetched: wait for the read to land
             waited = entry.read.done()
             self._finish_read(entry)
             self.counters["prefetch_hits" if waited else "prefetch_misses"] += 1
-        elif entry.where != "cpu":
+        elif entry.where not in ("cpu", "device"):
             self._load(entry, overwrite)
         if entry.stale:
             if not overwrite:
                 entry.chunk.payload.zero_()  # type: ignore[union-attr]
             entry.stale = False
+        if on_device and entry.where != "device":
+            entry.pins += 1  # so that making room on the device (into RAM) cannot evict it to disk
+            try:
+                self._to_device(entry)
+            finally:
+                entry.pins -= 1
         entry.pins += 1
         if write or overwrite:
             entry.disk_valid = False
@@ -161,6 +178,15 @@ class ChunkManager:
         entry = self.entries[chunk_id]
         if entry.pins:
             raise RuntimeError(f"cannot free chunk {chunk_id}: it is in use")
+        if entry.where == "device":
+            assert self.dev is not None
+            for cb in self.on_evict:
+                cb(entry.chunk)
+            self._drop_payload(entry)
+            self.dev.release(entry.chunk.nbytes)
+            entry.where, entry.disk_valid = None, False
+            self._after_move()
+            return
         if entry.read is not None:
             self._finish_read(entry)
         self._wait_write(entry)
@@ -259,8 +285,9 @@ class ChunkManager:
         if entry.stale:  # only under RAM unbounded, which never evicts; kept exact regardless
             chunk.payload.zero_()  # type: ignore[union-attr]
             entry.stale = False
-        for cb in self.on_evict:
-            cb(chunk)
+        if self.dev is None:  # with a device tier, a chunk in RAM is no longer bound to its tensors
+            for cb in self.on_evict:
+                cb(chunk)
         self.cpu.stats.evictions += 1
         if entry.disk_valid:  # clean: the disk copy is current, just drop the buffer
             self._drop_payload(entry)
@@ -292,6 +319,9 @@ class ChunkManager:
         entry.chunk.payload = None
 
     def _resident(self, chunk: Chunk) -> None:
+        """Tell the models a chunk arrived in the compute tier (RAM arrivals count only without a device)."""
+        if self.dev is not None and self.entries[chunk.chunk_id].where != "device":
+            return
         for cb in self.on_resident:
             cb(chunk)
 
@@ -379,9 +409,10 @@ class ChunkManager:
 
     def audit(self) -> None:
         """Recompute the cpu tier's bytes from the chunks and check them against the counter and budget."""
+        self._audit_device()
         held = self.transient
         for e in self.entries.values():
-            if e.chunk.payload is not None:
+            if e.chunk.payload is not None and e.where != "device":
                 held += e.chunk.nbytes
             if e.write_buf is not None:
                 held += e.chunk.nbytes
@@ -399,7 +430,9 @@ class ChunkManager:
                     "bytes_out": self.cpu.stats.bytes_out, "evictions": self.cpu.stats.evictions},
             "disk": {"resident_bytes": disk_resident, "bytes_in": self.disk_tier.stats.bytes_in,
                      "bytes_out": self.disk_tier.stats.bytes_out},
-            "moved_bytes": self.cpu.stats.bytes_in + self.cpu.stats.bytes_out,
+            **self._device_stats(),
+            "moved_bytes": self.cpu.stats.bytes_in + self.cpu.stats.bytes_out
+            + (self.dev.stats.bytes_in + self.dev.stats.bytes_out if self.dev is not None else 0),
             "nonmodel_peak_bytes": max(self.nonmodel, default=0),
             "chunk_capacity_bytes": self.cpu.capacity,
             **self.counters,

@@ -123,6 +123,12 @@ class ChunkedModel(nn.Module):
         holds (one sibling group of every kind).
         """
         need, what = self._hooks_need()
+        opt_need, opt_what = self._optimizer_need()
+        return (opt_need, opt_what) if opt_need > need else (need, what)
+
+    def _optimizer_need(self) -> tuple[int, str]:
+        """The optimizer holds one sibling group of every kind in RAM at once."""
+        need, what = 0, "nothing"
         for g in range(len(self.chunks[ChunkKind.PARAM])):
             for i in self.owned_indices(g):
                 total = sum(self.chunks[k][g][i].nbytes for k in self.kinds())
@@ -152,10 +158,18 @@ class ChunkedModel(nn.Module):
         return self.minimum_budget()
 
     def _check_budget(self) -> None:
+        dev = self.manager.dev
+        if dev is not None and dev.capacity is not None:  # forward/backward compute on the device
+            need, what = self._hooks_need()
+            if dev.capacity < need:
+                raise BudgetError(
+                    f"{dev.name} budget of {dev.capacity} bytes is below the working set: {what} needs {need} "
+                    f"bytes of chunks on the device at once; the minimum device budget for this model and chunk "
+                    f"size is {need} bytes (plus its activations)")
         capacity = self.manager.cpu.capacity
         if capacity is None:
             return
-        need, what = self._budget_need()
+        need, what = self._budget_need() if dev is None else self._optimizer_need()
         if capacity >= need:
             return
         if self.budget_need_exact:
@@ -172,7 +186,7 @@ class ChunkedModel(nn.Module):
         # Not in mixed precision: autograd's gradient of a 16-bit parameter is 16-bit, the chunk fp32.
         # And not where a subclass handles arriving gradients itself (sharding.py reduces them).
         return (self.grad_chunks and not self.mixed and self.manager.cpu.capacity is None
-                and self.manager.disk is None and not self._gathers
+                and self.manager.disk is None and self.manager.dev is None and not self._gathers
                 and type(self)._grad_arrived is ChunkedModel._grad_arrived)
 
     def _bind_resident_grads(self) -> None:
@@ -306,8 +320,11 @@ class ChunkedModel(nn.Module):
             self.manager.add(self.chunks[ChunkKind.MASTER][g][index], init)
         for kind in self.kinds()[1 + self.mixed:]:
             self.manager.add(self.chunks[kind][g][index])
-        if param_chunk.payload is not None:
+        if param_chunk.payload is not None and self.manager.dev is None:
             self._bind(param_chunk)
+        elif self.manager.dev is not None:  # bound when a forward first brings the chunk onto the device
+            for home in self._homes_in(param_chunk):
+                home.param.data = _EMPTY
 
     def owned_indices(self, g: int) -> list[int]:
         """Chunk indices of group `g` whose optimizer state this rank keeps (all, unsharded)."""
@@ -360,7 +377,7 @@ class ChunkedModel(nn.Module):
     # ---- access and release -------------------------------------------------------------------
     def _access(self, home: ParamHome) -> None:
         chunk = self.chunk_of(home, ChunkKind.PARAM)
-        self.manager.access(chunk.chunk_id)
+        self.manager.access(chunk.chunk_id, compute=True)
         chunk.set_state(home.slot, TensorState.COMPUTE)
         home.pins += 1
 
@@ -392,7 +409,8 @@ class ChunkedModel(nn.Module):
         no chunk lives on another rank. Every parameter then stays bound to its chunk slot for good,
         and the per-module access/release hooks and the saved-tensor hooks would only count pins
         (7-8 ms of a 200 ms step on a small GPT, docs/chunkmem.md): they are left out."""
-        return self.manager.cpu.capacity is None and self.manager.disk is None and not self._gathers
+        mgr = self.manager
+        return mgr.cpu.capacity is None and mgr.disk is None and mgr.dev is None and not self._gathers
 
     def _install_hooks(self) -> None:
         self.static = self._chunks_stay_put()
@@ -402,7 +420,7 @@ class ChunkedModel(nn.Module):
         """Accumulate one gradient into its GRAD chunk slot, or store it in its parameter's slot."""
         kind = ChunkKind.GRAD if self.grad_chunks else ChunkKind.PARAM
         chunk = self.chunk_of(home, kind)
-        self.manager.access(chunk.chunk_id, write=True)
+        self.manager.access(chunk.chunk_id, write=True, compute=True)  # where autograd left the gradient
         if self.grad_chunks:
             chunk.view(home.slot).add_(grad)
         else:  # the parameter's value is not needed again before the step: its master holds it
@@ -417,7 +435,7 @@ class ChunkedModel(nn.Module):
             return
         for home in self.homes.values():
             if not home.grad_in_slot:
-                chunk = self.manager.access(self.chunk_of(home, ChunkKind.PARAM).chunk_id, write=True)
+                chunk = self.manager.access(self.chunk_of(home, ChunkKind.PARAM).chunk_id, write=True, compute=True)
                 chunk.view(home.slot).zero_()
                 self.manager.release(chunk.chunk_id)
                 home.grad_in_slot = True

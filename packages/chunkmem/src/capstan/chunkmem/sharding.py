@@ -64,6 +64,9 @@ class ShardedChunkedModel(ChunkedModel):
 
     def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int | None, group: Group,
                  memory_saving: bool = False, **kwargs: object) -> None:
+        if manager.dev is not None:
+            raise ValueError("sharded chunks with a device tier are not built: the gathers and reductions run "
+                             "on RAM buffers (docs/chunkmem.md)")
         self.group = group
         self.memory_saving = memory_saving
         self._span = 1 if memory_saving else group.size  # chunks per transient unit

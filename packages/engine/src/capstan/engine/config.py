@@ -144,7 +144,7 @@ class MemoryConfig:
     ram_limit: int | None = constraint(None, gt=0, nullable=True)
     """Bytes of RAM for chunks plus everything else the step allocates (activations), if set: the warm-up step runs within cpu_budget and measures that non-model memory per chunk access; later steps give chunks ram_limit minus it at each moment (docs/chunkmem.md). Needs cpu_budget <= ram_limit."""
     gpu_budget: int | None = constraint(None, gt=0, nullable=True)
-    """Bytes of chunks allowed on the GPU. Not supported yet (chunkmem has no cuda tier): must stay unset."""
+    """Bytes of chunks allowed on the GPU. Not supported yet (the engine trains on the CPU only; chunkmem's device tier is not wired into it): must stay unset."""
     disk_dir: str = "capstan-chunks"
     """Directory for the disk tier's chunk files (one file per rank)."""
     chunk_order: str = constraint("modules", choices=("modules", "trace"))

@@ -241,8 +241,8 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
         raise ConfigError("memory.chunk_order = \"trace\" needs chunked memory (offload or ZeRO-3) and "
                           f"parallel.pp = 1 (got pp = {p.pp}): pipeline stages are registered in layer order")
     if mem.gpu_budget is not None:
-        raise ConfigError("memory.gpu_budget is not yet supported: capstan.chunkmem has no cuda tier yet; "
-                          "remove the key")
+        raise ConfigError("memory.gpu_budget is not yet supported: the engine trains on the CPU only (chunkmem's "
+                          "device tier is not wired into it); remove the key")
     if uses_chunks(cfg):
         _check_chunk_path(cfg, sources)
     elif mem.cpu_budget is not None:
