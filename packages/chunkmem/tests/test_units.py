@@ -179,6 +179,30 @@ def test_manager_without_disk_refuses_to_exceed_the_budget() -> None:
     assert manager.cpu.resident == 128
 
 
+def test_device_tier_moves_chunks_whole_and_counts_each_tier_exactly() -> None:
+    # A CPU stand-in device: two chunks fit on it; compute accesses move chunks up, others down.
+    manager = ChunkManager(256, None, audit=True, device="cpu", device_budget=128)
+    for i in range(3):
+        manager.add(Chunk(i, ChunkKind.PARAM, torch.float32, 16), torch.full((16,), float(i)))
+    for i in range(3):  # the third evicts chunk 0 (LRU in warm-up) back into RAM
+        chunk = manager.access(i, compute=True)
+        assert manager.entries[i].where == "device" and chunk.payload[0] == i
+        manager.release(i)
+    assert manager.entries[0].where == "cpu" and manager.dev.resident == 128 and manager.cpu.resident == 64
+    chunk = manager.access(2)  # a RAM access moves it off the device
+    assert manager.entries[2].where == "cpu" and chunk.payload[0] == 2
+    manager.release(2)
+    stats = manager.stats()["device"]
+    assert (stats["bytes_in"], stats["bytes_out"], stats["evictions"]) == (192, 128, 1)
+    manager.access(1, compute=True)
+    with pytest.raises(RuntimeError, match="chunk 1 is in use on the device"):
+        manager.access(1)
+    with pytest.raises(ValueError, match="needs a device"):
+        ChunkManager(256, device_budget=128)
+    with pytest.raises(ValueError, match="memory_limit with a device tier"):
+        ChunkManager(256, memory_limit=512, device="cpu")
+
+
 def test_a_meta_device_model_is_built_straight_into_chunks(tmp_path) -> None:
     from capstan.chunkmem import ChunkedModel
 

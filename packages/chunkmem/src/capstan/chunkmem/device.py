@@ -14,8 +14,10 @@ match). A chunk on disk reaches the device through RAM. Evicting from the
 device uses the manager's policy (Belady on the warm-up trace, or LRU); the
 disk prefetch feeds RAM only.
 
-The mixin below holds the device half of `ChunkManager` (manager.py); it
-uses the manager's RAM moves (`_load`, `_make_room`, `_finish_read`).
+The mixin below holds the device half of `ChunkManager` (manager.py):
+`access(..., compute=True)` first brings a chunk into RAM as before, then
+calls `_to_device`; moving off the device uses the manager's `_make_room`
+and `_alloc` for the RAM side.
 """
 
 from __future__ import annotations

@@ -69,6 +69,9 @@ class ChunkManager(DeviceMoves):
                              f"that is no larger (got {cpu_budget})")
         self.cpu = Tier("cpu", cpu_budget)
         self.device, self.dev = device_tier(device, device_budget)
+        if memory_limit is not None and self.device is not None:
+            raise ValueError("memory_limit with a device tier is not built: the non-model memory it follows "
+                             "is measured in RAM, not on the device")
         # Chunks + non-model memory; after warm-up the chunks' capacity follows the trace (nonmodel.py).
         self.memory_limit = memory_limit
         if memory_limit is not None:
