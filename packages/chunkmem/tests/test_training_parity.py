@@ -17,6 +17,9 @@ from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkKind, Ch
 
 VOCAB, SEQ, D, HEADS, LAYERS = 64, 16, 32, 4, 2
 CHUNK = 4096  # elements: ~11 param chunks, x4 kinds, so the budget below forces disk traffic
+# A compute device above RAM: a CPU stand-in here (the same moves, into separately counted
+# buffers); on a machine with CUDA the real device is tested as well.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class Block(nn.Module):
@@ -174,24 +177,26 @@ class CheckpointedGPT(TinyGPT):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False)
         logits = self.head(self.ln_f(x))
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def test_activation_checkpointing_with_chunks_on_disk(tmp_path) -> None:
+@pytest.mark.parametrize("device", [None, *DEVICES])
+def test_activation_checkpointing_with_chunks_on_disk(tmp_path, device: str | None) -> None:
     want = _reference(5, 1, tied=False)
     torch.manual_seed(0)
     net = CheckpointedGPT(False)
-    manager = ChunkManager(BUDGET, DiskStore(tmp_path), audit=True)
+    manager = ChunkManager(BUDGET, DiskStore(tmp_path), audit=True, device=device,
+                           device_budget=5 * CHUNK * 4 if device else None)
     model = ChunkedModel(net, manager, chunk_size=CHUNK)
     opt = ChunkAdam(model, lr=3e-3, weight_decay=0.1)
     got = []
     for batch in _batches(5, 1):
         manager.begin_step()
-        loss = model(*batch[0])
+        loss = model(*(t.to(device or "cpu") for t in batch[0]))
         model.backward(loss)  # recomputation re-runs the forward hooks inside backward
         opt.step()
         manager.end_step()
@@ -225,20 +230,17 @@ def test_norm_weights_and_backward_driven_outside() -> None:
     with pytest.raises(ValueError, match="1 norm weights for 2 parameter groups"):
         ChunkedModel(nn.Linear(2, 2), ChunkManager(None), 256, param_groups=[["weight"], ["bias"]], norm_weights=[1.0])
 
-
-# The compute device above RAM: a CPU stand-in here (the same moves, into separately counted
-# buffers); on a machine with CUDA the real device is tested as well.
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DEVICE_BUDGET = 5 * CHUNK * 4  # 5 of the 22 PARAM + GRAD chunks: every step evicts from the device
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("eviction", ["belady", "lru"])
-def test_a_device_tier_above_ram_and_disk_trains_like_plain_pytorch(device: str, eviction: str, tmp_path) -> None:
+@pytest.mark.parametrize(("eviction", "tied"), [("belady", False), ("lru", False), ("belady", True)])
+def test_a_device_tier_above_ram_and_disk_trains_like_plain_pytorch(device: str, eviction: str, tied: bool,
+                                                                     tmp_path) -> None:
     steps = 20
-    want = _reference(steps, 1, tied=False)
+    want = _reference(steps, 1, tied=tied)
     torch.manual_seed(0)
-    net = TinyGPT(False)
+    net = TinyGPT(tied)
     manager = ChunkManager(BUDGET, DiskStore(tmp_path), eviction=eviction, audit=True, device=device,
                            device_budget=DEVICE_BUDGET)
     model = ChunkedModel(net, manager, chunk_size=CHUNK)
