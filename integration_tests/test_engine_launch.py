@@ -65,6 +65,22 @@ def test_bad_config_under_mpirun_every_rank_exits_2(tmp_path: Path) -> None:
     assert len(lines) == 2 and all("but world size 2 from OMPI_COMM_WORLD_SIZE" in ln for ln in lines), out.stderr
 
 
+def test_tensorboard_scalars_match_the_metrics_file(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from capstan.engine.cli import main
+
+    assert main(_small(tmp_path / "run", "--set", "log.tensorboard=true")) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    for key in ("loss", "lr", "grad_norm", "mem.moved_bytes"):
+        scalars = events.Scalars(key)  # stored as float32
+        assert [e.step for e in scalars] == [r["step"] for r in records], key
+        assert [e.value for e in scalars] == pytest.approx([r[key] for r in records], rel=1e-6), key
+    assert [e.step for e in events.Scalars("val_loss")] == [r["step"] for r in records if "val_loss" in r]
+
+
 def test_resume_continues_the_same_trajectory(tmp_path: Path) -> None:
     from capstan.engine.cli import main
 
