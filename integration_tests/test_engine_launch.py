@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,11 @@ def test_train_under_mpirun_np2(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "world 2 = dp 2 x tp 1 x pp 1, ZeRO stage 2" in out.stderr
     _check_metrics(tmp_path / "run")
+    # Rank 0 alone shows progress: step, loss, tokens/s, ETA and memory per tier.
+    progress = [ln for ln in out.stderr.splitlines() if " | ETA " in ln]
+    assert progress and all(ln.startswith("[rank 0 ") for ln in progress), out.stderr
+    assert re.search(r"step 4/4 \| loss \d+\.\d{4} \| val \d+\.\d{4} \| lr \S+ \| [\d.]+k tok/s \| ETA 0:00:00 \| "
+                     r"mem peak cpu [\d.]+ (KiB|MiB) moved 0 B", progress[-1]), progress[-1]
 
 
 def test_train_under_torchrun_np2(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import tempfile
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from capstan.comm.testing import run_ranks
@@ -127,3 +128,28 @@ def test_lr_schedules() -> None:
     lin, _ = resolve(_cfg(train={"steps": 12, "warmup_steps": 1, "lr": 1.0, "min_lr": 0.0,
                                  "lr_schedule": "linear"}))
     assert abs(lr_at(lin.train, 3) - 0.8) < 1e-12
+
+
+def test_manual_forward_backward_step_equals_train_batch() -> None:
+    # `loss = engine(batch); engine.backward(loss); engine.step()`, the DeepSpeed-style loop, with
+    # grad_accum_steps = 2: step() waits for both backwards, then equals train_batch exactly.
+    config = _cfg(train={"steps": 4})
+    want = _trajectory(config, steps=4)
+    engine = initialize(config=config)
+    data = open_data(engine.config)
+    it = train_batches(data, engine.config, 1, 0)
+    losses = []
+    for _ in range(4):
+        engine.backward(engine(next(it)))
+        assert engine.step() is None  # one of two micro-batches in
+        engine.backward(engine(next(it)))
+        losses.append(engine.step().loss)
+    assert losses == want["loss"]
+    engine.backward(engine(next(it)))
+    with pytest.raises(RuntimeError, match="middle of a manual accumulation"):
+        engine.train_batch(it)
+    engine.backward(engine(next(it)))
+    engine.backward(engine(next(it)))
+    with pytest.raises(RuntimeError, match="3 backward calls since the last step, but train.grad_accum_steps = 2"):
+        engine.step()
+    engine.close()
