@@ -59,6 +59,19 @@ def test_sliced_gpt_parameters_are_slices_of_the_unsliced_model(n: int) -> None:
     assert T.tp_dim_of(dict(pieces[0].named_parameters())["layers.1.ln1.weight"]) is None
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_gpt_built_on_the_meta_device_has_the_eager_structure_and_marks(n: int) -> None:
+    cfg = T.GPTConfig(vocab_size=53, seq_len=8, d_model=16, n_heads=4, n_layers=2, dropout=0.0)
+    group = _fake_tp(n, n - 1)
+    eager = dict(T.build_gpt(cfg, group, seed=5).named_parameters())
+    with torch.device("meta"):
+        meta = dict(T.build_gpt(cfg, group, seed=5).named_parameters())
+    assert list(meta) == list(eager)
+    for name, p in meta.items():
+        assert p.is_meta and p.shape == eager[name].shape, name
+        assert (T.tp_dim_of(p), getattr(p, "tp_fused", 1)) == (T.tp_dim_of(eager[name]), getattr(eager[name], "tp_fused", 1))
+
+
 def test_padded_vocab_rows_are_zero_and_tile_the_table() -> None:
     full = torch.randn(10, 4)
     parts = [T.VocabParallelEmbedding(10, 4, _fake_tp(4, r), full_weight=full).weight for r in range(4)]

@@ -268,13 +268,15 @@ class ChunkedModel(nn.Module):
         constructor) initializes them; the chunks take the values and the module's copy is dropped.
 
         `to_empty` creates new Parameter objects; every other reference to the old ones (tied
-        weights in other modules) and the name table are pointed at the new ones."""
+        weights in other modules) and the name table are pointed at the new ones, and the new ones
+        keep the old ones' attributes (tensor-parallel marks such as `tp_dim`)."""
         old = dict(module._parameters)
         module.to_empty(device="cpu", recurse=False)
         for attr, old_p in old.items():
             new_p = module._parameters[attr]
             if old_p is None or new_p is old_p:
                 continue
+            new_p.__dict__.update(old_p.__dict__)
             for mod in self.module.modules():
                 for a, q in list(mod._parameters.items()):
                     if q is old_p:

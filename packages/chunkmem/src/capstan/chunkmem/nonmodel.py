@@ -33,7 +33,7 @@ import ctypes.util
 
 from .tiers import BudgetError
 
-__all__ = ["nonmodel_ahead", "check_memory_limit", "return_freed_memory"]
+__all__ = ["nonmodel_ahead", "check_memory_limit", "return_freed_memory", "trim_heap"]
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
@@ -56,6 +56,18 @@ def return_freed_memory(threshold: int = 1 << 17) -> bool:
         # faults them in again and shows in RSS.
         libc.malloc_trim(0)
         return done
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+def trim_heap() -> bool:
+    """Give the pages of free heap blocks back to the OS (glibc `malloc_trim`); False without glibc.
+
+    For work that frees large tensors it will not allocate again soon (building a model layer by
+    layer into chunks): glibc keeps such freed blocks in RSS once its mmap threshold has risen."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+        return True
     except (OSError, AttributeError, TypeError):
         return False
 

@@ -30,12 +30,14 @@ import torch
 from torch import nn
 
 from capstan import comm
+from capstan.chunkmem.nonmodel import trim_heap
 
 from .config import Config
-from .config_load import check_world, resolve
+from .config_load import check_world, resolve, uses_chunks
 from .engine import Engine, LossFn
 
-__all__ = ["initialize", "build_reference_model", "recompute_blocks", "resolve_groups"]
+__all__ = ["initialize", "build_reference_model", "build_reference_on_meta", "LayerwiseInit", "recompute_blocks",
+           "resolve_groups"]
 
 ModelSpec = nn.Module | Sequence[Any] | Callable[[Config, comm.Groups], nn.Module] | None
 
@@ -48,6 +50,59 @@ def build_reference_model(cfg: Config, groups: comm.Groups) -> nn.Module:
     gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
                     n_layers=m.n_layers, dropout=m.dropout)
     return build_gpt(gpt, groups.tp, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel)
+
+
+def build_reference_on_meta(cfg: Config, groups: comm.Groups) -> tuple[nn.Module, "LayerwiseInit"]:
+    """The reference GPT's structure on the meta device, and the `init_fn` that gives chunkmem its
+    values: with chunked memory the model is built straight into chunks (one layer in RAM at a time),
+    so a model larger than RAM never exists whole outside them."""
+    from capstan.tensorpar import GPTConfig, build_gpt, gpt_layer_factories
+
+    m, sp = cfg.model, cfg.parallel.sequence_parallel
+    gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
+                    n_layers=m.n_layers, dropout=m.dropout)
+    with torch.device("meta"):
+        model = build_gpt(gpt, groups.tp, seed=cfg.train.seed, sequence_parallel=sp)
+    factories = gpt_layer_factories(gpt, groups.tp, cfg.train.seed, sequence_parallel=sp)
+    return model, LayerwiseInit(model.layers, factories)
+
+
+class LayerwiseInit:
+    """`ChunkedModel(init_fn=...)` for a meta-device model whose layers have builders: a module's
+    parameters get the values of the same module in its layer built for real (`factories[i]()`,
+    seeded per layer, so equal to the eager model).
+
+    Registration asks for modules group by group (tp-sliced weights of every layer first, then
+    the replicated norms...), so a built layer is taken apart at once: each module's tensors wait
+    in `stash` until asked for, and the layer itself is dropped. What waits is a layer's modules
+    not yet asked for: the whole layer only until its large weights go, which come first."""
+
+    def __init__(self, layers: Sequence[nn.Module], factories: Sequence[Callable[[], nn.Module]]) -> None:
+        self.factories = factories
+        self.where: dict[int, tuple[int, str]] = {}  # id(module) -> (layer index, name inside the layer)
+        for i, layer in enumerate(layers):
+            for name, module in layer.named_modules():
+                self.where[id(module)] = (i, name)
+        self.stash: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self.built: set[int] = set()
+
+    def __call__(self, module: nn.Module) -> None:
+        key = self.where[id(module)]
+        if key[0] not in self.built:
+            self.built.add(key[0])
+            layer = self.factories[key[0]]()
+            for name, sub in layer.named_modules():
+                values = {attr: p.detach() for attr, p in sub._parameters.items() if p is not None}
+                if values:
+                    self.stash[(key[0], name)] = values
+            del layer
+        values = self.stash.pop(key)
+        for attr, param in module._parameters.items():
+            if param is not None:
+                param.copy_(values[attr])
+        if sum(v.nbytes for v in values.values()) >= 1 << 20:
+            del values
+            trim_heap()  # else glibc keeps the freed pages, and RSS grows layer after layer
 
 
 def recompute_blocks(layers: Iterable[nn.Module]) -> int:
@@ -133,7 +188,12 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
         raise ValueError("memory.activation_checkpointing recomputes the reference GPT's blocks (or a pipeline's "
                          "stage chunks); for a module of your own at pp = 1 wrap its blocks with "
                          "capstan.tensorpar.recompute(block) and leave the option off")
-    if model is None:
+    init_fn = None
+    if model is None and uses_chunks(cfg):
+        module, init_fn = build_reference_on_meta(cfg, groups)
+        if cfg.memory.activation_checkpointing:
+            recompute_blocks(module.layers)
+    elif model is None:
         module = build_reference_model(cfg, groups)
         if cfg.memory.activation_checkpointing:
             recompute_blocks(module.layers)
@@ -155,4 +215,4 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
     else:
         raise TypeError(f"model must be None, an nn.Module or a builder function, got {type(model).__name__}")
     return Engine(config=cfg, model=module, groups=groups, loss_fn=loss_fn or _default_loss(module),
-                  reference_model=model is None)
+                  reference_model=model is None, init_fn=init_fn)

@@ -66,7 +66,8 @@ class Engine:
     """Build with `capstan.engine.initialize`; see the module docstring and docs/engine.md."""
 
     def __init__(self, *, config: Config, model: nn.Module, groups: comm.Groups, loss_fn: LossFn,
-                 pipeline: PipelineStage | None = None, reference_model: bool = False) -> None:
+                 pipeline: PipelineStage | None = None, reference_model: bool = False,
+                 init_fn: Callable[[nn.Module], None] | None = None) -> None:
         self.config, self.groups, self.loss_fn = config, groups, loss_fn
         self.pipeline = pipeline  # with pp > 1: this rank's stage; `model` is then its chunks
         self.accum = config.train.grad_accum_steps
@@ -78,7 +79,7 @@ class Engine:
         self._step_start: float | None = None
         self._disk_peak = 0
         if self.chunked:
-            self._init_chunks(model)
+            self._init_chunks(model, init_fn)
         else:
             self.module = model
             bucket_bytes = int(config.parallel.bucket_mb * 2**20)
@@ -95,7 +96,9 @@ class Engine:
             # state_dict() between steps must see every rank's updated parameters.
             model.register_state_dict_pre_hook(lambda *args, **kwargs: self.optimizer.wait_params())
 
-    def _init_chunks(self, model: nn.Module) -> None:
+    def _init_chunks(self, model: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
+        """Model states into chunkmem; a meta-device `model` is materialized module by module into its
+        chunks (by `init_fn`, else each module's reset_parameters)."""
         from capstan.chunkmem import AdamGroup, ChunkAdam, ChunkedModel, ChunkManager, DiskStore, ShardedChunkedModel
 
         mem, t = self.config.memory, self.config.train
@@ -121,7 +124,7 @@ class Engine:
             weights.append(1.0 if (sliced or self.groups.tp.rank == 0) and not copy else 0.0)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.config.precision.dtype]
         kwargs = dict(param_groups=param_groups, dtype=dtype, accumulate_grads=self.accum > 1,
-                      norm_weights=weights, outer_groups=(self.groups.tp, self.groups.pp))
+                      norm_weights=weights, outer_groups=(self.groups.tp, self.groups.pp), init_fn=init_fn)
         if mem.chunk_order == "trace":  # one forward on a dummy batch of token ids decides the packing order
             dummy = torch.zeros(t.micro_batch_size, self.config.model.seq_len, dtype=torch.long)
             kwargs.update(order="trace", example_inputs=(dummy,))

@@ -37,6 +37,12 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 DEFAULT_STD = 0.02  # GPT-2's initializer range
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A full (unsliced) initial value on the CPU for slicing; a meta tensor stays meta (a model
+    built under `torch.device("meta")` gets its values later, e.g. straight into chunks)."""
+    return t.detach() if t.is_meta else t.detach().cpu()
+
+
 def _param(
     t: torch.Tensor, tp_dim: int | None, dtype: torch.dtype, device: torch.device | str | None, fused: int = 1
 ) -> nn.Parameter:
@@ -81,9 +87,9 @@ class ColumnParallelLinear(nn.Module):
         if tuple(full_weight.shape) != (out_features, in_features):
             raise ValueError(f"full_weight has shape {tuple(full_weight.shape)}, expected {(out_features, in_features)}")
         pad_to = self.out_features_padded
-        self.weight = _param(slice_rows(full_weight.detach().cpu(), group, fused, pad_to), 0, dtype, device, fused)
+        self.weight = _param(slice_rows(_host(full_weight), group, fused, pad_to), 0, dtype, device, fused)
         if bias:
-            full_bias = torch.zeros(out_features) if full_bias is None else full_bias.detach().cpu()
+            full_bias = torch.zeros(out_features) if full_bias is None else _host(full_bias)
             self.bias = _param(slice_rows(full_bias, group, fused, pad_to), 0, dtype, device, fused)
         else:
             self.register_parameter("bias", None)
@@ -133,9 +139,9 @@ class RowParallelLinear(nn.Module):
             full_weight = full_normal((out_features, in_features), init_std, seed)
         if tuple(full_weight.shape) != (out_features, in_features):
             raise ValueError(f"full_weight has shape {tuple(full_weight.shape)}, expected {(out_features, in_features)}")
-        self.weight = _param(slice_cols(full_weight.detach().cpu(), group), 1, dtype, device)
+        self.weight = _param(slice_cols(_host(full_weight), group), 1, dtype, device)
         if bias:
-            full_bias = torch.zeros(out_features) if full_bias is None else full_bias.detach().cpu()
+            full_bias = torch.zeros(out_features) if full_bias is None else _host(full_bias)
             self.bias = _param(full_bias.clone(), None, dtype, device)
         else:
             self.register_parameter("bias", None)
@@ -185,7 +191,7 @@ class VocabParallelEmbedding(nn.Module):
         if tuple(full_weight.shape) != (num_embeddings, embedding_dim):
             raise ValueError(f"full_weight has shape {tuple(full_weight.shape)}, "
                              f"expected {(num_embeddings, embedding_dim)}")
-        local = slice_rows(full_weight.detach().cpu(), group, pad_to=self.num_embeddings_padded)
+        local = slice_rows(_host(full_weight), group, pad_to=self.num_embeddings_padded)
         self.weight = _param(local, 0, dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
