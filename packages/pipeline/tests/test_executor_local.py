@@ -57,6 +57,20 @@ def test_one_stage_equals_the_plain_model(schedule: str, tied: bool, checkpoint:
         assert ex.chunks[0][0].weight is ex.chunks[0][len(specs) - 1].weight
 
 
+def test_a_stage_built_on_meta_has_the_structure_without_values() -> None:
+    # For chunked memory: the caller materializes the parameters (straight into chunks).
+    specs = gpt_specs(vocab=32, hidden=16, layers=2, heads=2, seq=6)
+    args = (make_schedule("1f1b", 1, 2), comm.single_process_groups(), gpt_loss)
+    real = PipelineExecutor(partition(specs, 1), *args, seed=1)
+    meta = PipelineExecutor(partition(specs, 1), *args, seed=1, meta=True)
+    shapes = {n: p.shape for n, p in real.chunks.named_parameters()}
+    assert {n: p.shape for n, p in meta.chunks.named_parameters()} == shapes
+    assert all(p.is_meta for p in meta.chunks.parameters())
+    tied = gpt_specs(vocab=32, hidden=16, layers=2, heads=2, seq=6, tied=True)
+    with pytest.raises(ValueError, match="meta=True with weights tied across layers"):
+        PipelineExecutor(partition(tied, 1), *args, meta=True)
+
+
 def test_missing_data_and_layer_errors_name_the_stage() -> None:
     specs = gpt_specs(vocab=32, hidden=16, layers=1, heads=2, seq=6)
     ex = PipelineExecutor(

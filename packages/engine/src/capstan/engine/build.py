@@ -180,7 +180,7 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
                                 f"{type(model).__name__}")
             stage = PipelineStage(cfg, groups, user_layer_specs(model), loss_fn)
         return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
-                      pipeline=stage, reference_model=model is None)
+                      pipeline=stage, reference_model=model is None, init_fn=stage.init_fn)
     if cfg.parallel.sequence_parallel and model is not None:
         raise ValueError("parallel.sequence_parallel slices the reference GPT; a model of your own sets it on its "
                          "capstan.tensorpar layers (sequence_parallel=True) and leaves the option off")

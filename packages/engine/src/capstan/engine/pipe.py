@@ -42,7 +42,7 @@ from torch import nn
 from capstan import comm
 
 from .config import Config
-from .config_load import reference_layer_flops, reference_layer_params
+from .config_load import reference_layer_flops, reference_layer_params, uses_chunks
 from .precision import autocast
 from .zero import STAGE_COPY_ATTR
 
@@ -161,8 +161,18 @@ class PipelineStage:
         # memory.activation_checkpointing: the reference GPT's blocks recompute themselves (their dropout
         # masks replayed); a user pipeline's stage chunks are checkpointed by the executor.
         ckpt = cfg.memory.activation_checkpointing and not self.reference
+        # With chunked memory the reference GPT's stage is built on the meta device and straight into
+        # chunks, one layer in RAM at a time (`init_fn`, build.py's LayerwiseInit).
+        meta = self.reference and uses_chunks(cfg)
         self.executor = PipelineExecutor(self.plan, self.schedule, groups, self._scaled_loss, seed=seed,
-                                         checkpoint=ckpt)
+                                         checkpoint=ckpt, meta=meta)
+        self.init_fn = None
+        if meta:
+            from .build import LayerwiseInit
+
+            mine = [(layer, factories[int(name)]) for chunk in self.executor.chunks
+                    for name, layer in chunk.named_children()]
+            self.init_fn = LayerwiseInit([m for m, _ in mine], [f for _, f in mine])
         if cfg.memory.activation_checkpointing and self.reference:
             from .build import recompute_blocks
 

@@ -81,6 +81,7 @@ class PipelineExecutor:
         seed: int | None = None,
         checkpoint: bool = False,
         optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        meta: bool = False,
     ) -> None:
         if groups.pp.size != schedule.stages:
             raise ValueError(
@@ -94,7 +95,14 @@ class PipelineExecutor:
         self.schedule, self.groups, self.pp, self.loss_fn = schedule, groups, groups.pp, loss_fn
         self.stage, self.checkpoint = groups.pp.rank, checkpoint
         self.parts = partition.stage_parts(self.stage, schedule.stages)
-        self.chunks = nn.ModuleList(partition.build(part, seed) for part in self.parts)
+        if meta:  # structure only: the caller gives the parameters values (e.g. straight into chunks)
+            if partition.tied_parts():
+                raise ValueError("meta=True with weights tied across layers: their first values are "
+                                 "broadcast between stages when the executor is built")
+            with torch.device("meta"):
+                self.chunks = nn.ModuleList(partition.build(part, seed) for part in self.parts)
+        else:
+            self.chunks = nn.ModuleList(partition.build(part, seed) for part in self.parts)
         self._tie(partition)
         # A separate communicator for shape headers (see transport.py); created collectively.
         self.header_group = subgroups(groups, {"all": list(range(self.pp.size))}, "pp-header")[
