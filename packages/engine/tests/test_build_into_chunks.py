@@ -15,6 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+from torch import nn
+
+from capstan.engine import initialize, open_data, train_batches
+
 SCRIPT = r"""
 import json, re, sys
 import torch
@@ -59,3 +65,34 @@ def test_the_reference_gpt_is_built_layer_by_layer_into_chunks(tmp_path: Path) -
     # The 32 MiB of chunks, one block (12.6 MB) at a time and its full-size initial values: 75 MB
     # measured, against 359-375 MB eagerly.
     assert meta["rise"] < 0.4 * model_bytes, (meta, model_bytes)
+
+
+class _LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc, self.out = nn.Embedding(256, 32), nn.Linear(32, 64), nn.Linear(64, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc(self.emb(x))))
+
+
+def _meta_lm(cfg, groups) -> nn.Module:
+    with torch.device("meta"):
+        return _LM()
+
+
+def _losses(model, offload: str) -> list[float]:
+    engine = initialize(model=model, config={
+        "model": {"seq_len": 16}, "data": {"max_bytes": 100_000}, "precision": {"dtype": "fp32"},
+        "train": {"steps": 5, "micro_batch_size": 2, "lr": 1e-2}, "memory": {"offload": offload}})
+    it = train_batches(open_data(engine.config), engine.config, 1, 0)
+    out = [engine.train_batch(it).loss for _ in range(5)]
+    engine.close()
+    return out
+
+
+def test_a_builder_may_return_a_meta_model_for_chunked_memory_only() -> None:
+    # reset_parameters() in module order draws what eager construction drew: the same training.
+    assert _losses(_meta_lm, "cpu") == _losses(lambda cfg, groups: _LM(), "cpu")
+    with pytest.raises(ValueError, match="on the meta device .* only chunked memory materializes them"):
+        _losses(_meta_lm, "none")

@@ -178,6 +178,10 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
                 raise TypeError(f"parallel.pp = {cfg.parallel.pp} needs the model as a sequence of layers to split "
                                 f"into stages: an nn.Sequential or a list of capstan.pipeline.LayerSpec, not "
                                 f"{type(model).__name__}")
+            if isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters()):
+                raise ValueError(f"parallel.pp = {cfg.parallel.pp} with a model on the meta device: a pipeline "
+                                 "of your own is built for real (give LayerSpecs, and each stage builds only "
+                                 "its layers)")
             stage = PipelineStage(cfg, groups, user_layer_specs(model), loss_fn)
         return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
                       pipeline=stage, reference_model=model is None, init_fn=stage.init_fn)
@@ -214,5 +218,9 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
             raise TypeError(f"the model builder returned {type(module).__name__}, not an nn.Module")
     else:
         raise TypeError(f"model must be None, an nn.Module or a builder function, got {type(model).__name__}")
+    if not uses_chunks(cfg) and any(p.is_meta for p in module.parameters()):
+        raise ValueError("the model's parameters are on the meta device (no values): only chunked memory "
+                         "materializes them, module by module with reset_parameters(); set memory.offload = "
+                         "\"cpu\" or \"disk\" (or parallel.zero_stage = 3), or build the model for real")
     return Engine(config=cfg, model=module, groups=groups, loss_fn=loss_fn or _default_loss(module),
                   reference_model=model is None, init_fn=init_fn)
