@@ -39,6 +39,8 @@ class TensorParallelRNG:
         self._gens: dict[tuple[str, torch.device], torch.Generator] = {}
 
     def _get(self, kind: str, device: torch.device) -> torch.Generator:
+        if device.type == "meta":  # a forward for shapes only (chunkmem's trace order): nothing is drawn
+            device = torch.device("cpu")
         key = (kind, torch.device(device))
         gen = self._gens.get(key)
         if gen is None:
@@ -69,7 +71,7 @@ class TensorParallelRNG:
 
 def dropout(x: torch.Tensor, p: float, training: bool, generator: torch.Generator) -> torch.Tensor:
     """Inverted dropout drawing its mask from `generator` (F.dropout only uses the global RNG)."""
-    if not training or p == 0.0:
+    if not training or p == 0.0 or x.is_meta:  # a meta tensor has no values to drop
         return x
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
