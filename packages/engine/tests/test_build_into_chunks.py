@@ -96,3 +96,19 @@ def test_a_builder_may_return_a_meta_model_for_chunked_memory_only() -> None:
     assert _losses(_meta_lm, "cpu") == _losses(lambda cfg, groups: _LM(), "cpu")
     with pytest.raises(ValueError, match="on the meta device .* only chunked memory materializes them"):
         _losses(_meta_lm, "none")
+
+
+def test_a_layer_spec_list_is_built_straight_into_chunks_like_the_eager_list(monkeypatch) -> None:
+    from capstan.engine import build
+    from capstan.engine.config import Config
+    from capstan.pipeline import LayerSpec, build_layers
+
+    specs = [LayerSpec(lambda: nn.Embedding(256, 32), "emb"),
+             *(LayerSpec(lambda: nn.Sequential(nn.Linear(32, 32), nn.Tanh()), f"block{i}") for i in range(2)),
+             LayerSpec(lambda: nn.Linear(32, 256), "head")]
+    eager = nn.Sequential(*build_layers(specs, range(len(specs)), seed=Config().train.seed))
+    calls = []
+    init = build.LayerwiseInit.__call__
+    monkeypatch.setattr(build.LayerwiseInit, "__call__", lambda self, m: (calls.append(m), init(self, m)))
+    assert _losses(specs, "cpu") == _losses(eager, "cpu")
+    assert len(calls) == 4  # each module holding parameters took its values from its layer's factory

@@ -207,9 +207,16 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
         from .pipe import user_layer_specs
 
         specs = user_layer_specs(model)
-        layers = build_layers(specs, range(len(specs)), seed=cfg.train.seed)  # per-layer seeds, as pipe.py
-        tie_layers(specs, layers)
-        module = nn.Sequential(*layers)
+        seed = cfg.train.seed  # per-layer seeds, as pipe.py
+        if uses_chunks(cfg) and not any(spec.tied for spec in specs):  # straight into chunks, layer by layer
+            with torch.device("meta"):
+                module = nn.Sequential(*build_layers(specs, range(len(specs)), seed=seed))
+            init_fn = LayerwiseInit(list(module), [lambda i=i: build_layers(specs, [i], seed=seed)[0]
+                                                   for i in range(len(specs))])
+        else:
+            layers = build_layers(specs, range(len(specs)), seed=seed)
+            tie_layers(specs, layers)
+            module = nn.Sequential(*layers)
     elif isinstance(model, nn.Module):
         module = model
     elif callable(model):
