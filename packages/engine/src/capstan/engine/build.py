@@ -33,7 +33,7 @@ from capstan import comm
 from capstan.chunkmem.nonmodel import trim_heap
 
 from .config import Config
-from .config_load import check_world, resolve, uses_chunks
+from .config_load import check_world, reference_gpt_config, resolve, uses_chunks
 from .engine import Engine, LossFn
 
 __all__ = ["initialize", "build_reference_model", "build_reference_on_meta", "LayerwiseInit", "recompute_blocks",
@@ -44,23 +44,19 @@ ModelSpec = nn.Module | Sequence[Any] | Callable[[Config, comm.Groups], nn.Modul
 
 def build_reference_model(cfg: Config, groups: comm.Groups) -> nn.Module:
     """The reference GPT of [model], sliced over the tp group, seeded by train.seed (tp-invariant init)."""
-    from capstan.tensorpar import GPTConfig, build_gpt
+    from capstan.tensorpar import build_gpt
 
-    m = cfg.model
-    gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
-                    n_layers=m.n_layers, dropout=m.dropout)
-    return build_gpt(gpt, groups.tp, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel)
+    return build_gpt(reference_gpt_config(cfg), groups.tp, seed=cfg.train.seed,
+                     sequence_parallel=cfg.parallel.sequence_parallel)
 
 
 def build_reference_on_meta(cfg: Config, groups: comm.Groups) -> tuple[nn.Module, "LayerwiseInit"]:
     """The reference GPT's structure on the meta device, and the `init_fn` that gives chunkmem its
     values: with chunked memory the model is built straight into chunks (one layer in RAM at a time),
     so a model larger than RAM never exists whole outside them."""
-    from capstan.tensorpar import GPTConfig, build_gpt, gpt_layer_factories
+    from capstan.tensorpar import build_gpt, gpt_layer_factories
 
-    m, sp = cfg.model, cfg.parallel.sequence_parallel
-    gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
-                    n_layers=m.n_layers, dropout=m.dropout)
+    gpt, sp = reference_gpt_config(cfg), cfg.parallel.sequence_parallel
     with torch.device("meta"):
         model = build_gpt(gpt, groups.tp, seed=cfg.train.seed, sequence_parallel=sp)
     factories = gpt_layer_factories(gpt, groups.tp, cfg.train.seed, sequence_parallel=sp)
@@ -193,12 +189,11 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
                          "stage chunks); for a module of your own at pp = 1 wrap its blocks with "
                          "capstan.tensorpar.recompute(block) and leave the option off")
     init_fn = None
-    if model is None and uses_chunks(cfg):
-        module, init_fn = build_reference_on_meta(cfg, groups)
-        if cfg.memory.activation_checkpointing:
-            recompute_blocks(module.layers)
-    elif model is None:
-        module = build_reference_model(cfg, groups)
+    if model is None:
+        if uses_chunks(cfg):
+            module, init_fn = build_reference_on_meta(cfg, groups)
+        else:
+            module = build_reference_model(cfg, groups)
         if cfg.memory.activation_checkpointing:
             recompute_blocks(module.layers)
     elif isinstance(model, (list, tuple)):  # LayerSpecs, as for pp > 1: built here as one nn.Sequential

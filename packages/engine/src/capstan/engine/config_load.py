@@ -198,6 +198,15 @@ def reference_param_count(cfg: Config) -> int:
     return sum(reference_layer_params(cfg))
 
 
+def reference_gpt_config(cfg: Config):  # noqa: ANN201 - a capstan.tensorpar.GPTConfig (imported lazily)
+    """The reference GPT's `GPTConfig` from [model]."""
+    from capstan.tensorpar import GPTConfig
+
+    m = cfg.model
+    return GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
+                     n_layers=m.n_layers, dropout=m.dropout)
+
+
 def uses_chunks(cfg: Config) -> bool:
     """True when model states live in capstan.chunkmem (offload or ZeRO stage 3)."""
     return cfg.memory.offload != "none" or cfg.parallel.zero_stage == 3

@@ -42,7 +42,7 @@ from torch import nn
 from capstan import comm
 
 from .config import Config
-from .config_load import reference_layer_flops, reference_layer_params, uses_chunks
+from .config_load import reference_gpt_config, reference_layer_flops, reference_layer_params, uses_chunks
 from .precision import autocast
 from .zero import STAGE_COPY_ATTR
 
@@ -134,11 +134,10 @@ class PipelineStage:
         self.config, self.groups = cfg, groups
         self.reference = specs is None
         if self.reference:
-            from capstan.tensorpar import GPTConfig, gpt_layer_factories, gpt_loss
+            from capstan.tensorpar import gpt_layer_factories, gpt_loss
 
             m = cfg.model
-            gpt = GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
-                            n_layers=m.n_layers, dropout=m.dropout)
+            gpt = reference_gpt_config(cfg)
             factories = gpt_layer_factories(gpt, groups.tp, seed=cfg.train.seed,
                                             sequence_parallel=p.sequence_parallel)
             names = ["embedding", *(f"block{i}" for i in range(m.n_layers)), "final_norm", "head"]
