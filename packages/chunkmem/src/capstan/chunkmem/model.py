@@ -185,8 +185,7 @@ class ChunkedModel(nn.Module):
     def _grads_bound(self) -> bool:
         # Not in mixed precision: autograd's gradient of a 16-bit parameter is 16-bit, the chunk fp32.
         # And not where a subclass handles arriving gradients itself (sharding.py reduces them).
-        return (self.grad_chunks and not self.mixed and self.manager.cpu.capacity is None
-                and self.manager.disk is None and self.manager.dev is None and not self._gathers
+        return (self.grad_chunks and not self.mixed and self._chunks_stay_put()
                 and type(self)._grad_arrived is ChunkedModel._grad_arrived)
 
     def _bind_resident_grads(self) -> None:

@@ -30,12 +30,24 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 from .tiers import BudgetError
 
 __all__ = ["nonmodel_ahead", "check_memory_limit", "return_freed_memory", "trim_heap"]
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, looked up once (`find_library` may start a subprocess); None where there is none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc's, not another libc's
+        return libc
+    except (OSError, AttributeError, TypeError):
+        return None
 
 
 def return_freed_memory(threshold: int = 1 << 17) -> bool:
@@ -47,17 +59,15 @@ def return_freed_memory(threshold: int = 1 << 17) -> bool:
     RSS a measurement of live memory; `malloc_trim` returns the pages of free heap blocks, which
     later allocations may reuse. Returns False where there is no glibc.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        done = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
-        # Free heap memory left by earlier work would be reused without growing RSS: give its
-        # pages back (malloc_trim also releases free pages inside the heap), so reusing them
-        # faults them in again and shows in RSS.
-        libc.malloc_trim(0)
-        return done
-    except (OSError, AttributeError, TypeError):
+    libc = _libc()
+    if libc is None:
         return False
+    done = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+    # Free heap memory left by earlier work would be reused without growing RSS: give its
+    # pages back (malloc_trim also releases free pages inside the heap), so reusing them
+    # faults them in again and shows in RSS.
+    trim_heap()
+    return done
 
 
 def trim_heap() -> bool:
@@ -65,11 +75,11 @@ def trim_heap() -> bool:
 
     For work that frees large tensors it will not allocate again soon (building a model layer by
     layer into chunks): glibc keeps such freed blocks in RSS once its mmap threshold has risen."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-        return True
-    except (OSError, AttributeError, TypeError):
+    libc = _libc()
+    if libc is None:
         return False
+    libc.malloc_trim(0)
+    return True
 
 
 def nonmodel_ahead(nonmodel: list[int], moment: int) -> int:
