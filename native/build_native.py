@@ -47,6 +47,8 @@ COMMON = ["api.cc", "dispatch.cc", "threadpool.cc", "aio.cc", "kernels_scalar.cc
 ISA_UNITS = {
     "avx2": ("kernels_avx2.cc", ["-mavx2", "-mfma", "-mf16c"]),
     "avx512": ("kernels_avx512.cc", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]),
+    "avx512bf16": ("kernels_avx512bf16.cc", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                                             "-mavx512bf16", "-mfma", "-mf16c"]),
 }
 # -ffp-contract=off: no implicit FMA, so scalar, AVX2 and AVX-512 kernels run
 # the same IEEE operations and agree bit for bit. -fno-math-errno lets sqrt

@@ -64,7 +64,7 @@ def main() -> int:
 
         reference: list[str] | None = None
         ran: list[str] = []
-        for isa in ("scalar", "avx2", "avx512"):
+        for isa in ("scalar", "avx2", "avx512", "avx512bf16"):
             rc, _ident, results = run([str(host), isa])
             if rc == 3:  # not compiled in or not supported by this CPU
                 continue

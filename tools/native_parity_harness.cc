@@ -4,7 +4,7 @@
 // kernels are bit-identical by design (-ffp-contract=off, explicit fma).
 // Used by tools/check_native_aarch64.py; only the C ABI of capstan.h.
 //
-//   native_parity_harness [isa]     isa: scalar|avx2|avx512 (default: best)
+//   native_parity_harness [isa]     isa: scalar|avx2|avx512|avx512bf16 (default: best)
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,7 +71,7 @@ std::vector<float> cast_inputs(int64_t n) {
 int main(int argc, char** argv) {
   if (argc > 1) {
     int isa = -1;
-    for (int i = CAPSTAN_ISA_SCALAR; i <= CAPSTAN_ISA_AVX512; ++i)
+    for (int i = CAPSTAN_ISA_SCALAR; i <= CAPSTAN_ISA_AVX512BF16; ++i)
       if (!strcmp(argv[1], capstan_isa_name(i))) isa = i;
     if (isa < 0 || capstan_set_isa(isa) != CAPSTAN_OK) {
       fprintf(stderr, "ISA %s not usable here\n", argv[1]);

@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <condition_variable>
@@ -97,6 +98,36 @@ struct Engine {
   }
 };
 
+// Buffers of at least one huge page are mapped on their own, 2 MiB aligned,
+// with MADV_HUGEPAGE. Why: an O_DIRECT request pins every page of its buffer
+// in the kernel, and 4 KiB pages make that 2048 pins per 8 MiB request, CPU
+// time taken from whatever computes meanwhile. With transparent huge pages
+// ("madvise" or "always" in /sys/kernel/mm/transparent_hugepage/enabled) a
+// matmul running beside 8 requests of 8 MiB in flight slowed by 8% instead of
+// 13% (dd: 18%) on this project's VM. Own mappings also give the memory back
+// to the OS when the buffer is freed (the chunk store's disk buffers come and
+// go), where glibc's heap may keep it. Where THP is off the madvise fails
+// harmlessly and the buffer is an ordinary mapping.
+constexpr int64_t kHugePage = 2 << 20;
+std::mutex g_mapped_mu;
+std::unordered_map<void*, size_t> g_mapped;  // base -> length of the buffers mapped here
+
+void* map_huge(int64_t size) {
+  const size_t len = (size_t)((size + 4095) / 4096 * 4096);
+  const size_t span = len + (size_t)kHugePage;
+  char* raw = (char*)mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  char* base = (char*)(((uintptr_t)raw + kHugePage - 1) & ~(uintptr_t)(kHugePage - 1));
+  if (base > raw) munmap(raw, (size_t)(base - raw));
+  if (raw + span > base + len) munmap(base + len, (size_t)(raw + span - (base + len)));
+#ifdef MADV_HUGEPAGE
+  madvise(base, len, MADV_HUGEPAGE);
+#endif
+  std::lock_guard<std::mutex> lk(g_mapped_mu);
+  g_mapped.emplace(base, len);
+  return base;
+}
+
 }  // namespace
 
 extern "C" {
@@ -105,12 +136,27 @@ void* capstan_alloc_aligned(int64_t nbytes, int64_t alignment) {
   if (nbytes <= 0 || alignment < (int64_t)sizeof(void*) || (alignment & (alignment - 1))) return nullptr;
   // Round the size up so the last O_DIRECT block of the buffer is addressable.
   const int64_t size = (nbytes + alignment - 1) / alignment * alignment;
+  if (size >= kHugePage && alignment <= kHugePage) {
+    if (void* p = map_huge(size)) return p;
+  }
   void* p = nullptr;
   if (posix_memalign(&p, (size_t)alignment, (size_t)size) != 0) return nullptr;
   return p;
 }
 
-void capstan_free_aligned(void* ptr) { free(ptr); }
+void capstan_free_aligned(void* ptr) {
+  if (!ptr) return;
+  {
+    std::lock_guard<std::mutex> lk(g_mapped_mu);
+    auto it = g_mapped.find(ptr);
+    if (it != g_mapped.end()) {
+      munmap(ptr, it->second);
+      g_mapped.erase(it);
+      return;
+    }
+  }
+  free(ptr);
+}
 
 int capstan_file_open(const char* path, int mode, int direct, int* fd_out, int* direct_out,
                       int* err) {

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define CAPSTAN_ABI_VERSION 1
+#define CAPSTAN_ABI_VERSION 2
 
 /* The library is built with -fvisibility=hidden; only the ABI is exported. */
 #define CAPSTAN_API __attribute__((visibility("default")))
@@ -44,6 +44,7 @@ extern "C" {
 #define CAPSTAN_ISA_SCALAR 0
 #define CAPSTAN_ISA_AVX2 1
 #define CAPSTAN_ISA_AVX512 2
+#define CAPSTAN_ISA_AVX512BF16 3  /* AVX-512 plus the BF16 and DQ extensions */
 
 /* CPU feature bits (capstan_cpu_features). */
 #define CAPSTAN_CPU_AVX2 (1u << 0)
@@ -53,6 +54,7 @@ extern "C" {
 #define CAPSTAN_CPU_AVX512BW (1u << 4)
 #define CAPSTAN_CPU_AVX512VL (1u << 5)
 #define CAPSTAN_CPU_AVX512BF16 (1u << 6)
+#define CAPSTAN_CPU_AVX512DQ (1u << 7)
 
 /* Async I/O operations and open flags. */
 #define CAPSTAN_AIO_READ 0

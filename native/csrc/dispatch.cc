@@ -2,11 +2,11 @@
 //
 // The build compiles kernels_avx2.cc / kernels_avx512.cc only for an x86-64
 // target (the target's architecture decides, not the host's) and defines
-// CAPSTAN_HAVE_AVX2 / CAPSTAN_HAVE_AVX512 for this file when it does. Other
+// CAPSTAN_HAVE_AVX2 / CAPSTAN_HAVE_AVX512 / CAPSTAN_HAVE_AVX512BF16 for this file when it does. Other
 // targets (aarch64) get the scalar kernels and no CPU probe: features are 0.
 // At first use the best ISA that is both compiled in and supported by the CPU
 // (and the OS: __builtin_cpu_supports checks XCR0) is chosen; the
-// environment variable CAPSTAN_NATIVE_ISA=scalar|avx2|avx512 overrides it, and
+// environment variable CAPSTAN_NATIVE_ISA=scalar|avx2|avx512|avx512bf16 overrides it, and
 // capstan_set_isa() changes it at run time (the tests force every path).
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +33,7 @@ uint32_t detect_features() {
   if (__builtin_cpu_supports("avx512f")) f |= CAPSTAN_CPU_AVX512F;
   if (__builtin_cpu_supports("avx512bw")) f |= CAPSTAN_CPU_AVX512BW;
   if (__builtin_cpu_supports("avx512vl")) f |= CAPSTAN_CPU_AVX512VL;
+  if (__builtin_cpu_supports("avx512dq")) f |= CAPSTAN_CPU_AVX512DQ;
 #if defined(__GNUC__) && __GNUC__ >= 10
   if (__builtin_cpu_supports("avx512bf16")) f |= CAPSTAN_CPU_AVX512BF16;
 #endif
@@ -48,6 +49,8 @@ bool cpu_has(int isa) {
   if (isa == CAPSTAN_ISA_SCALAR) return true;
   if (isa == CAPSTAN_ISA_AVX2) return (f & avx2) == avx2;
   if (isa == CAPSTAN_ISA_AVX512) return (f & avx512) == avx512;
+  const uint32_t bf16 = avx512 | CAPSTAN_CPU_AVX512DQ | CAPSTAN_CPU_AVX512BF16;
+  if (isa == CAPSTAN_ISA_AVX512BF16) return (f & bf16) == bf16;
   return false;
 }
 
@@ -60,6 +63,9 @@ const KernelTable* table_for(int isa) {
 #ifdef CAPSTAN_HAVE_AVX512
     case CAPSTAN_ISA_AVX512: return kernels_avx512();
 #endif
+#ifdef CAPSTAN_HAVE_AVX512BF16
+    case CAPSTAN_ISA_AVX512BF16: return kernels_avx512bf16();
+#endif
     default: return nullptr;
   }
 }
@@ -69,6 +75,7 @@ int parse_isa(const char* s) {
   if (!strcmp(s, "scalar")) return CAPSTAN_ISA_SCALAR;
   if (!strcmp(s, "avx2")) return CAPSTAN_ISA_AVX2;
   if (!strcmp(s, "avx512")) return CAPSTAN_ISA_AVX512;
+  if (!strcmp(s, "avx512bf16")) return CAPSTAN_ISA_AVX512BF16;
   return -1;
 }
 
@@ -107,13 +114,13 @@ uint32_t capstan_cpu_features(void) {
 
 uint32_t capstan_compiled_isas(void) {
   uint32_t m = 0;
-  for (int isa = CAPSTAN_ISA_SCALAR; isa <= CAPSTAN_ISA_AVX512; ++isa)
+  for (int isa = CAPSTAN_ISA_SCALAR; isa <= CAPSTAN_ISA_AVX512BF16; ++isa)
     if (table_for(isa)) m |= 1u << isa;
   return m;
 }
 
 int capstan_best_isa(void) {
-  for (int isa = CAPSTAN_ISA_AVX512; isa > CAPSTAN_ISA_SCALAR; --isa)
+  for (int isa = CAPSTAN_ISA_AVX512BF16; isa > CAPSTAN_ISA_SCALAR; --isa)
     if (table_for(isa) && cpu_has(isa)) return isa;
   return CAPSTAN_ISA_SCALAR;
 }
@@ -134,6 +141,7 @@ const char* capstan_isa_name(int isa) {
     case CAPSTAN_ISA_SCALAR: return "scalar";
     case CAPSTAN_ISA_AVX2: return "avx2";
     case CAPSTAN_ISA_AVX512: return "avx512";
+    case CAPSTAN_ISA_AVX512BF16: return "avx512bf16";
     default: return "unknown";
   }
 }

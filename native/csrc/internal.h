@@ -56,6 +56,7 @@ struct KernelTable {
 const KernelTable* kernels_scalar();
 const KernelTable* kernels_avx2();
 const KernelTable* kernels_avx512();
+const KernelTable* kernels_avx512bf16();
 const KernelTable* active_kernels();
 
 // ---- thread pool (threadpool.cc) ----

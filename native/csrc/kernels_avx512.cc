@@ -1,4 +1,4 @@
-// AVX-512 F/BW/VL kernels: this file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mfma -mf16c.
+// AVX-512 F/BW/VL kernels (integer bf16 rounding): this file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mfma -mf16c.
 // The dispatcher (dispatch.cc) only calls in here after checking the CPU.
 #include <immintrin.h>
 

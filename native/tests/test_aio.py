@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+from capstan import native
 from capstan.native import aio
 
 MiB = 1 << 20
@@ -129,3 +130,36 @@ def test_aligned_empty_alignment():
         assert t.data_ptr() % aio.ALIGNMENT == 0 and t.numel() == n
     with pytest.raises(ValueError, match="numel"):
         aio.aligned_empty(0)
+
+
+def _mapping_of(addr: int) -> dict[str, str] | None:
+    """The /proc/self/smaps entry whose range holds addr: its range and fields, or None."""
+    entry: dict[str, str] | None = None
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            entry = {"start": str(lo), "end": str(hi)} if lo <= addr < hi else None
+        elif entry is not None and ":" in head:
+            entry[head.rstrip(":")] = line.split(":", 1)[1].strip()
+        if entry is not None and "VmFlags" in entry:
+            return entry
+    return entry
+
+
+@pytest.mark.skipif(not native.status()["loaded"], reason="requires_native: the fallback allocates with torch")
+def test_large_aligned_buffer_is_its_own_huge_page_mapping_and_freed_to_the_os():
+    """Buffers of >= 2 MiB: their own 2 MiB-aligned mapping, THP-advised, unmapped when freed."""
+    t = aio.aligned_empty(6 * MiB + 4096)
+    t.fill_(1)
+    addr = t.data_ptr()
+    vma = _mapping_of(addr)
+    assert vma is not None and int(vma["start"]) == addr and addr % (2 * MiB) == 0
+    assert int(vma["end"]) - addr == 6 * MiB + 4096
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    advised = "hg" in vma["VmFlags"].split()  # the madvise(MADV_HUGEPAGE) flag
+    assert advised == ("[never]" not in thp), (vma["VmFlags"], thp)
+    del t
+    assert _mapping_of(addr) is None or int(_mapping_of(addr)["start"]) != addr
+    small = aio.aligned_empty(MiB)  # below a huge page: the heap, as before
+    assert small.data_ptr() % aio.ALIGNMENT == 0

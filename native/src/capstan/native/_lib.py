@@ -30,12 +30,12 @@ from pathlib import Path
 __all__ = ["ABI_VERSION", "DTYPE_CODES", "ISA_NAMES", "NativeError", "get", "load_error",
            "library_path", "check"]
 
-ABI_VERSION = 1  # must equal CAPSTAN_ABI_VERSION in csrc/capstan.h
+ABI_VERSION = 2  # must equal CAPSTAN_ABI_VERSION in csrc/capstan.h
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 # native/ of a source checkout (this file is native/src/capstan/native/_lib.py there);
 # an installed wheel has no build_native.py at this place.
 CHECKOUT = Path(__file__).resolve().parents[3]
-ISA_NAMES = ("scalar", "avx2", "avx512")
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
 # torch dtype name -> CAPSTAN_F32 / CAPSTAN_BF16 / CAPSTAN_F16
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 NONE = -1

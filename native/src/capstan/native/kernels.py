@@ -211,7 +211,7 @@ def _need_lib(what: str):
 
 
 def set_isa(name: str) -> None:
-    """Force the kernels of one ISA ('scalar', 'avx2', 'avx512'); ValueError if unusable here."""
+    """Force the kernels of one ISA (one of capstan.native._lib.ISA_NAMES); ValueError if unusable here."""
     if name not in _lib.ISA_NAMES:
         raise ValueError(f"name must be one of {', '.join(_lib.ISA_NAMES)}, got {name!r}")
     lib = _need_lib("set_isa")
