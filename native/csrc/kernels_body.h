@@ -110,8 +110,10 @@ static inline void stream2_from_f32(void* base, int dt, int64_t i, V a, V b) {
 // Same conversions either way: only the store instruction differs.
 // Software prefetch distance (bytes of src) in the streamed loop: one core's
 // hardware prefetchers alone left the f32->16-bit casts read-latency bound.
+// 2 KiB rather than 1 KiB since the avx512bf16 unit: on a quiet machine every
+// cast then reached 82-101% of memcpy, against 77-93% at 1 KiB (docs/benchmarks.md).
 #ifndef CAPSTAN_CAST_PREFETCH
-#define CAPSTAN_CAST_PREFETCH 1024
+#define CAPSTAN_CAST_PREFETCH 2048
 #endif
 template <int SD, int DD>
 static void cast_t(const void* src, void* dst, int64_t begin, int64_t end, int stream) {
