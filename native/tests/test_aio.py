@@ -163,3 +163,29 @@ def test_large_aligned_buffer_is_its_own_huge_page_mapping_and_freed_to_the_os()
     assert _mapping_of(addr) is None or int(_mapping_of(addr)["start"]) != addr
     small = aio.aligned_empty(MiB)  # below a huge page: the heap, as before
     assert small.data_ptr() % aio.ALIGNMENT == 0
+
+
+FIRST_FAILURE = textwrap.dedent("""
+    import resource, signal, sys
+    from capstan.native import aio
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
+    buf = aio.aligned_empty(1 << 20)
+    buf.fill_(7)
+    try:
+        with aio.AsyncFile(sys.argv[1], "w+") as f:
+            reqs = [f.write_from(buf, k << 20) for k in range(12)]
+            for r in reqs:
+                r.wait()
+    except aio.AsyncIOError as exc:
+        print("FIRST", exc)
+""")
+
+
+def test_the_first_failure_is_the_one_raised_through_the_with_block(tmp_path):
+    """A request's error inside `with AsyncFile` is not replaced by a later request's error at close."""
+    path = tmp_path / "limited.bin"
+    proc = subprocess.run([sys.executable, "-c", FIRST_FAILURE, str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"at offset {4 * MiB} failed" in proc.stdout, proc.stdout

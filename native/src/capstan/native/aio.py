@@ -169,7 +169,7 @@ class Request:
         if self._result is not None:
             return self._result
         moved, err, short = self.file._engine.wait(self.handle)
-        self.file._pending.discard(self)
+        self.file._pending.pop(self, None)
         self._buf = None
         what = ("read", "write", "fsync")[self.op]
         where = f"{what} of {self.nbytes} bytes at offset {self.offset}"
@@ -191,7 +191,7 @@ class AsyncFile:
             raise ValueError(f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
         self.path = os.fspath(path)
         self._engine = _engine_get()
-        self._pending: set[Request] = set()
+        self._pending: dict[Request, None] = {}  # in submission order: close() reports the first failure
         self.fd, self.direct = self._engine.open(self.path, _MODES[mode], direct)
         if direct and not self.direct and not _warned_buffered:
             _warned_buffered = True
@@ -214,7 +214,7 @@ class AsyncFile:
                                      "AsyncFile(..., direct=False)")
         req = Request(self, self._engine.submit(self.fd, op, ptr, nbytes, offset), op, offset,
                       nbytes, buf)
-        self._pending.add(req)
+        self._pending[req] = None
         return req
 
     def read_into(self, buf, offset: int) -> Request:
@@ -228,7 +228,7 @@ class AsyncFile:
         if self.fd < 0:
             raise ValueError(f"{self.path}: file is closed")
         req = Request(self, self._engine.submit(self.fd, _FSYNC, None, 0, 0), _FSYNC, 0, 0, None)
-        self._pending.add(req)
+        self._pending[req] = None
         return req
 
     def close(self) -> None:
@@ -251,5 +251,13 @@ class AsyncFile:
     def __enter__(self) -> AsyncFile:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Already failing (often a request's error): close, but keep that error; a later request's
+        # failure raised here would replace it and report the wrong offset.
+        try:
+            self.close()
+        except AsyncIOError:
+            pass

@@ -1,5 +1,5 @@
-"""The `capstan` command line: `capstan train`, `capstan info`, `capstan launch` (launch.py) and
-`capstan checkpoint inspect|export` (ckpt_tools.py).
+"""The `capstan` command line: `capstan train`, `capstan info`, `capstan launch` (launch.py),
+`capstan checkpoint inspect|export` (ckpt_tools.py) and `capstan bench-disk` (disk_bench.py).
 
     capstan train --config examples/tiny.toml [--set train.steps=10 ...] [--debug]
     mpirun -np 2 capstan train --config examples/tiny.toml
@@ -56,8 +56,10 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
     from .config_load import ConfigError
     from .data import DataError
+    from .disk_bench import DiskBenchError
 
-    return (ConfigError, DataError, LaunchError, BudgetError, LayoutError, DiskTierError, CheckpointError)
+    return (ConfigError, DataError, LaunchError, BudgetError, LayoutError, DiskTierError, CheckpointError,
+            DiskBenchError)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -117,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("dir", help="a step_* directory, or a directory of them (the newest)")
     export.add_argument("out", help="the .safetensors file to write")
     export.set_defaults(func=_cmd_checkpoint_export)
+    bench = sub.add_parser("bench-disk", help="disk and CPU rates for offload, and the step time they allow "
+                                              "(docs/chunkmem.md)")
+    bench.add_argument("dir", help="where the disk tier would write (a file is written there, then removed)")
+    bench.add_argument("--size-mib", type=int, default=1024, help="bytes written then read (default 1024 MiB)")
+    bench.add_argument("--block-mib", type=int, default=8, help="bytes per request (default 8 MiB)")
+    bench.add_argument("--inflight", type=int, default=8, help="requests in flight (default 8)")
+    bench.add_argument("--rounds", type=int, default=1, help="write+read rounds; medians are reported")
+    bench.add_argument("--params", default="1B", help="model size for the step-time bounds, e.g. 350M, 7B")
+    bench.add_argument("--json", action="store_true", help="print as JSON")
+    bench.set_defaults(func=_cmd_bench_disk)
     from .launch import add_parser as add_launch_parser  # `capstan launch` lives in launch.py
 
     add_launch_parser(sub)
@@ -136,6 +148,17 @@ def _cmd_checkpoint_export(args: argparse.Namespace) -> int:
 
     out = export(args.dir, args.out)
     print(f"wrote {out} and {out.parent / (out.stem + '.config.json')}")
+    return 0
+
+
+def _cmd_bench_disk(args: argparse.Namespace) -> int:
+    from .disk_bench import MiB, bench_disk, format_report, offload_floor, parse_count
+
+    params = parse_count(args.params)  # before the measurement: a typo costs nothing
+    rates = bench_disk(args.dir, args.size_mib * MiB, args.block_mib * MiB, args.inflight, args.rounds)
+    floor = offload_floor(params, rates)
+    text = json.dumps({**rates, "floor": floor}) if args.json else format_report(rates, floor)
+    sys.stdout.write(text + "\n")
     return 0
 
 
