@@ -1,6 +1,6 @@
 // Runtime ISA dispatch, library identity and thread count.
 //
-// The build compiles kernels_avx2.cc / kernels_avx512.cc only for an x86-64
+// The build compiles kernels_avx2.cc / kernels_avx512*.cc only for an x86-64
 // target (the target's architecture decides, not the host's) and defines
 // CAPSTAN_HAVE_AVX2 / CAPSTAN_HAVE_AVX512 / CAPSTAN_HAVE_AVX512BF16 for this file when it does. Other
 // targets (aarch64) get the scalar kernels and no CPU probe: features are 0.
