@@ -63,7 +63,7 @@ def _throughput(cfg: dict) -> dict:
     groups = comm.build_groups(comm.Topology(pp=STAGES))
     stage = groups.pp.rank
     example = torch.zeros(cfg["mb_size"], cfg["seq"], dtype=torch.long)
-    plan = partition(_specs(cfg), STAGES, cfg["partition"], example=example)
+    plan = partition(_specs(cfg), STAGES, cfg["partition"], example=example, group=groups.pp)
     ours = PipelineExecutor(
         plan, make_schedule("1f1b", STAGES, MICROBATCHES), groups, gpt_loss, seed=0
     )
@@ -131,7 +131,7 @@ def _memory(cfg: dict, schedule: str, checkpoint: bool) -> dict:
 
     groups = comm.build_groups(comm.Topology(pp=STAGES))
     example = torch.zeros(cfg["mb_size"], cfg["seq"], dtype=torch.long)
-    plan = partition(_specs(cfg), STAGES, cfg["partition"], example=example)
+    plan = partition(_specs(cfg), STAGES, cfg["partition"], example=example, group=groups.pp)
     ex = PipelineExecutor(
         plan,
         make_schedule(schedule, STAGES, MICROBATCHES),
@@ -169,7 +169,7 @@ def main() -> None:
         "torch.distributed.pipelining through its gloo group, ranks bound to cores",
     )
     ap.add_argument("--skip-memory", action="store_true", help="throughput only")
-    ap.add_argument("--partition", default="parameters", choices=("parameters", "flops", "uniform"),
+    ap.add_argument("--partition", default="parameters", choices=("parameters", "flops", "time", "uniform"),
                     help="how the layers are split into the 2 stages (the same boundaries for every system)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)

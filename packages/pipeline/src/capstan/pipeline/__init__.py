@@ -22,8 +22,8 @@ from .instructions import (
     SendActivation,
     SendGrad,
 )
-from .partition import (LayerSpec, Partition, PartitionError, balanced_bounds, build_layers, layer_flops, partition,
-                        tie_layers)
+from .partition import (LayerSpec, Partition, PartitionError, balanced_bounds, build_layers, layer_flops,
+                        layer_times, partition, tie_layers)
 from .schedules import (
     SCHEDULES,
     GPipe,
@@ -54,6 +54,7 @@ __all__ = [
     "balanced_bounds",
     "build_layers",
     "layer_flops",
+    "layer_times",
     "partition",
     "tie_layers",
     "OneFOneB",

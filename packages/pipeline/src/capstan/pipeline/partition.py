@@ -18,6 +18,13 @@ Methods (`partition(specs, parts, method)`):
   vocab x d parameters and computes nothing, the LM head holds as many and
   computes 2 d vocab FLOPs per token, so a "parameters" split overloads the
   last stage;
+- ``"time"``: contiguous stages minimizing the largest measured time: each layer
+  is built for real, one at a time, and its forward + backward on ``example``
+  (then on the previous layer's output) is timed (`layer_times`). Neither
+  parameters nor FLOPs are time: a small-vocabulary head can cost less than a
+  block although it counts more FLOPs, a large one much more. Timings differ
+  between processes, so with ``group`` the group's first member measures and
+  broadcasts the times, and every member gets the same boundaries;
 - ``"type:<regex>"``: balance the layers whose class name matches (e.g. ``"type:Block"``),
   as DeepSpeed's ``partition_method="type:..."`` does;
 - a list of boundaries ``[0, b1, ..., len(specs)]``: explicit.
@@ -47,7 +54,7 @@ import torch
 from torch import nn
 
 __all__ = ["LayerSpec", "Partition", "PartitionError", "partition", "build_layers", "tie_layers", "layer_flops",
-           "balanced_bounds"]
+           "layer_times", "balanced_bounds"]
 
 
 class PartitionError(ValueError):
@@ -118,6 +125,48 @@ def layer_flops(specs: Sequence[LayerSpec], example: torch.Tensor) -> list[int]:
             x = layer(x)
         out.append(int(counter.get_total_flops()))
     return out
+
+
+def layer_times(specs: Sequence[LayerSpec], example: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Seconds of forward + backward of each layer: built for real one at a time (and dropped before
+    the next), the first fed `example`, each next one the previous output; a floating-point output is
+    back-propagated with a gradient of ones. The median of `repeats` runs after one warm-up run."""
+    import statistics
+    import time
+
+    x, out = example, []
+    for spec in specs:
+        layer = spec.factory()
+        inp = x.detach().requires_grad_(x.is_floating_point())
+
+        def once() -> torch.Tensor:
+            inp.grad = None
+            y = layer(inp)
+            if y.requires_grad:
+                y.backward(torch.ones_like(y))
+            return y
+
+        y, times = once(), []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+        x = y.detach()
+        del layer, inp, y
+    return out
+
+
+def _shared_times(specs: Sequence[LayerSpec], example: torch.Tensor, group) -> list[float]:
+    """`layer_times` measured by the group's first member and broadcast, so all members agree."""
+    from capstan import comm
+
+    times = torch.zeros(len(specs), dtype=torch.float64)
+    if group is None or group.rank == 0:
+        times = torch.tensor(layer_times(specs, example), dtype=torch.float64)
+    if group is not None:
+        comm.broadcast(times, src=0, group=group)
+    return times.tolist()
 
 
 def balanced_bounds(weights: Sequence[float], parts: int) -> tuple[int, ...]:
@@ -215,10 +264,11 @@ class Partition:
 
 def partition(
     specs: Sequence[LayerSpec], parts: int, method: str | Sequence[int] = "parameters",
-    example: torch.Tensor | None = None,
+    example: torch.Tensor | None = None, group=None,
 ) -> Partition:
     """Split `specs` into `parts` non-empty contiguous parts by `method` (see the module doc);
-    `example` is the first layer's input, needed by ``"flops"`` only."""
+    `example` is the first layer's input, needed by ``"flops"`` and ``"time"``; `group` (a
+    capstan.comm group, ``"time"`` only) makes its first member's timings everyone's."""
     specs = tuple(specs)
     n = len(specs)
     if parts < 1:
@@ -253,6 +303,11 @@ def partition(
             raise PartitionError("partition method 'flops' needs `example`, the first layer's input "
                                  "(e.g. a micro-batch of token ids)")
         return Partition(specs, balanced_bounds(layer_flops(specs, example), parts), method)
+    if method == "time":
+        if example is None:
+            raise PartitionError("partition method 'time' needs `example`, the first layer's input "
+                                 "(e.g. a micro-batch of token ids)")
+        return Partition(specs, balanced_bounds(_shared_times(specs, example, group), parts), method)
     if method.startswith("type:"):
         pattern = re.compile(method[5:])
         weights = [1 if pattern.search(s.type_name) else 0 for s in specs]
@@ -274,7 +329,7 @@ def partition(
         bounds.append(n)
         return Partition(specs, tuple(bounds), method)
     raise PartitionError(
-        f"unknown partition method {method!r}; expected 'uniform', 'parameters', 'flops', 'type:<regex>' "
+        f"unknown partition method {method!r}; expected 'uniform', 'parameters', 'flops', 'time', 'type:<regex>' "
         f"or a list of boundaries"
     )
 
