@@ -1,8 +1,8 @@
 """Pipeline parallelism in the engine: every dp x tp x pp layout follows the one-process trajectory.
 
 Layouts (dp, tp, pp): (1,1,2) with gpipe, 1f1b and interleaved (2 chunks per
-rank); (1,1,4) 1f1b with 4 blocks; (2,1,2) with ZeRO 1 (1f1b) and ZeRO 2
-(gpipe); (1,2,2). fp32, 12 steps, loss and gradient norm within 1e-5 relative of the same config
+rank); (1,1,4) 1f1b with 4 blocks; (2,1,2) with ZeRO 1 (1f1b), ZeRO 1 with
+the timed partition and ZeRO 2 (gpipe); (1,2,2). fp32, 12 steps, loss and gradient norm within 1e-5 relative of the same config
 run with pp = 1 in one process (grad_accum_steps x dp micro-batches, so both
 see the same sequences). The layouts differ only in the order of
 floating-point sums (accumulating the micro-batches' gradients in a pipeline
@@ -64,6 +64,8 @@ TOL = {"pp2-bf16": 1e-3, "pp2-fp16": 1e-3}
 LAYOUTS_4 = [
     ("pp4-1f1b", _cfg(4, dp=1, pp=4, schedule="1f1b"), _cfg(4)),
     ("dp2-pp2-zero1", _cfg(accum=2, dp=2, pp=2, zero_stage=1), _cfg(accum=4)),
+    # Timed partition: rank 0 times the layers and every rank of both replicas splits alike.
+    ("dp2-pp2-time", _cfg(accum=2, dp=2, pp=2, zero_stage=1, partition="time"), _cfg(accum=4)),
     ("dp2-pp2-zero2-gpipe", _cfg(accum=2, dp=2, pp=2, zero_stage=2, schedule="gpipe"), _cfg(accum=4)),
     ("tp2-pp2", _cfg(dp=1, tp=2, pp=2), _cfg()),
 ]

@@ -9,7 +9,7 @@ sequences): loss and gradient norm within 1e-5 relative. Layouts: (1,1,2)
 1f1b; (1,1,2) gpipe with the embedding and head weights tied across the two
 stages (their gradient counted once in the clipping norm), and the same in
 chunked memory; (1,1,2) from an nn.Sequential built on every rank; (2,1,2)
-ZeRO 1 on four ranks. A checkpoint saved at pp = 2 loads at pp = 1 with every value in
+ZeRO 1 on four ranks, and (2,1,2) with the timed partition. A checkpoint saved at pp = 2 loads at pp = 1 with every value in
 place (the names are the nn.Sequential's), and each stage holds only its own
 layers' parameters.
 """
@@ -76,7 +76,9 @@ LAYOUTS_2 = [
     ("pp2-sequential", "sequential", _cfg(dp=1, pp=2), _cfg()),
     ("pp2-tied-chunks", "tied", _cfg(dp=1, pp=2, memory={"offload": "cpu", "chunk_size": 16384}), _cfg()),
 ]
-LAYOUTS_4 = [("dp2-pp2-zero1", "specs", _cfg(accum=2, dp=2, pp=2, zero_stage=1), _cfg(accum=4))]
+LAYOUTS_4 = [("dp2-pp2-zero1", "specs", _cfg(accum=2, dp=2, pp=2, zero_stage=1), _cfg(accum=4)),
+             # Timed partition: rank 0 times the layers and every rank of both replicas splits alike.
+             ("dp2-pp2-time", "specs", _cfg(accum=2, dp=2, pp=2, partition="time"), _cfg(accum=4))]
 MODELS = {"specs": specs, "tied": lambda: specs(tied=True), "sequential": sequential}
 
 
@@ -181,3 +183,24 @@ def test_partition_methods_pick_the_boundaries() -> None:
              for m in ("parameters", "flops", "uniform")}
     assert {m: (p.method, p.bounds) for m, p in plans.items()} == {
         "parameters": ("parameters", (0, 3, 7)), "flops": ("flops", (0, 4, 7)), "uniform": ("uniform", (0, 4, 7))}
+
+
+def test_time_partition_times_the_reference_layers_without_touching_the_random_state() -> None:
+    """"time" for the reference GPT: one block timed for all, a head with a large vocabulary costing
+    several blocks moves blocks off the last stage; the caller's random state is left untouched."""
+    from capstan.engine.pipe import balanced_bounds, reference_layer_times
+
+    cfg = resolve({"model": {"n_layers": 6, "d_model": 64, "n_heads": 4, "seq_len": 64, "vocab_size": 32768},
+                   "train": {"micro_batch_size": 4}, "parallel": {"pp": 2, "dp": 1, "partition": "time"}})[0]
+    torch.manual_seed(11)
+    before = torch.random.get_rng_state()
+    times = reference_layer_times(cfg)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert len(times) == 9 and len(set(times[1:7])) == 1  # 6 blocks, one timing
+    # The 64 x 32768 head (4.2 MFLOP per token, a block 0.11) outweighs everything before it: stage 1
+    # holds the head alone, where a split by parameters (embedding and head alike) gives it 3 blocks too.
+    assert times[8] > sum(times[:8]), times
+    assert balanced_bounds(cfg, 2) == (0, 8, 9)
+    params_cfg = resolve({"model": {"n_layers": 6, "d_model": 64, "n_heads": 4, "seq_len": 64, "vocab_size": 32768},
+                          "parallel": {"pp": 2, "dp": 1}})[0]
+    assert balanced_bounds(params_cfg, 2) == (0, 4, 9)

@@ -2,7 +2,7 @@
 
 With ``parallel.pp > 1`` the reference GPT's ``model.layers`` ([embedding,
 blocks..., final norm, head], untied) are partitioned over ``groups.pp`` (by
-``parallel.partition``: parameter count, forward FLOPs or layer count), and
+``parallel.partition``: parameter count, forward FLOPs, measured time or layer count), and
 each rank builds only the layers of its stage (its chunks, with
 interleaving), sliced over ``groups.tp``. Every layer draws its values from
 its own seed (`tensorpar.gpt_layer_factories`), so a stage's layers equal the
@@ -46,8 +46,8 @@ from .config_load import reference_gpt_config, reference_layer_flops, reference_
 from .precision import autocast
 from .zero import STAGE_COPY_ATTR
 
-__all__ = ["PipelineStage", "SCHEDULE_NAMES", "balanced_bounds", "token_cross_entropy", "user_layer_specs",
-           "user_partition"]
+__all__ = ["PipelineStage", "SCHEDULE_NAMES", "balanced_bounds", "reference_layer_times", "token_cross_entropy",
+           "user_layer_specs", "user_partition"]
 
 # parallel.schedule -> capstan.pipeline.SCHEDULES key
 SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved-1f1b"}
@@ -61,13 +61,14 @@ class _Count(nn.Module):
         self.w = nn.Parameter(torch.empty(n))
 
 
-def balanced_bounds(cfg: Config, parts: int) -> tuple[int, ...]:
+def balanced_bounds(cfg: Config, parts: int, world: comm.Group | None = None) -> tuple[int, ...]:
     """The reference GPT's layer boundaries of `parts` contiguous parts by ``parallel.partition``.
 
     capstan.pipeline counts parameters and FLOPs by building layers on the meta device, which
     tensorpar's layers (built from full CPU tensors, then sliced) do not support; the reference GPT's
-    counts are known in closed form (tp = 1), so the plan is made from those. Every tp rank gets the
-    same plan.
+    counts are known in closed form (tp = 1), so the plan is made from those. "time" measures the
+    layers at tp = 1 (`reference_layer_times`) on the first rank of `world` and shares the result.
+    Every rank gets the same plan.
     """
     from capstan.pipeline import LayerSpec, partition
     from capstan.pipeline import balanced_bounds as by_weights
@@ -75,19 +76,40 @@ def balanced_bounds(cfg: Config, parts: int) -> tuple[int, ...]:
     method = cfg.parallel.partition
     if method == "flops":
         return by_weights(reference_layer_flops(cfg), parts)
+    if method == "time":
+        return by_weights(reference_layer_times(cfg, world), parts)
     stand_ins = [LayerSpec(lambda n=n: _Count(n)) for n in reference_layer_params(cfg)]
     return partition(stand_ins, parts, method).bounds
 
 
-def user_partition(cfg: Config, specs: Sequence, stages: int):  # -> capstan.pipeline.Partition
+def _microbatch_tokens(cfg: Config) -> torch.Tensor:
+    """A micro-batch of token ids, the first layer's input when a partition counts or times layers."""
+    return torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_len, dtype=torch.long)
+
+
+def reference_layer_times(cfg: Config, world: comm.Group | None = None) -> list[float]:
+    """Seconds of forward + backward of each of the reference GPT's ``model.layers`` on a micro-batch,
+    at tp = 1, measured on the first rank of `world` and broadcast. The blocks are alike, so one is
+    timed and stands for all of them (a 48-block model costs four layers' timing, not fifty)."""
+    from capstan.pipeline import LayerSpec, agreed_layer_times
+    from capstan.tensorpar import gpt_layer_factories
+
+    f = gpt_layer_factories(reference_gpt_config(cfg), comm.single_process_groups().tp, seed=cfg.train.seed)
+    embedding, block, norm, head = agreed_layer_times([LayerSpec(f[0]), LayerSpec(f[1]), LayerSpec(f[-2]),
+                                                       LayerSpec(f[-1])], _microbatch_tokens(cfg), world)
+    return [embedding, *([block] * cfg.model.n_layers), norm, head]
+
+
+def user_partition(cfg: Config, specs: Sequence, stages: int,
+                   world: comm.Group | None = None):  # -> capstan.pipeline.Partition
     """A user pipeline's plan into stages x virtual_stages parts by ``parallel.partition``; "flops"
-    counts on a micro-batch of token ids (the engine's data), on the meta device."""
+    counts on a micro-batch of token ids (the engine's data), on the meta device; "time" times the
+    layers on that micro-batch on the first rank of `world`, which shares the timings."""
     from capstan.pipeline import PartitionError, partition
 
     v = cfg.parallel.virtual_stages
-    tokens = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_len, dtype=torch.long)
     try:
-        return partition(specs, stages * v, cfg.parallel.partition, example=tokens)
+        return partition(specs, stages * v, cfg.parallel.partition, example=_microbatch_tokens(cfg), group=world)
     except PartitionError as exc:
         raise ValueError(f"parallel.pp * virtual_stages = {stages} * {v}: {exc}") from None
 
@@ -142,13 +164,13 @@ class PipelineStage:
                                             sequence_parallel=p.sequence_parallel)
             names = ["embedding", *(f"block{i}" for i in range(m.n_layers)), "final_norm", "head"]
             specs = [LayerSpec(f, name) for f, name in zip(factories, names, strict=True)]
-            self.plan = Partition(tuple(specs), balanced_bounds(cfg, groups.pp.size * v), p.partition)
+            self.plan = Partition(tuple(specs), balanced_bounds(cfg, groups.pp.size * v, groups.world), p.partition)
             self._loss_fn = gpt_loss(gpt, groups.tp)
         else:
             if groups.tp.size > 1:
                 raise ValueError(f"parallel.tp = {groups.tp.size} with a pipeline of your own layers: only the "
                                  "reference GPT is sliced for tensor parallelism under pp > 1; use tp = 1")
-            self.plan = user_partition(cfg, specs, groups.pp.size)
+            self.plan = user_partition(cfg, specs, groups.pp.size, groups.world)
             self._loss_fn = loss_fn or token_cross_entropy
         self.schedule = make_schedule(SCHEDULE_NAMES[p.schedule], groups.pp.size,
                                       cfg.train.grad_accum_steps, v)

@@ -22,8 +22,8 @@ from .instructions import (
     SendActivation,
     SendGrad,
 )
-from .partition import (LayerSpec, Partition, PartitionError, balanced_bounds, build_layers, layer_flops,
-                        layer_times, partition, tie_layers)
+from .partition import (LayerSpec, Partition, PartitionError, agreed_layer_times, balanced_bounds, build_layers,
+                        layer_flops, layer_times, partition, tie_layers)
 from .schedules import (
     SCHEDULES,
     GPipe,
@@ -51,6 +51,7 @@ __all__ = [
     "PartitionError",
     "PipelineError",
     "PipelineExecutor",
+    "agreed_layer_times",
     "balanced_bounds",
     "build_layers",
     "layer_flops",

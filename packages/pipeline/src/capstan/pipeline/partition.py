@@ -44,6 +44,8 @@ Example::
 from __future__ import annotations
 
 import re
+import statistics
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -54,7 +56,7 @@ import torch
 from torch import nn
 
 __all__ = ["LayerSpec", "Partition", "PartitionError", "partition", "build_layers", "tie_layers", "layer_flops",
-           "layer_times", "balanced_bounds"]
+           "layer_times", "agreed_layer_times", "balanced_bounds"]
 
 
 class PartitionError(ValueError):
@@ -130,10 +132,14 @@ def layer_flops(specs: Sequence[LayerSpec], example: torch.Tensor) -> list[int]:
 def layer_times(specs: Sequence[LayerSpec], example: torch.Tensor, repeats: int = 3) -> list[float]:
     """Seconds of forward + backward of each layer: built for real one at a time (and dropped before
     the next), the first fed `example`, each next one the previous output; a floating-point output is
-    back-propagated with a gradient of ones. The median of `repeats` runs after one warm-up run."""
-    import statistics
-    import time
+    back-propagated with a gradient of ones. The median of `repeats` runs after one warm-up run.
+    The caller's random state is left as it was (building and dropout draw from a forked one): only
+    the measuring rank runs this, and its later draws must stay those of the other ranks."""
+    with torch.random.fork_rng(devices=[]):
+        return _timed_chain(specs, example, repeats)
 
+
+def _timed_chain(specs: Sequence[LayerSpec], example: torch.Tensor, repeats: int) -> list[float]:
     x, out = example, []
     for spec in specs:
         layer = spec.factory()
@@ -157,8 +163,9 @@ def layer_times(specs: Sequence[LayerSpec], example: torch.Tensor, repeats: int 
     return out
 
 
-def _shared_times(specs: Sequence[LayerSpec], example: torch.Tensor, group) -> list[float]:
-    """`layer_times` measured by the group's first member and broadcast, so all members agree."""
+def agreed_layer_times(specs: Sequence[LayerSpec], example: torch.Tensor, group=None) -> list[float]:
+    """`layer_times` measured by the first member of `group` (a capstan.comm group; None: this
+    process alone) and broadcast, so every member gets the same values and splits alike."""
     from capstan import comm
 
     times = torch.zeros(len(specs), dtype=torch.float64)
@@ -307,7 +314,7 @@ def partition(
         if example is None:
             raise PartitionError("partition method 'time' needs `example`, the first layer's input "
                                  "(e.g. a micro-batch of token ids)")
-        return Partition(specs, balanced_bounds(_shared_times(specs, example, group), parts), method)
+        return Partition(specs, balanced_bounds(agreed_layer_times(specs, example, group), parts), method)
     if method.startswith("type:"):
         pattern = re.compile(method[5:])
         weights = [1 if pattern.search(s.type_name) else 0 for s in specs]
