@@ -75,6 +75,22 @@ def test_integer_inputs_take_no_gradient() -> None:
     assert len(times) == 4 and all(t > 0 for t in times)
 
 
+def test_already_built_layers_keep_their_gradients_and_buffers() -> None:
+    """Factories returning the caller's own modules (an nn.Sequential's children): timing them leaves
+    their gradients, running statistics and the random state as they were."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    model[0].weight.grad = torch.full_like(model[0].weight, 3.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(16, 4)
+    rng = torch.random.get_rng_state()
+    specs = [LayerSpec(lambda m=m: m) for m in model]
+    assert len(layer_times(specs, x, repeats=2)) == 4
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(model[0].weight.grad, torch.full_like(model[0].weight, 3.0))
+    assert model[3].weight.grad is None
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
 def _agreed(rank_costs: list[list[float]]) -> tuple[int, ...]:
     group = comm.build_groups(comm.Topology(pp=2)).pp
     specs = _specs(rank_costs[group.rank], [1] * 5)

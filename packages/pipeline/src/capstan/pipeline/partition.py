@@ -133,8 +133,9 @@ def layer_times(specs: Sequence[LayerSpec], example: torch.Tensor, repeats: int 
     """Seconds of forward + backward of each layer: built for real one at a time (and dropped before
     the next), the first fed `example`, each next one the previous output; a floating-point output is
     back-propagated with a gradient of ones. The median of `repeats` runs after one warm-up run.
-    The caller's random state is left as it was (building and dropout draw from a forked one): only
-    the measuring rank runs this, and its later draws must stay those of the other ranks."""
+    Nothing the caller holds changes: its random state (building and dropout draw from a forked
+    one), and the gradients and buffers of a module a factory returns already built. Only the
+    measuring rank runs this; afterwards it must be in the same state as the other ranks."""
     with torch.random.fork_rng(devices=[]):
         return _timed_chain(specs, example, repeats)
 
@@ -143,6 +144,12 @@ def _timed_chain(specs: Sequence[LayerSpec], example: torch.Tensor, repeats: int
     x, out = example, []
     for spec in specs:
         layer = spec.factory()
+        # A factory may return a module already built and shared with the caller (an nn.Sequential's
+        # child): its gradients and buffers (running statistics) are put back after the timing.
+        grads = [(p, p.grad) for p in layer.parameters()]
+        for p, _ in grads:
+            p.grad = None  # the timing's gradients go to fresh tensors, the caller's stay untouched
+        buffers = [(b, b.detach().clone()) for b in layer.buffers()]
         inp = x.detach().requires_grad_(x.is_floating_point())
 
         def once() -> torch.Tensor:
@@ -158,8 +165,13 @@ def _timed_chain(specs: Sequence[LayerSpec], example: torch.Tensor, repeats: int
             once()
             times.append(time.perf_counter() - t0)
         out.append(statistics.median(times))
+        with torch.no_grad():
+            for p, g in grads:
+                p.grad = g
+            for b, saved in buffers:
+                b.copy_(saved)
         x = y.detach()
-        del layer, inp, y
+        del layer, inp, y, grads, buffers
     return out
 
 
