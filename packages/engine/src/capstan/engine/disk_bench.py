@@ -163,7 +163,8 @@ def offload_floor(params: int, rates: dict) -> dict:
 
 
 def format_report(rates: dict, floor: dict | None) -> str:
-    mode = "direct I/O" if rates["direct"] else "buffered I/O (the filesystem refused O_DIRECT)"
+    mode = ("direct I/O" if rates["direct"] else
+            "buffered I/O (the filesystem refused O_DIRECT; the read may come from the page cache)")
     lines = [
         f"capstan bench-disk {rates['directory']}: {mode}, {rates['inflight']} requests of "
         f"{rates['block_bytes'] // MiB} MiB in flight, {rates['size_bytes'] / 2**30:.2f} GiB, "
