@@ -39,14 +39,15 @@ from .layout import (LayoutError, ModuleSpec, ParamSpec, auto_chunk_size, list_c
 from .manager import BudgetError, ChunkManager
 from .model import ChunkedModel
 from .optim import AdamGroup, ChunkAdam
-from .precision import DynamicLossScaler
+from .precision import DynamicLossScaler, LossScaleError
 from .sharding import ShardedChunkedModel
 from .states import ChunkKind, ChunkState, StateError, TensorState
 from .tiers import Tier
 
 __all__ = [
     "AdamGroup", "Belady", "BudgetError", "Chunk", "ChunkAdam", "ChunkKind", "ChunkManager", "ChunkState",
-    "ChunkedModel", "DiskStore", "DynamicLossScaler", "DiskTierError", "EvictionPolicy", "LRU", "LayoutError", "ModuleSpec",
+    "ChunkedModel", "DiskStore", "DynamicLossScaler", "DiskTierError", "EvictionPolicy", "LRU", "LayoutError",
+    "LossScaleError", "ModuleSpec",
     "ParamSpec", "ShardedChunkedModel", "StateError", "TensorSlot", "TensorState", "Tier", "make_policy", "plan_layout",
     "auto_chunk_size", "list_capacity", "search_chunk_size", "utilization",
 ]

@@ -184,10 +184,12 @@ def _main(argv: list[str] | None) -> int:
         print(f"capstan: error: {exc} (see capstan --help)", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as exc:
+        from capstan.chunkmem import LossScaleError
         from capstan.comm import CommError
 
-        if isinstance(exc, CommError) and not debug:
-            # A lost peer is not a capstan bug: one line naming it (exit 1), not a traceback per rank.
+        if isinstance(exc, (CommError, LossScaleError)) and not debug:
+            # A lost peer, or a run whose fp16 gradients overflow at the minimum loss scale, is not a
+            # capstan bug: one line naming it (exit 1), not a traceback per rank.
             print(f"capstan: error: {' '.join(str(exc).split())}", file=sys.stderr)
             return 1
         if debug or not isinstance(exc, _bad_input_types()):

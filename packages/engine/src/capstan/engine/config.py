@@ -169,6 +169,8 @@ class PrecisionConfig:
     """fp16: overflowing steps tolerated before the scale halves (each overflowing step is skipped)."""
     min_scale: float = constraint(1.0, gt=0.0)
     """fp16: the scale never drops below this."""
+    raise_at_min_scale: bool = True
+    """fp16: stop with one clear error (exit 1) at the overflow that would halve the scale below min_scale (the run would otherwise skip every remaining step: it has diverged or overflows fp16); false keeps skipping, as DeepSpeed's raise_error_at_min_scale = false."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -201,7 +201,7 @@ class Engine:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         info.loss_scale = scale
         if self.scaler is not None and opt.has_overflow():
-            self.scaler.update(True)
+            self._update_scale(True, info.step)
             info.skipped, info.grad_norm = True, float("inf")
             log.info("step %d: fp16 gradients overflowed at loss scale %g; step skipped", info.step, scale)
             opt.zero_grad()
@@ -216,6 +216,16 @@ class Engine:
         if self.scaler is not None:
             self.scaler.update(False)
 
+    def _update_scale(self, overflow: bool, step: int) -> None:
+        """The loss scaler's update; an overflow at the minimum scale stops the run naming the step.
+        Every rank agrees on `overflow` (reduced over dp, tp and pp), so every rank raises together."""
+        from capstan.chunkmem import LossScaleError
+
+        try:
+            self.scaler.update(overflow)
+        except LossScaleError as exc:
+            raise LossScaleError(f"step {step}: {exc}") from None
+
     def _chunk_step(self, info: StepInfo) -> None:
         for group in self.optimizer.groups:
             group.lr = info.lr
@@ -229,7 +239,7 @@ class Engine:
         if clip is not None and norm is not None:
             info.grad_norm = float(norm)
         if self.scaler is not None:
-            self.scaler.update(overflow)
+            self._update_scale(overflow, info.step)
         if overflow:
             info.skipped, info.grad_norm = True, float("inf")
             log.info("step %d: fp16 gradients overflowed at loss scale %g; step skipped", info.step, scale)

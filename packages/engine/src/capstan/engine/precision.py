@@ -31,4 +31,4 @@ def autocast(p: PrecisionConfig, device: str = "cpu") -> contextlib.AbstractCont
 def loss_scaler(p: PrecisionConfig) -> DynamicLossScaler:
     """The fp16 dynamic loss scaler configured by `[precision]` (one implementation, in chunkmem)."""
     return DynamicLossScaler(initial_scale=p.initial_scale, window=p.window, hysteresis=p.hysteresis,
-                             min_scale=p.min_scale)
+                             min_scale=p.min_scale, raise_at_min_scale=p.raise_at_min_scale)

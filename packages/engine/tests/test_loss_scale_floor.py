@@ -1,0 +1,66 @@
+"""fp16 gradients that overflow even at the minimum loss scale stop the run with one clear line
+(DeepSpeed's "Current loss scale already at minimum"), unless precision.raise_at_min_scale = false."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from capstan.chunkmem import DynamicLossScaler, LossScaleError
+from capstan.engine import cli
+
+# A scale no fp16 gradient survives, which is also the minimum: every step overflows there.
+CONFIG = """
+[model]
+n_layers = 1
+n_heads = 4
+d_model = 32
+seq_len = 16
+[data]
+max_bytes = 100000
+[train]
+steps = 6
+micro_batch_size = 2
+warmup_steps = 1
+[precision]
+dtype = "fp16"
+initial_scale = 1e30
+min_scale = 1e30
+hysteresis = 2
+"""
+
+
+def _train(tmp_path: Path, capsys, *overrides: str) -> tuple[int, list[str], Path]:
+    cfg = tmp_path / "fp16.toml"
+    cfg.write_text(CONFIG)
+    run = tmp_path / "run"
+    code = cli.main(["train", "--config", str(cfg), "--set", f'log.run_dir="{run}"', *overrides])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capstan: error:")]
+    return code, errors, run
+
+
+@pytest.mark.parametrize("memory", [[], ["--set", 'memory.offload="cpu"']], ids=["flat", "chunks"])
+def test_overflow_at_the_minimum_scale_stops_the_run(tmp_path, capsys, memory):
+    code, errors, _ = _train(tmp_path, capsys, *memory)
+    assert code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith("capstan: error: step 2: fp16 gradients overflowed") and "1e+30" in errors[0]
+
+
+def test_raise_at_min_scale_false_keeps_skipping(tmp_path, capsys):
+    code, errors, run = _train(tmp_path, capsys, "--set", "precision.raise_at_min_scale=false")
+    assert code == 0 and errors == []
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "skipped" in s]
+    assert len(steps) == 6 and all(s["skipped"] for s in steps)
+
+
+def test_scaler_raises_only_where_it_cannot_halve():
+    s = DynamicLossScaler(initial_scale=4.0, hysteresis=2, min_scale=2.0, raise_at_min_scale=True)
+    s.update(True)
+    s.update(True)
+    assert s.scale == 2.0  # halved down to the minimum: fine
+    s.update(True)  # tolerated (hysteresis)
+    with pytest.raises(LossScaleError, match="2 time.s. at the minimum loss scale 2"):
+        s.update(True)
