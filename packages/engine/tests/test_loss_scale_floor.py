@@ -12,29 +12,17 @@ from capstan.chunkmem import DynamicLossScaler, LossScaleError
 from capstan.engine import cli
 
 # A scale no fp16 gradient survives, which is also the minimum: every step overflows there.
-CONFIG = """
-[model]
-n_layers = 1
-n_heads = 4
-d_model = 32
-seq_len = 16
-[data]
-max_bytes = 100000
-[train]
-steps = 6
-micro_batch_size = 2
-warmup_steps = 1
-[precision]
-dtype = "fp16"
-initial_scale = 1e30
-min_scale = 1e30
-hysteresis = 2
-"""
+CONFIG = {
+    "model": {"n_layers": 1, "n_heads": 4, "d_model": 32, "seq_len": 16},
+    "data": {"max_bytes": 100_000},
+    "train": {"steps": 6, "micro_batch_size": 2, "warmup_steps": 1},
+    "precision": {"dtype": "fp16", "initial_scale": 1e30, "min_scale": 1e30, "hysteresis": 2},
+}
 
 
 def _train(tmp_path: Path, capsys, *overrides: str) -> tuple[int, list[str], Path]:
-    cfg = tmp_path / "fp16.toml"
-    cfg.write_text(CONFIG)
+    cfg = tmp_path / "fp16.json"
+    cfg.write_text(json.dumps(CONFIG))
     run = tmp_path / "run"
     code = cli.main(["train", "--config", str(cfg), "--set", f'log.run_dir="{run}"', *overrides])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capstan: error:")]
