@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from capstan.chunkmem import DynamicLossScaler, LossScaleError
 from capstan.engine import cli
@@ -34,6 +36,21 @@ def test_overflow_at_the_minimum_scale_stops_the_run(tmp_path, capsys, memory):
     code, errors, _ = _train(tmp_path, capsys, *memory)
     assert code == 1 and len(errors) == 1, errors
     assert errors[0].startswith("capstan: error: step 2: fp16 gradients overflowed") and "1e+30" in errors[0]
+    if not memory:  # the flat optimizer names the layers whose gradients overflowed
+        assert re.search(r"inf/NaN on this rank in the gradients of layers\.\d+\.[\w.]+", errors[0]), errors[0]
+
+
+def test_nonfinite_params_names_the_overflowing_parameters():
+    from capstan.comm import single_process_groups
+    from capstan.engine.config_load import resolve
+    from capstan.engine.zero import ZeroOptimizer
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = ZeroOptimizer(model, single_process_groups(), 0, resolve({})[0].train)
+    assert opt.nonfinite_params() == []
+    model[1].weight.grad[0, 0] = float("inf")  # .grad is a view of the flat gradient
+    model[0].bias.grad[1] = float("nan")
+    assert sorted(opt.nonfinite_params()) == ["0.bias", "1.weight"]
 
 
 def test_raise_at_min_scale_false_keeps_skipping(tmp_path, capsys):

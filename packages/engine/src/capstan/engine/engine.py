@@ -62,6 +62,15 @@ class StepInfo:
     mem: dict[str, float] = field(default_factory=dict)
 
 
+def _overflowed(names: list[str], shown: int = 3) -> str:
+    """" (on this rank in the gradients of a, b, c and 4 more)" for an overflow message; "" if none here
+    (another rank's gradients overflowed)."""
+    if not names:
+        return ""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f" (inf/NaN on this rank in the gradients of {', '.join(names[:shown])}{more})"
+
+
 class Engine:
     """Build with `capstan.engine.initialize`; see the module docstring and docs/engine.md."""
 
@@ -201,9 +210,10 @@ class Engine:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         info.loss_scale = scale
         if self.scaler is not None and opt.has_overflow():
-            self._update_scale(True, info.step)
+            where = _overflowed(opt.nonfinite_params())
+            self._update_scale(True, info.step, where)
             info.skipped, info.grad_norm = True, float("inf")
-            log.info("step %d: fp16 gradients overflowed at loss scale %g; step skipped", info.step, scale)
+            log.info("step %d: fp16 gradients overflowed at loss scale %g%s; step skipped", info.step, scale, where)
             opt.zero_grad()
             return
         norm = opt.grad_norm() / scale
@@ -216,15 +226,16 @@ class Engine:
         if self.scaler is not None:
             self.scaler.update(False)
 
-    def _update_scale(self, overflow: bool, step: int) -> None:
-        """The loss scaler's update; an overflow at the minimum scale stops the run naming the step.
-        Every rank agrees on `overflow` (reduced over dp, tp and pp), so every rank raises together."""
+    def _update_scale(self, overflow: bool, step: int, where: str = "") -> None:
+        """The loss scaler's update; an overflow at the minimum scale stops the run naming the step (and,
+        `where`, the layers that overflowed on this rank). Every rank agrees on `overflow` (reduced over
+        dp, tp and pp), so every rank raises together."""
         from capstan.chunkmem import LossScaleError
 
         try:
             self.scaler.update(overflow)
         except LossScaleError as exc:
-            raise LossScaleError(f"step {step}: {exc}") from None
+            raise LossScaleError(f"step {step}: {exc}{where}") from None
 
     def _chunk_step(self, info: StepInfo) -> None:
         for group in self.optimizer.groups:

@@ -108,6 +108,7 @@ class ZeroOptimizer:
             raise ValueError(f"ZeroOptimizer handles ZeRO stages 0-2, got {stage}")
         self.groups, self.stage, self.train = groups, stage, train
         params = [p for p in model.parameters() if p.requires_grad]
+        self._names = {id(p): name for name, p in model.named_parameters()}  # for overflow diagnostics
         if any(p.dtype != torch.float32 for p in params):
             raise ValueError("ZeroOptimizer keeps fp32 master weights: build the model in fp32")
         # Replicated across tp = tp_dim is None (tensorpar marks); plain modules count as replicated.
@@ -249,6 +250,16 @@ class ZeroOptimizer:
         comm.all_reduce(flag, op="max", group=self.groups.tp)
         comm.all_reduce(flag, op="max", group=self.groups.pp)
         return bool(flag.item())
+
+    def nonfinite_params(self) -> list[str]:
+        """Names of the parameters whose gradient holds inf/NaN in this rank's shard (in buffer order):
+        which layers overflowed, for the message of a skipped fp16 step. Runs only after an overflow."""
+        g, names = self._shard_grad(), []
+        for p, start in zip(self.params, _offsets(self.params)):
+            a, b = max(start, self.lo), min(start + p.numel(), self.hi)
+            if a < b and kernels.has_nonfinite(g[a - self.lo : b - self.lo]):
+                names.append(self._names.get(id(p), "?"))
+        return names
 
     def zero_grad(self) -> None:
         self.micro = 0
