@@ -134,6 +134,9 @@ def test_fp16_overflow_skips_the_step_and_restores_parameters(tmp_path) -> None:
     _, overflow = opt.step(loss_scale=scaler.scale, check_overflow=True)
     scaler.update(overflow)
     assert overflow and scaler.scale == 2.0**39 and scaler.skipped == 1
+    # Which parameters overflowed, named before their gradients were dropped: real names, each once.
+    names = {n for n, _ in model.module.named_parameters()}
+    assert opt.overflowed and set(opt.overflowed) <= names and len(set(opt.overflowed)) == len(opt.overflowed)
     after = model.state_tensors()
     assert all(torch.equal(before[k], after[k]) for k in before)  # masters untouched
     assert all(torch.equal(a, b) for a, b in zip(params_before, model.module.parameters()))  # restored
@@ -143,6 +146,7 @@ def test_fp16_overflow_skips_the_step_and_restores_parameters(tmp_path) -> None:
     model.backward(loss * scaler.scale)
     _, overflow = opt.step(loss_scale=scaler.scale, check_overflow=True)
     assert not overflow and not torch.equal(before["1.weight"], model.state_tensors()["1.weight"])
+    assert opt.overflowed == []
     manager.close()
 
 

@@ -55,6 +55,8 @@ class ChunkAdam:
         for g in self.groups:
             if g.lr < 0 or g.eps < 0 or not all(0.0 <= b < 1.0 for b in g.betas) or g.weight_decay < 0:
                 raise ValueError(f"invalid Adam hyper-parameters: {g}")
+        # Names of the parameters whose gradient held inf/NaN on this rank at the last skipped step.
+        self.overflowed: list[str] = []
 
     def _grad_kind(self) -> ChunkKind:
         return ChunkKind.GRAD if self.model.grad_chunks else ChunkKind.PARAM
@@ -91,6 +93,15 @@ class ChunkAdam:
             local = any(kernels.has_nonfinite(c.payload[:n]) for _, c, n in grads)  # type: ignore[index]
         return self.model.reduce_any(local)
 
+    def nonfinite_params(self) -> list[str]:
+        """Names of the parameters whose gradient (in this rank's chunks) holds inf/NaN, in chunk
+        order: which layers overflowed, for the message of a skipped fp16 step."""
+        names = []
+        for _, chunk, n in self._each_grad():
+            if kernels.has_nonfinite(chunk.payload[:n]):  # type: ignore[index]
+                names += [s.name for s in chunk.slots if kernels.has_nonfinite(chunk.view(s))]
+        return names
+
     def step(self, grad_clip: float | None = None, loss_scale: float = 1.0,
              check_overflow: bool = False) -> tuple[float | None, bool]:
         """One AdamW step over every owned chunk group. Returns (gradient norm or None, overflow).
@@ -98,7 +109,9 @@ class ChunkAdam:
         loss_scale: the factor the loss was multiplied by (fp16); gradients are divided by it.
         check_overflow: skip the whole step (and restore 16-bit parameters) if any gradient is inf/NaN.
         """
+        self.overflowed = []
         if check_overflow and self.has_overflow():
+            self.overflowed = self.nonfinite_params()  # before the gradients are dropped
             self._restore_params()
             self._drop_grads()
             return None, True

@@ -249,11 +249,12 @@ class Engine:
                                              check_overflow=self.scaler is not None)
         if clip is not None and norm is not None:
             info.grad_norm = float(norm)
+        where = _overflowed(self.optimizer.overflowed) if overflow else ""
         if self.scaler is not None:
-            self._update_scale(overflow, info.step)
+            self._update_scale(overflow, info.step, where)
         if overflow:
             info.skipped, info.grad_norm = True, float("inf")
-            log.info("step %d: fp16 gradients overflowed at loss scale %g; step skipped", info.step, scale)
+            log.info("step %d: fp16 gradients overflowed at loss scale %g%s; step skipped", info.step, scale, where)
         self.manager.end_step()
         self._stepping = False
 
