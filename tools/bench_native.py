@@ -291,21 +291,15 @@ def bench_vs_deepspeed(n: int, reps: int, ds_python: str) -> list[tuple[str, flo
 
 
 def _sequential_io(path: str, total: int, inflight: int, block: int = 8 << 20) -> None:
-    """Write then read `total` bytes sequentially, at most `inflight` requests queued."""
+    """Write then read `total` bytes sequentially, at most `inflight` requests queued (the loop
+    `capstan bench-disk` measures with)."""
+    from capstan.engine.disk_bench import stream_file
+
     buf = aio.aligned_empty(inflight * block)
     buf.fill_(5)
     for mode in ("w+", "r"):
         with aio.AsyncFile(path, mode) as f:
-            queue = []
-            for k, o in enumerate(range(0, total, block)):
-                if len(queue) == inflight:
-                    queue.pop(0).wait()
-                piece = buf[(k % inflight) * block:(k % inflight + 1) * block]
-                queue.append(f.write_from(piece, o) if mode == "w+" else f.read_into(piece, o))
-            for r in queue:
-                r.wait()
-            if mode == "w+":
-                f.fsync().wait()
+            stream_file(f, buf, total, block, inflight, write=mode == "w+")
     os.unlink(path)
 
 

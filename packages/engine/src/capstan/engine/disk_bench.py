@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DiskBenchError", "bench_disk", "offload_floor", "parse_count", "format_report",
+__all__ = ["DiskBenchError", "bench_disk", "offload_floor", "parse_count", "format_report", "stream_file",
            "STATE_BYTES_PER_PARAM"]
 
 MiB = 1 << 20
@@ -78,8 +78,9 @@ def _check_args(directory: str | os.PathLike, size: int, block: int, inflight: i
     return path
 
 
-def _stream(f, buf: torch.Tensor, size: int, block: int, inflight: int, write: bool) -> None:
-    """Write or read `size` bytes sequentially, at most `inflight` requests of `block` bytes queued."""
+def stream_file(f, buf: torch.Tensor, size: int, block: int, inflight: int, write: bool) -> None:
+    """Write (then fsync) or read `size` bytes of the open `aio.AsyncFile` f sequentially, at most
+    `inflight` requests of `block` bytes queued, cycling through `buf` (inflight * block bytes)."""
     queue = []
     for k, offset in enumerate(range(0, size, block)):
         if len(queue) == inflight:
@@ -104,11 +105,11 @@ def _disk_rates(path: Path, size: int, block: int, inflight: int, rounds: int) -
             with aio.AsyncFile(target, "w+") as f:
                 direct = f.direct
                 t = time.perf_counter()
-                _stream(f, buf, size, block, inflight, write=True)
+                stream_file(f, buf, size, block, inflight, write=True)
                 writes.append(time.perf_counter() - t)
             with aio.AsyncFile(target, "r", direct=direct) as f:
                 t = time.perf_counter()
-                _stream(f, buf, size, block, inflight, write=False)
+                stream_file(f, buf, size, block, inflight, write=False)
                 reads.append(time.perf_counter() - t)
     except OSError as exc:  # ENOSPC, EFBIG, EIO: the message names the file and offset
         raise DiskBenchError(f"bench-disk: {exc}") from exc

@@ -63,8 +63,8 @@ class StepInfo:
 
 
 def _overflowed(names: list[str], shown: int = 3) -> str:
-    """" (on this rank in the gradients of a, b, c and 4 more)" for an overflow message; "" if none here
-    (another rank's gradients overflowed)."""
+    """The overflow message's tail naming this rank's overflowing parameters (the first `shown`, then
+    "and N more"); "" when this rank has none (another rank's gradients overflowed)."""
     if not names:
         return ""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
