@@ -89,7 +89,7 @@ def torch_gpt(a: dict) -> nn.Sequential:
     """[embedding, blocks..., final LayerNorm, head] with the values of capstan's tp=1 reference GPT."""
     from capstan import comm
     from capstan.engine.build import build_reference_model
-    from capstan.engine.config_load import resolve
+    from capstan.engine.config.load import resolve
 
     cfg, _ = resolve(capstan_config(a, "dp"), ())
     ref = build_reference_model(cfg, comm.single_process_groups()).layers  # tp group of one: the full model
@@ -265,7 +265,7 @@ def make_peer(a: dict, axis: str, rank: int, world: int):
 
         return step, losses, note, model
     # pp: the same layer boundaries as capstan's engine (partition by parameter count)
-    from capstan.engine.config_load import resolve
+    from capstan.engine.config.load import resolve
     from capstan.engine.pipe import balanced_bounds
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 

@@ -90,7 +90,7 @@ def peak_rss() -> int:
 
 def plain_model(a: dict):
     from capstan import comm
-    from capstan.engine.config_load import resolve
+    from capstan.engine.config.load import resolve
     from capstan.engine.build import build_reference_model
 
     cfg, _ = resolve(model_config(a), ())

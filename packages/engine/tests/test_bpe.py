@@ -10,8 +10,9 @@ import pytest
 
 pytest.importorskip("tokenizers", reason="needs the tokenizers package (capstan-engine[bpe])")
 
-from capstan.engine import bpe, cli  # noqa: E402
-from capstan.engine.config_load import resolve  # noqa: E402
+from capstan.engine import cli  # noqa: E402
+from capstan.engine.data import bpe  # noqa: E402
+from capstan.engine.config.load import resolve  # noqa: E402
 from capstan.engine.data import open_data, stdlib_text  # noqa: E402
 
 VOCAB = 512

@@ -17,9 +17,9 @@ import torch
 from capstan.comm import single_process_groups
 from capstan.engine import initialize, open_data, train_batches
 from capstan.engine.checkpoint import CheckpointError, complete_checkpoints, latest
-from capstan.engine.ckpt_format import read_bytes
-from capstan.engine.ckpt_state import LocalParam, merge_tp, slice_tp
-from capstan.engine.ckpt_tools import export, inspect
+from capstan.engine.checkpoint.format import read_bytes
+from capstan.engine.checkpoint.state import LocalParam, merge_tp, slice_tp
+from capstan.engine.checkpoint.tools import export, inspect
 
 
 def _cfg(tmp: Path, **memory: object) -> dict:

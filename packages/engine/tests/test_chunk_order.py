@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from capstan.engine import initialize, open_data, train_batches
-from capstan.engine.config_load import ConfigError
+from capstan.engine.config.load import ConfigError
 
 D, LAYERS, VOCAB = 64, 12, 256
 BUILD = [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]  # creation order of layer i (run in order 0..11)

@@ -1,4 +1,4 @@
-"""`cli.entry`: the program entry leaves through os._exit with main's code (see its docstring for why).
+"""`cli.commands.entry`: the program entry leaves through os._exit with main's code (see its docstring for why).
 
 Each case runs in a subprocess, since entry() ends the process: the exit code, and what reached
 stdout/stderr (flushed before os._exit skips interpreter teardown).
@@ -26,7 +26,7 @@ def test_entry_exit_code_and_output(name: str) -> None:
     fake_main, want_code, want_out, want_err = CASES[name]
     script = (
         "import sys, logging\n"
-        "import capstan.engine.cli as cli\n"
+        "import capstan.engine.cli.commands as cli\n"
         "logging.basicConfig(stream=sys.stderr)\n"
         "logging.getLogger('t').warning('logged line')\n"
         f"cli.main = {fake_main}\n"

@@ -17,8 +17,8 @@ import pytest
 
 from capstan.comm.testing.harness import _clean_env
 from capstan.engine import cli
-from capstan.engine.config_doc import render
-from capstan.engine.config_load import ConfigError, parse_override, resolve, to_toml
+from capstan.engine.config.doc import render
+from capstan.engine.config.load import ConfigError, parse_override, resolve, to_toml
 
 GOOD = """
 [model]
@@ -174,4 +174,4 @@ def test_derived_values_and_resolved_toml_round_trip() -> None:
 
 def test_config_reference_doc_is_current() -> None:
     doc = Path(__file__).resolve().parents[3] / "docs" / "config.md"
-    assert doc.read_text() == render(), "run: python -m capstan.engine.config_doc docs/config.md"
+    assert doc.read_text() == render(), "run: python -m capstan.engine.config.doc docs/config.md"

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from capstan.engine.config_load import load_config
+from capstan.engine.config.load import load_config
 from capstan.engine.data import micro_batch, open_data, val_batches
 
 SEQ = 16

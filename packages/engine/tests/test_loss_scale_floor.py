@@ -42,7 +42,7 @@ def test_overflow_at_the_minimum_scale_stops_the_run(tmp_path, capsys, memory):
 
 def test_nonfinite_params_names_the_overflowing_parameters():
     from capstan.comm import single_process_groups
-    from capstan.engine.config_load import resolve
+    from capstan.engine.config.load import resolve
     from capstan.engine.zero import ZeroOptimizer
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))

@@ -21,7 +21,7 @@ import pytest
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches, val_batches
 from capstan.engine.testing import assert_trajectories_close
-from capstan.engine.config_load import ConfigError, resolve
+from capstan.engine.config.load import ConfigError, resolve
 
 STEPS = 12
 

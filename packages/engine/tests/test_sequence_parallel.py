@@ -15,7 +15,7 @@ import pytest
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches, val_batches
-from capstan.engine.config_load import ConfigError, resolve
+from capstan.engine.config.load import ConfigError, resolve
 from capstan.engine.testing import assert_trajectories_close, count_saved_bytes
 
 STEPS = 8

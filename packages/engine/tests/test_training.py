@@ -20,7 +20,7 @@ import torch
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches
 from capstan.engine.testing import assert_trajectories_close
-from capstan.engine.config_load import resolve
+from capstan.engine.config.load import resolve
 from capstan.engine.data import micro_batch
 from capstan.engine.schedule_lr import lr_at
 

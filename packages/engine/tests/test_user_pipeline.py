@@ -25,7 +25,7 @@ from torch import nn
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches
 from capstan.engine.testing import assert_trajectories_close
-from capstan.engine.config_load import resolve
+from capstan.engine.config.load import resolve
 from capstan.pipeline import LayerSpec
 
 STEPS, VOCAB, D, BLOCKS = 8, 256, 32, 4

@@ -1,4 +1,4 @@
-"""Gradient buckets that communicate during backward (zero_buckets.py).
+"""Gradient buckets that communicate during backward (zero/buckets.py).
 
 The plans are checked as plain data; the overlap is checked by parity: dp=2
 with gradient accumulation 2 and buckets small enough that the reference
@@ -8,7 +8,7 @@ order of the floating-point sums differs, ~1e-7 per step), for ZeRO 0, 1 and 2,
 and matches the post-backward path (``bucket_mb = 0``) exactly, in fp16 too
 (where a dynamic-loss-scale overflow must still skip the step). The
 parameter all-gather after the ZeRO 1/2 step, overlapped with the next
-forward in buckets (zero_gather.py), gives exactly the losses, norms and
+forward in buckets (zero/gather.py), gives exactly the losses, norms and
 parameters of one blocking all-gather.
 
 Under mpirun (capstan's MPI backend) the all-reduce buckets are blocking
@@ -24,7 +24,7 @@ import torch
 from capstan.comm.testing import requires_mpirun, run_mpirun, run_ranks
 from capstan.engine import initialize, open_data, train_batches
 from capstan.engine.testing import assert_trajectories_close
-from capstan.engine.zero_buckets import plan_all_reduce, plan_reduce_scatter
+from capstan.engine.zero.buckets import plan_all_reduce, plan_reduce_scatter
 
 STEPS = 8
 

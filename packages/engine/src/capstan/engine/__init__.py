@@ -16,11 +16,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import (
-    CheckpointConfig, Config, DataConfig, LogConfig, MemoryConfig, ModelConfig, ParallelConfig,
-    PrecisionConfig, TrainConfig,
+from .config.load import ConfigError, check_world, load_config, resolve
+from .config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LogConfig,
+    MemoryConfig,
+    ModelConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
 )
-from .config_load import ConfigError, check_world, load_config, resolve
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DataError", "Engine", "LogConfig",

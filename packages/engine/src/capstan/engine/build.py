@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
 from capstan import comm
 from capstan.chunkmem.nonmodel import trim_heap
+from torch import nn
 
-from .config import Config
-from .config_load import check_world, reference_gpt_config, resolve, uses_chunks
+from .config.load import check_world, reference_gpt_config, resolve, uses_chunks
+from .config.schema import Config
 from .engine import Engine, LossFn
 
 __all__ = ["initialize", "build_reference_model", "build_reference_on_meta", "LayerwiseInit", "recompute_blocks",

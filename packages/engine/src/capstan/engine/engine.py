@@ -3,7 +3,7 @@
 Two state holders sit behind the same three calls
 (``loss = engine(batch); engine.backward(loss); engine.step()``):
 
-* `ZeroOptimizer` (zero.py): plain tensors in a flat fp32 buffer, data
+* `ZeroOptimizer` (zero/): plain tensors in a flat fp32 buffer, data
   parallelism with ZeRO 0/1/2, tensor parallelism through tensorpar's layers;
 * capstan.chunkmem (`ChunkedModel` + `ChunkAdam`): parameters, gradients and
   Adam moments in chunks with a RAM budget and a disk tier; sharded over dp
@@ -31,16 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from capstan import comm
 from torch import nn
 
-from capstan import comm
-
-from .config import Config
-from .config_load import uses_chunks
+from .config.load import uses_chunks
+from .config.schema import Config
 from .pipe import PipelineStage
 from .precision import autocast, loss_scaler
 from .schedule_lr import lr_at
-from .zero import ZeroOptimizer, decays, is_stage_copy
+from .zero.optimizer import ZeroOptimizer, decays, is_stage_copy
 
 __all__ = ["Engine", "StepInfo", "LossFn"]
 
@@ -108,7 +107,14 @@ class Engine:
     def _init_chunks(self, model: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
         """Model states into chunkmem; a meta-device `model` is materialized module by module into its
         chunks (by `init_fn`, else each module's reset_parameters)."""
-        from capstan.chunkmem import AdamGroup, ChunkAdam, ChunkedModel, ChunkManager, DiskStore, ShardedChunkedModel
+        from capstan.chunkmem import (
+            AdamGroup,
+            ChunkAdam,
+            ChunkedModel,
+            ChunkManager,
+            DiskStore,
+            ShardedChunkedModel,
+        )
 
         mem, t = self.config.memory, self.config.train
         rank = self.groups.world.rank
@@ -116,7 +122,7 @@ class Engine:
         self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction, memory_limit=mem.ram_limit)
         named = dict(model.named_parameters())
         names = [n for n, p in named.items() if p.requires_grad]
-        # One chunk list per (tp-sliced?, decayed?), as zero.py's segments: each list has one set of
+        # One chunk list per (tp-sliced?, decayed?), as zero/optimizer.py's segments: each list has one set of
         # Adam hyper-parameters and one weight in the global gradient norm. Replicated parameters
         # (tp_dim None: identical on every tp rank) count on tp rank 0 only, sliced ones on every
         # tp rank; the sum then runs over tp and pp (stages hold disjoint parameters).
@@ -329,7 +335,7 @@ class Engine:
         self.optimizer.wait_params()
         return {n: p.detach().clone() for n, p in self.module.named_parameters()}
 
-    # ---- checkpoints (checkpoint.py) ----------------------------------------------------------------
+    # ---- checkpoints (checkpoint/) ----------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
         """Save a universal checkpoint of this step under `directory` (every rank calls it)."""
         from . import checkpoint

@@ -37,14 +37,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from capstan import comm
 from torch import nn
 
-from capstan import comm
-
-from .config import Config
-from .config_load import reference_gpt_config, reference_layer_flops, reference_layer_params, uses_chunks
+from .config.load import (
+    reference_gpt_config,
+    reference_layer_flops,
+    reference_layer_params,
+    uses_chunks,
+)
+from .config.schema import Config
 from .precision import autocast
-from .zero import STAGE_COPY_ATTR
+from .zero.optimizer import STAGE_COPY_ATTR
 
 __all__ = ["PipelineStage", "SCHEDULE_NAMES", "balanced_bounds", "reference_layer_times", "token_cross_entropy",
            "user_layer_specs", "user_partition"]

@@ -12,10 +12,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
 from capstan.chunkmem.precision import DynamicLossScaler
 
-from .config import PrecisionConfig
+from .config.schema import PrecisionConfig
 
 __all__ = ["loss_scaler", "autocast"]
 

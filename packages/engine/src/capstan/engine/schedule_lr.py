@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from .config import TrainConfig
+from .config.schema import TrainConfig
 
 __all__ = ["lr_at"]
 

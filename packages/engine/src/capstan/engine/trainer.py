@@ -1,7 +1,7 @@
 """The `capstan train` loop: validated config + opened data -> engine -> steps, metrics, checkpoints, plot.
 
 `run(cfg, sources, data)` is called by the command line after every input
-check has passed (cli.py); it starts comm when the launcher says there are
+check has passed (cli/commands.py); it starts comm when the launcher says there are
 several processes, and returns when the run is done.
 """
 
@@ -12,10 +12,10 @@ from pathlib import Path
 from capstan import comm
 
 from . import checkpoint
-from .config import Config
-from .config_load import Sources, to_toml
-from .data import TokenData, train_batches, val_batches
 from .build import initialize, resolve_groups
+from .config.load import Sources, to_toml
+from .config.schema import Config
+from .data.sources import TokenData, train_batches, val_batches
 from .metrics import MetricsSink, human_bytes, plot_losses, progress_line
 
 __all__ = ["run"]

@@ -15,7 +15,7 @@ and padded to a multiple of the dp size so every rank's shard has the same lengt
   shard (``shard_bounds``) and keeps Adam moments for it alone (1/dp of the
   optimizer state), then the shards are all-gathered into the parameters
   (with ``gather_bytes > 0`` in buckets that the next forward waits for:
-  zero_gather.py).
+  gather.py).
 * stage 2: after each micro-batch the gradient is reduced over dp into this
   rank's shard accumulator (a reduce-scatter, or all-reduced buckets of which
   each rank keeps its shard's part) and the flat gradient cleared, so the gradient kept
@@ -29,7 +29,7 @@ communication overlaps backward: gradient hooks start each bucket's
 all-reduce (stages 0 and 1, on the last micro-batch of an accumulation only,
 like DDP's ``no_sync``; stage 2 on every micro-batch, keeping the shard's part)
 or, for stage 2 with ``zero2_collective = "reduce_scatter"``, its
-reduce-scatter, as soon as its gradients are complete; zero_buckets.py has
+reduce-scatter, as soon as its gradients are complete; buckets.py has
 the bucket layouts.
 `after_backward` and `reduce_gradients` wait for them. Under pipeline
 parallelism one schedule runs every micro-batch's backward before the single
@@ -58,14 +58,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from capstan import comm
 from capstan.native import kernels
+from torch import nn
 
-from .config import TrainConfig
-from .zero_buckets import OverlappedBuckets, plan_all_reduce, plan_reduce_scatter
-from .zero_gather import ParamPrefetch
+from ..config.schema import TrainConfig
+from .buckets import OverlappedBuckets, plan_all_reduce, plan_reduce_scatter
+from .gather import ParamPrefetch
 
 __all__ = ["ZeroOptimizer", "Segment", "decays"]
 
@@ -282,7 +281,7 @@ class ZeroOptimizer:
                                 weight_decay=t.weight_decay if seg.decay else 0.0, adamw=True,
                                 grad_scale=grad_scale)
         if self.prefetch is not None:
-            self.prefetch.start()  # waited for by the next forward's pre-hooks (zero_gather.py)
+            self.prefetch.start()  # waited for by the next forward's pre-hooks (gather.py)
         elif self.stage > 0:
             shard = self.flat_param[self.lo : self.hi].clone()  # the collective must not alias its output
             comm.all_gather(self.flat_param, shard, group=self.groups.dp)

@@ -30,9 +30,8 @@ Anything else that reads the parameters between steps (checkpoints,
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from capstan import comm
+from torch import nn
 
 __all__ = ["ParamPrefetch"]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, assemble, latest, piece_index, read_manifest
-from .ckpt_format import Entry, file_sha256, write_safetensors
+from .format import Entry, file_sha256, write_safetensors
+from .store import CheckpointError, assemble, latest, piece_index, read_manifest
 
 __all__ = ["inspect", "export", "format_inspect"]
 

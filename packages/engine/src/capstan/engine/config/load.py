@@ -25,7 +25,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from .config import SECTIONS, Config
+from .schema import SECTIONS, Config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -295,8 +295,7 @@ def _check_pipeline(cfg: Config, sources: Sources, reference_model: bool = True)
 
 
 def _check_chunk_path(cfg: Config, sources: Sources) -> None:
-    p, mem = cfg.parallel, cfg.memory
-    why = f"memory.offload = {mem.offload!r}, parallel.zero_stage = {p.zero_stage}"
+    mem = cfg.memory
     # Unset, the chunk size is chosen per model (at least 1024 elements) once the model exists.
     chunk = (f"memory.chunk_size = {mem.chunk_size} fp32 elements" if mem.chunk_size is not None
              else "the smallest chunk (1024 fp32 elements; memory.chunk_size unset)")

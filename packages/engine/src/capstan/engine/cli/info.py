@@ -34,7 +34,6 @@ def _guarded(fn: Callable[[], object]) -> object:
 def collect_info() -> dict[str, object]:
     """Everything `capstan info` prints, as a dict (also used by tests and bug reports)."""
     import torch
-
     from capstan import comm, native
     from capstan.comm.testing import find_mpirun
 

@@ -12,7 +12,7 @@ A checkpoint is a directory ``step_00000040/`` holding
   which tensor it is (tensor-parallel rank, flat range of that rank's slice).
 
 Pieces are described in terms of the *model*, not of the writer's memory
-layout, so any layout can read them back (`ckpt_state`). Writing streams one
+layout, so any layout can read them back (`state`). Writing streams one
 piece at a time (bounded memory); reading uses ``pread`` into a fresh buffer
 (no mmap: file pages never count against the reader's resident memory).
 """

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from ..config.schema import Config, DataConfig
 from . import bpe
-from .config import Config, DataConfig
 
 __all__ = ["DataError", "TokenData", "open_data", "read_text_source", "stdlib_text", "byte_tokenize",
            "bpe_tokenizer", "step_starts", "micro_batch", "train_batches", "val_batches", "BYTE_VOCAB"]

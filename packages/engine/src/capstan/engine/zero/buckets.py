@@ -1,4 +1,4 @@
-"""Gradient buckets that communicate during backward, for `ZeroOptimizer` (zero.py).
+"""Gradient buckets that communicate during backward, for `ZeroOptimizer` (optimizer.py).
 
 Backward produces the last layers' gradients first, and the flat buffer holds
 the parameters in module order within each segment, so buckets are planned
@@ -45,7 +45,6 @@ import bisect
 from dataclasses import dataclass
 
 import torch
-
 from capstan import comm
 
 __all__ = ["Bucket", "plan_all_reduce", "plan_reduce_scatter", "OverlappedBuckets"]

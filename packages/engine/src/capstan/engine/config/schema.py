@@ -1,8 +1,8 @@
 """The typed training configuration: one frozen, keyword-only dataclass per section.
 
-Each field has a docstring (the string literal under it, which `config_doc`
+Each field has a docstring (the string literal under it, which `doc`
 turns into docs/config.md) and its constraints in `field(metadata=...)`
-(checked by `config_load`, which is the only way configs are read from files,
+(checked by `load`, which is the only way configs are read from files,
 dicts or ``--set`` overrides). This module imports nothing heavy (no torch),
 so a bad config is rejected within a fraction of a second.
 
@@ -26,7 +26,7 @@ __all__ = [
 
 def constraint(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
                lt: float | None = None, choices: tuple[Any, ...] | None = None, nullable: bool = False) -> Any:
-    """A dataclass field with its range/choices, checked by the loader (`config_load.check_value`)."""
+    """A dataclass field with its range/choices, checked by the loader (`load.check_value`)."""
     meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "nullable": nullable}
     return field(default=default, metadata=meta)
 

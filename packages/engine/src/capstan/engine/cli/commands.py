@@ -1,5 +1,5 @@
 """The `capstan` command line: `capstan train`, `capstan info`, `capstan launch` (launch.py),
-`capstan checkpoint inspect|export` (ckpt_tools.py) and `capstan bench-disk` (disk_bench.py).
+`capstan checkpoint inspect|export` (checkpoint/tools.py) and `capstan bench-disk` (disk_bench.py).
 
     capstan train --config examples/tiny.toml [--set train.steps=10 ...] [--debug]
     mpirun -np 2 capstan train --config examples/tiny.toml
@@ -53,9 +53,9 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from capstan.chunkmem import BudgetError, DiskTierError, LayoutError
     from capstan.comm import LaunchError
 
-    from .checkpoint import CheckpointError
-    from .config_load import ConfigError
-    from .data import DataError
+    from ..checkpoint.store import CheckpointError
+    from ..config.load import ConfigError
+    from ..data.sources import DataError
     from .disk_bench import DiskBenchError
 
     return (ConfigError, DataError, LaunchError, BudgetError, LayoutError, DiskTierError, CheckpointError,
@@ -65,13 +65,13 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
 def _cmd_train(args: argparse.Namespace) -> int:
     from importlib.util import find_spec
 
-    from .config_load import ConfigError, check_world, resolve
+    from ..config.load import ConfigError, check_world, resolve
 
     # The config first: this needs no torch, so the commonest mistakes fail in a fraction of a second.
     cfg, sources = resolve(args.config, args.set or [])
     from capstan import comm
 
-    from .data import open_data
+    from ..data.sources import open_data
 
     launch = comm.detect_launch()
     check_world(cfg, launch.world_size, launch.describe("world_size"), sources)
@@ -79,13 +79,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError("log.tensorboard = true needs the tensorboard package (pip install tensorboard)")
     data = open_data(cfg)
     if cfg.checkpoint.load:  # before any process group: a wrong path fails fast on every rank
-        from .checkpoint import CheckpointError, latest, read_manifest
+        from ..checkpoint.store import CheckpointError, latest, read_manifest
 
         found = latest(cfg.checkpoint.load)
         if found is None:
             raise CheckpointError(f"checkpoint.load = {cfg.checkpoint.load!r}: no complete checkpoint there")
         read_manifest(found)
-    from .trainer import run
+    from ..trainer import run
 
     run(cfg, sources, data)
     if comm.is_initialized():
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
-    from .ckpt_tools import format_inspect, inspect
+    from ..checkpoint.tools import format_inspect, inspect
 
     info = inspect(args.dir, verify=not args.no_verify)
     sys.stdout.write((json.dumps(info) if args.json else format_inspect(info)) + "\n")
@@ -144,7 +144,7 @@ def _cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_checkpoint_export(args: argparse.Namespace) -> int:
-    from .ckpt_tools import export
+    from ..checkpoint.tools import export
 
     out = export(args.dir, args.out)
     print(f"wrote {out} and {out.parent / (out.stem + '.config.json')}")
@@ -163,7 +163,10 @@ def _cmd_bench_disk(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .launch import rank_started, rank_finished  # status files for `capstan launch` (a no-op otherwise)
+    from .launch import (  # status files for `capstan launch` (a no-op otherwise)
+        rank_finished,
+        rank_started,
+    )
 
     rank_started()
     code = 1

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .engine import Engine
+from ..engine import Engine
 
 __all__ = ["LocalParam", "StateView", "state_view", "merge_tp", "slice_tp", "FIELDS", "rng_generators"]
 

@@ -1,4 +1,4 @@
-"""Universal checkpoints: save under any layout, load under any other (format: ckpt_format.py).
+"""Universal checkpoints: save under any layout, load under any other (format: format.py).
 
     engine.save("runs/x/checkpoints")        # every rank; writes step_<global step>/
     engine.load("runs/x/checkpoints")        # the newest complete one (or a step_* directory)
@@ -14,10 +14,10 @@ new one is complete are the oldest deleted down to ``checkpoint.keep``.
 Loading reads the manifest, checks that every shard file has its recorded
 size (truncation) and every piece its CRC-32 (corruption), and rebuilds each
 of this rank's parameters and Adam moments from whichever pieces hold them
-(ckpt_state.py): a checkpoint of any (dp, tp, pp, ZeRO stage, offload) loads
+(state.py): a checkpoint of any (dp, tp, pp, ZeRO stage, offload) loads
 under any other. The step, the Adam step count, the loss scaler and — when
 the layout is unchanged — every rank's RNG states are restored too; the data
-order is a function of the step (data.py), so resuming at step k continues
+order is a function of the step (data/sources.py), so resuming at step k continues
 with exactly the batches an uninterrupted run would see (bit-identical losses
 in fp32). An error on any rank is reported on every rank.
 """
@@ -31,13 +31,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-
 from capstan import comm
 
-from . import faults
-from .ckpt_format import FORMAT, MANIFEST, VERSION, Entry, fsync_dir, read_tensor, write_safetensors
-from .ckpt_state import FIELDS, LocalParam, merge_tp, rng_generators, slice_tp, state_view
-from .engine import Engine
+from .. import faults
+from ..engine import Engine
+from .format import FORMAT, MANIFEST, VERSION, Entry, fsync_dir, read_tensor, write_safetensors
+from .state import FIELDS, LocalParam, merge_tp, rng_generators, slice_tp, state_view
 
 __all__ = ["save", "load", "load_latest", "latest", "checkpoint_dir", "CheckpointError", "read_manifest",
            "assemble"]

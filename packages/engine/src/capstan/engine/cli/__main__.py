@@ -1,0 +1,5 @@
+"""``python -m capstan.engine.cli ...``: the `capstan` command (how `capstan launch` starts every rank)."""
+
+from .commands import entry
+
+entry()
