@@ -99,7 +99,7 @@ def test_a_bad_mpi_segment_size_is_named(raw: str, monkeypatch) -> None:
 def test_nccl_without_cuda_is_rejected() -> None:
     from capstan import comm
 
-    with pytest.raises(ValueError, match="'nccl' needs CUDA"):
+    with pytest.raises(ValueError, match="'nccl' needs a CUDA device"):
         comm.init(backend="nccl", environ={})
 
 

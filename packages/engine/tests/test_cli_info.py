@@ -27,6 +27,9 @@ def test_info_json_has_versions_native_and_launch() -> None:
     assert info["capstan"]["comm"] == "0.1.0"
     assert info["launcher"] == "single" and info["world size"] == "world size 1 from default"
     assert info["cuda available"] == torch.cuda.is_available()
+    assert info["cuda"]["available"] == torch.cuda.is_available()  # GPUs, driver and free memory where there are
+    if torch.cuda.is_available():
+        assert info["cuda"]["devices"] >= 1 and "GiB free" in info["cuda"]["cuda:0"] and info["cuda"]["driver"]
     assert "native" in info and isinstance(info["native"], dict)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from capstan.comm.testing.harness import _clean_env
 from capstan.engine import cli
@@ -89,7 +90,10 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (s + ["parallel.zero_stage=4"], "parallel.zero_stage = 4 must be <= 3"),
         (s + [f"checkpoint.load={tmp / 'no-such-run'}"], "no complete checkpoint there"),
         (s + ["memory.ram_limit=1000000"], "memory.ram_limit = 1000000 needs chunked memory"),
-        (s + ["memory.gpu_budget=1000000"], "memory.gpu_budget is not yet supported"),
+        (s + ["memory.gpu_budget=1000000"], "memory.gpu_budget = 1000000 needs chunked memory"),
+        (s + ["memory.gpu_budget=1000000", "--set", "memory.offload=\"cpu\"", "--set", "train.device=\"cpu\""],
+         "on a GPU (train.device = \"cuda\" or \"auto\")"),
+        (s + ["train.device=\"gpu\""], "train.device = 'gpu' is not one of"),
         (s + ["data.max_bytes=10"], "data.max_bytes = 10 must be >= 1024"),
         (s + ["train.steps"], "expected section.key=value"),
         (s + ["steps=3"], "the key must be section.key"),
@@ -97,6 +101,11 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (s + [f"data.source={odd_bin}"], "not a multiple of 2 (uint16)"),
         (s + [f"data.source={big_id}"], "holds token id 300"),
         (s + [f"data.source={short}"], "training tokens; model.seq_len = 16 needs at least 18"),
+        *([] if torch.cuda.is_available() else [
+            (s + ["train.device=\"cuda\""], "device \"cuda\" asked for, but"),
+            (s + ["memory.gpu_budget=1000000", "--set", "memory.offload=\"cpu\""],
+             "memory.gpu_budget = 1000000 needs a GPU, but train.device = \"auto\" found none"),
+        ]),
         (["train", "--config", str(tmp / "missing.toml")], "does not exist"),
         (["train", "--config", bad_toml], "is not valid TOML"),
         (["train", "--config", bad_json], "did you mean 'train.steps'"),

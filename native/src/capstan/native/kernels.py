@@ -1,9 +1,14 @@
 """CPU kernels on torch tensors: Adam/AdamW step, casts, copies, reductions.
 
-Every function validates its arguments (type, device == cpu, dtype,
-contiguity, size) and raises TypeError/ValueError naming the argument before
-any pointer reaches C; then it runs libcapstan's kernel, or the pure-torch
-fallback (`fallback.py`) when the library is unavailable.
+Every function validates its arguments (type, device, dtype, contiguity,
+size) and raises TypeError/ValueError naming the argument before any pointer
+reaches C; then it runs libcapstan's kernel, or the pure-torch fallback
+(`fallback.py`) when the library is unavailable.
+
+`adam_update`, `adam_update_and_cast`, `cast_`, `sumsq` and `has_nonfinite`
+also take tensors that all live on one CUDA device: the same contract runs
+through torch's own kernels there (`device_ops.py`: fused AdamW), so an
+optimizer holding its state on the GPU calls the same functions.
 
 "Update" (`adam_update`) and "cast + copy" (`cast_`) are separate primitives;
 `adam_update_and_cast` fuses them in one pass over memory and is tested to be
@@ -23,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _lib, fallback
+from . import _lib, device_ops, fallback
 
 __all__ = ["adam_update", "adam_update_and_cast", "cast_", "copy_", "sum_", "sumsq",
            "has_nonfinite", "set_isa", "get_isa", "set_num_threads", "get_num_threads"]
@@ -37,12 +42,15 @@ def _code(dtype: torch.dtype) -> int:
 
 
 def check_tensor(name: str, t: object, dtypes: Sequence[torch.dtype] = FLOAT_TYPES,
-                 numel: int | None = None, like: str = "") -> torch.Tensor:
-    """Validate one tensor argument; the error names it."""
+                 numel: int | None = None, like: str = "",
+                 device: torch.device | None = None) -> torch.Tensor:
+    """Validate one tensor argument; the error names it. `device`: where it must be (the cpu if None)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if device is None and t.device.type != "cpu":
         raise ValueError(f"{name} must be on the cpu, got device {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, where {like or 'the first tensor'} is, got device {t.device}")
     if t.dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise TypeError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}; "
@@ -68,15 +76,28 @@ def _check_scalar(name: str, value: object, low: float | None = None,
     return x
 
 
+def _where(name: str, t: object) -> torch.device | None:
+    """The device every tensor of a call must share: None for the cpu (the native kernels), else the
+    CUDA device `t` is on (torch's kernels, device_ops.py); anything else is refused, naming `name`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "cpu":
+        return None
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be on the cpu or a cuda device, got device {t.device}")
+    return t.device
+
+
 def _adam(param, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps,
           weight_decay, adamw, grad_scale, check_overflow) -> bool:
-    check_tensor("param", param, (torch.float32,))
+    dev = _where("param", param)
+    check_tensor("param", param, (torch.float32,), device=dev)
     n = param.numel()
-    check_tensor("grad", grad, FLOAT_TYPES, n, "param")
-    check_tensor("exp_avg", exp_avg, (torch.float32,), n, "param")
-    check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), n, "param")
+    check_tensor("grad", grad, FLOAT_TYPES, n, "param", dev)
+    check_tensor("exp_avg", exp_avg, (torch.float32,), n, "param", dev)
+    check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), n, "param", dev)
     if out is not None:
-        check_tensor("out", out, HALF_TYPES + (torch.float32,), n, "param")
+        check_tensor("out", out, HALF_TYPES + (torch.float32,), n, "param", dev)
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be an int >= 1, got {step!r}")
     lr = _check_scalar("lr", lr, 0.0)
@@ -85,6 +106,10 @@ def _adam(param, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps,
     eps = _check_scalar("eps", eps, 0.0)
     weight_decay = _check_scalar("weight_decay", weight_decay, 0.0)
     grad_scale = _check_scalar("grad_scale", grad_scale, 0.0, low_open=True)
+    if dev is not None:
+        return device_ops.adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
+                                    beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                                    grad_scale=grad_scale, check_overflow=check_overflow, out=out)
     lib = _lib.get()
     if lib is None:
         return fallback.adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr,
@@ -133,10 +158,11 @@ def adam_update_and_cast(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
 
 def cast_(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """dst[:] = src converted to dst.dtype (round to nearest even, bit-identical to torch)."""
-    check_tensor("src", src)
-    check_tensor("dst", dst, FLOAT_TYPES, src.numel(), "src")
+    dev = _where("src", src)
+    check_tensor("src", src, device=dev)
+    check_tensor("dst", dst, FLOAT_TYPES, src.numel(), "src", dev)
     lib = _lib.get()
-    if lib is None:
+    if lib is None or dev is not None:
         fallback.cast_(src, dst)
     else:
         _lib.check(lib, lib.capstan_cast(src.data_ptr(), _code(src.dtype), dst.data_ptr(),
@@ -177,7 +203,10 @@ def sum_(srcs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
 
 def sumsq(x: torch.Tensor) -> float:
     """Squared L2 norm of x (fp32/bf16/fp16), accumulated in fp32 blocks and double overall."""
-    check_tensor("x", x)
+    dev = _where("x", x)
+    check_tensor("x", x, device=dev)
+    if dev is not None:
+        return device_ops.sumsq(x)
     lib = _lib.get()
     if lib is None:
         return fallback.sumsq(x)
@@ -189,9 +218,10 @@ def sumsq(x: torch.Tensor) -> float:
 
 def has_nonfinite(x: torch.Tensor) -> bool:
     """True if any element of x is inf or NaN."""
-    check_tensor("x", x)
+    dev = _where("x", x)
+    check_tensor("x", x, device=dev)
     lib = _lib.get()
-    if lib is None:
+    if lib is None or dev is not None:
         return fallback.has_nonfinite(x)
     out = ctypes.c_int(0)
     _lib.check(lib, lib.capstan_nonfinite(x.data_ptr(), _code(x.dtype), x.numel(),

@@ -16,18 +16,20 @@ from .bootstrap import BACKENDS, CPU_DEFAULT_BACKEND, init, is_initialized, shut
 from .bucketing import all_reduce_coalesced, flatten, plan_buckets, unflatten
 from .collectives import (
     REDUCE_OPS, CollectiveHandle, all_gather, all_reduce, barrier, broadcast, progresses_in_background, reduce,
-    reduce_scatter, shard_bounds,
+    reduce_scatter, shard_bounds, staged,
 )
+from .device import DEVICE_KINDS, DeviceError, cuda_report, pick_device
 from .errors import CommError
 from .groups import Group, Groups, build_groups, single_process_groups
 from .launch_env import LaunchError, LaunchInfo, detect_launch
 from .log import get_logger, log_rank0, warn_once
 from .p2p import P2PHandle, P2POp, exchange, irecv, isend, recv, send
-from .state import backend, launch, world
+from .state import backend, device, launch, transport, world
 from .topology import AXES, Coord, Topology, TopologyError
 
 __all__ = [
-    "AXES", "BACKENDS", "CPU_DEFAULT_BACKEND", "CollectiveHandle", "CommError", "Coord", "Group", "Groups", "LaunchError",
+    "AXES", "BACKENDS", "CPU_DEFAULT_BACKEND", "CollectiveHandle", "CommError", "Coord", "DEVICE_KINDS",
+    "DeviceError", "Group", "Groups", "LaunchError", "cuda_report", "device", "pick_device", "staged", "transport",
     "LaunchInfo", "P2PHandle", "P2POp", "REDUCE_OPS", "Topology", "TopologyError", "all_gather",
     "all_reduce", "all_reduce_coalesced", "backend", "barrier", "broadcast", "build_groups",
     "detect_launch", "exchange", "flatten", "get_logger", "init", "irecv", "is_initialized", "isend",

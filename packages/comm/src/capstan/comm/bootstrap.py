@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import mpi_backend, state
+from .device import pick_device, transport
 from .errors import DirLiveness, Liveness, StoreLiveness
 from .groups import Group
 from .launch_env import LaunchError, LaunchInfo, detect_launch
@@ -55,16 +56,22 @@ TIMEOUT_VAR = "CAPSTAN_COMM_TIMEOUT"
 
 
 def init(backend: str | None = None, timeout: float | timedelta | None = None,
-         environ: dict[str, str] | None = None) -> Group:
+         environ: dict[str, str] | None = None, device: str | torch.device = "auto") -> Group:
     """Discover the launch, rendezvous, and initialize torch.distributed. Returns the world group.
 
-    backend: None picks nccl with CUDA, else the measured CPU default (mpi under
-        mpirun when mpi4py is present, gloo otherwise); "gloo", "nccl" or "mpi"
-        force one. "mpi" reroutes only capstan's own CPU collectives through
-        mpi4py; torch.distributed still gets a gloo world group.
+    backend: for CPU tensors, None picks the measured CPU default (mpi under
+        mpirun when mpi4py is present, gloo otherwise); "gloo" or "mpi" force
+        one ("mpi" reroutes only capstan's own CPU collectives through mpi4py;
+        torch.distributed still gets a gloo group). "nccl" needs a GPU per
+        local rank. CUDA tensors go through NCCL where every local rank has a
+        GPU of its own and backend is not "gloo"/"mpi", else staged through
+        host memory (device.py).
     timeout: seconds (or a timedelta) after which a collective or the
         rendezvous fails with an error instead of waiting for a dead peer;
         None: ``CAPSTAN_COMM_TIMEOUT`` seconds if set, else 300.
+    device: "auto" (this rank's GPU, ``cuda:<local rank mod GPUs>``, when torch
+        sees one, else the CPU), "cpu", "cuda" or a torch.device; made the
+        current CUDA device. `comm.device()` returns it.
     """
     if state.is_initialized():
         return state.world()
@@ -88,18 +95,30 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     if td.total_seconds() <= 0:
         raise ValueError(f"comm timeout must be positive, got {td.total_seconds()} s")
     info = detect_launch(environ)
-    cuda = torch.cuda.is_available()
-    if backend == "nccl" and not cuda:
-        raise ValueError("comm backend 'nccl' needs CUDA, and torch.cuda.is_available() is False")
-    torch_backend = "nccl" if cuda else "gloo"
+    dev = pick_device(device, info.local_rank)
+    if backend == "nccl" and dev.type != "cuda":
+        raise ValueError(f"comm backend 'nccl' needs a CUDA device; this rank's device is {dev} "
+                         f"(torch.cuda.is_available() is {torch.cuda.is_available()})")
+    how = transport(dev, info.local_world_size, backend)
+    if backend == "nccl" and how != "nccl":
+        raise ValueError(f"comm backend 'nccl' needs a GPU per local rank: {info.describe('local_world_size')} "
+                         f"but {torch.cuda.device_count()} GPU(s) visible")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if how == "nccl":
+        # A timed-out NCCL wait raises (turned into CommError naming the lost peer) instead of the
+        # watchdog aborting the process without a word about which peer is gone.
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    # One process group per device type: CPU tensors keep gloo (or MPI) beside NCCL.
+    torch_backend = "cpu:gloo,cuda:nccl" if how == "nccl" else "gloo"
 
     mpi_comm = _mpi_world(info, required=backend == "mpi")
     with _InitWatchdog(info, td):
         store, liveness = _rendezvous(info, td, mpi_comm)
         dist.init_process_group(torch_backend, store=store, rank=info.rank, world_size=info.world_size, timeout=td)
-    if backend is None:
-        use_mpi = not cuda and mpi_comm is not None and CPU_DEFAULT_BACKEND == "mpi" and info.world_size > 1
-        backend = "mpi" if use_mpi else torch_backend
+    if backend in (None, "nccl"):
+        use_mpi = mpi_comm is not None and CPU_DEFAULT_BACKEND == "mpi" and info.world_size > 1
+        backend = "mpi" if use_mpi else "gloo"  # for CPU tensors; CUDA ones go by `how`
     world = Group(
         name="world",
         ranks=tuple(range(info.world_size)),
@@ -109,12 +128,13 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     )
     if liveness is not None:
         liveness.start()
-    state.set_state(info, world, backend, td, liveness)
+    state.set_state(info, world, backend, td, liveness, dev, how)
     set_rank_context(info.rank)
     # A process group left alive at interpreter exit can abort the process in torch's teardown
     # ("terminate called without an active exception", seen 1 in 8 under torchrun): tear down first.
     atexit.register(shutdown)
-    log.debug("initialized: %s, %s, backend %s", info.describe("rank"), info.describe("world_size"), backend)
+    log.debug("initialized: %s, %s, backend %s, device %s (CUDA tensors: %s)", info.describe("rank"),
+              info.describe("world_size"), backend, dev, how)
     return world
 
 

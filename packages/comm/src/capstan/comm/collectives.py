@@ -12,6 +12,10 @@ is also how torch.chunk splits.
 A failure (a peer died, or nothing came within the timeout) raises
 `CommError` naming the operation, group and lost peer.
 
+CUDA tensors go through NCCL, or, where ranks share a GPU (`state.transport()`
+is "host", device.py), through host memory: the tensor is copied to the CPU,
+the CPU collective runs, and the result is copied back (`_on_host`).
+
 `all_reduce`, `reduce_scatter` and (even) `all_gather` take ``async_op=True`` to return a
 `CollectiveHandle` at once: the collective runs in the background (gloo's
 worker thread, or an MPI non-blocking collective) and `handle.wait()`
@@ -35,7 +39,7 @@ from .groups import Group
 from .log import get_logger
 
 __all__ = [
-    "CollectiveHandle", "shard_bounds", "progresses_in_background", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier", "REDUCE_OPS",
+    "CollectiveHandle", "shard_bounds", "progresses_in_background", "staged", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier", "REDUCE_OPS",
 ]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -67,6 +71,41 @@ def progresses_in_background(tensor: torch.Tensor, group: Group | None = None) -
 
 def _group(group: Group | None) -> Group:
     return state.world() if group is None else group
+
+
+# Tests set this to stage CPU tensors too, so the staging copies run (and are checked) on a CPU machine.
+STAGE_CPU_TENSORS = False
+
+
+_hosting = 0  # > 0 while a staged collective runs its CPU collective (which must not stage again)
+
+
+def staged(tensor: torch.Tensor) -> bool:
+    """Whether a collective on `tensor` goes through host memory (a CUDA tensor where NCCL cannot run)."""
+    if tensor.device.type == "cpu":
+        return STAGE_CPU_TENSORS and not _hosting
+    return state.transport() != "nccl"  # "host", or comm set up for the CPU and handed a CUDA tensor
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `t` (a new tensor even for a CPU `t`, so the staged path always copies back)."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def _on_host(fn: Callable[..., object], outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
+             *args: object, **kwargs: object) -> None:
+    """Run the CPU collective `fn(*host_outputs, *host_inputs, *args, **kwargs)` on host copies of the
+    device tensors and copy the outputs back (an output that is also an input is copied once)."""
+    global _hosting
+    host = {id(x): _host(x) for x in (*outputs, *inputs)}
+    _hosting += 1
+    try:
+        fn(*(host[id(x)] for x in outputs),
+           *(host[id(x)] for x in inputs if id(x) not in {id(o) for o in outputs}), *args, **kwargs)
+    finally:
+        _hosting -= 1
+    for x in outputs:
+        x.copy_(host[id(x)])
 
 
 def _check(name: str, t: torch.Tensor) -> None:
@@ -186,6 +225,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group | None = None
                async_op: bool = False) -> torch.Tensor | CollectiveHandle:
     """Reduce `tensor` in place over the group (sum, avg, max or min); see the module docstring for async_op."""
     g = state.world() if group is None else group
+    if staged(tensor):
+        _check("tensor", tensor)
+        _on_host(all_reduce, (tensor,), (), op, g)
+        return _done("all_reduce", g) if async_op else tensor
     if async_op:
         _check("tensor", tensor)
         _check_op(op, tensor)
@@ -241,9 +284,12 @@ def all_gather(
         if output.numel() != sum(counts):
             raise ValueError(f"output has {output.numel()} elements, expected sum(counts) = {sum(counts)}")
         even = len(set(counts)) == 1
+    if async_op and not even:
+        raise ValueError(f"all_gather with async_op=True needs equal counts, got {counts}")
+    if staged(tensor) or staged(output):
+        _on_host(lambda o, i: all_gather(o, i, g, counts), (output,), (tensor,))
+        return _done("all_gather", g) if async_op else output
     if async_op:
-        if not even:
-            raise ValueError(f"all_gather with async_op=True needs equal counts, got {counts}")
         return _all_gather_async(output, tensor, g)
     if g.size == 1:
         output.view(-1).copy_(tensor.view(-1))
@@ -312,6 +358,9 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
         output.view(-1).copy_(tensor.view(-1))
         return _done("reduce_scatter", g) if async_op else output
     if tensor.numel() == 0:
+        return _done("reduce_scatter", g) if async_op else output
+    if staged(tensor) or staged(output):
+        _on_host(lambda o, i: reduce_scatter(o, i, op, g, overwrite_input=True), (output,), (tensor,))
         return _done("reduce_scatter", g) if async_op else output
     if async_op:
         return _reduce_scatter_async(output, tensor, op, g, start, end)
@@ -391,6 +440,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | None = None) ->
         raise ValueError(f"broadcast src index {src} outside group {g} of {g.size} ranks")
     if g.size == 1 or tensor.numel() == 0:
         return tensor
+    if staged(tensor):
+        _on_host(broadcast, (tensor,), (), src, g)
+        return tensor
     with guard("broadcast", g, tensor.numel() * tensor.element_size()):
         if mpi_backend.supports(tensor, g):
             mpi_backend.broadcast(tensor, src, g)
@@ -407,6 +459,9 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Group | N
     if not 0 <= dst < g.size:
         raise ValueError(f"reduce dst index {dst} outside group {g} of {g.size} ranks")
     if g.size == 1 or tensor.numel() == 0:
+        return tensor
+    if staged(tensor):
+        _on_host(reduce, (tensor,), (), dst, op, g)
         return tensor
     with guard("reduce", g, tensor.numel() * tensor.element_size()):
         if mpi_backend.supports(tensor, g):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import mpi_backend
-from .collectives import guard
+from .collectives import _host, guard, staged
 from .groups import Group
 from .state import world
 
@@ -48,10 +48,15 @@ def _check(t: torch.Tensor) -> None:
 
 
 class P2PHandle:
-    """A pending send or receive; `wait()` raises CommError if the peer is gone."""
+    """A pending send or receive; `wait()` raises CommError if the peer is gone.
 
-    def __init__(self, works: list[object], op: str, group: Group, peers: list[int]) -> None:
+    `copy_back` holds (device tensor, host buffer) pairs of receives staged through host memory
+    (collectives.staged): the data is copied into the device tensor once it arrived."""
+
+    def __init__(self, works: list[object], op: str, group: Group, peers: list[int],
+                 copy_back: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         self._works, self._op, self._group, self._peers = works, op, group, peers
+        self._copy_back = copy_back or []
 
     def wait(self) -> None:
         peer = self._peers[0] if len(self._peers) == 1 else None
@@ -59,9 +64,14 @@ class P2PHandle:
             for w in self._works:
                 if isinstance(w, mpi_backend.P2PRequests):
                     w.wait(self._op, self._group)
+                elif isinstance(w, P2PHandle):
+                    w.wait()
                 else:
                     w.wait()  # type: ignore[attr-defined]
         self._works = []
+        for dst, host in self._copy_back:
+            dst.copy_(host)
+        self._copy_back = []
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)  # type: ignore[attr-defined]
@@ -109,6 +119,29 @@ def exchange(ops: list[P2POp], group: Group | None = None) -> P2PHandle:
         peers.append(_peer(g, op.peer, "peer"))
     if not ops:
         return P2PHandle([], "exchange", g, [])
+    if any(staged(op.tensor) for op in ops):  # CUDA tensors where NCCL cannot run: through host memory
+        host_ops, copy_back = [], []
+        for op in ops:
+            buf = _host(op.tensor) if op.kind == "send" else torch.empty(op.tensor.shape, dtype=op.tensor.dtype)
+            if op.kind == "recv":
+                copy_back.append((op.tensor, buf))
+            host_ops.append(P2POp(op.kind, buf, op.peer))
+        inner = _exchange_host(host_ops, g)
+        return P2PHandle([inner], inner._op, g, inner._peers, copy_back)
+    return _exchange(ops, g, peers)
+
+
+def _exchange_host(ops: list[P2POp], g: Group) -> P2PHandle:
+    from . import collectives
+
+    collectives._hosting += 1  # the host buffers must not be staged again
+    try:
+        return exchange(ops, g)
+    finally:
+        collectives._hosting -= 1
+
+
+def _exchange(ops: list[P2POp], g: Group, peers: list[int]) -> P2PHandle:
     what = f"exchange with ranks {sorted(set(peers))}"
     if mpi_backend.p2p_ok(g) and all(op.tensor.is_cpu for op in ops):
         with guard("exchange", g):

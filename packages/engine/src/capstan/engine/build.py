@@ -31,12 +31,12 @@ from capstan import comm
 from capstan.chunkmem.nonmodel import trim_heap
 from torch import nn
 
-from .config.load import check_world, reference_gpt_config, resolve, uses_chunks
+from .config.load import ConfigError, check_world, reference_gpt_config, resolve, uses_chunks
 from .config.schema import Config
 from .engine import Engine, LossFn
 
 __all__ = ["initialize", "build_reference_model", "build_reference_on_meta", "LayerwiseInit", "recompute_blocks",
-           "resolve_groups"]
+           "resolve_device", "resolve_groups"]
 
 ModelSpec = nn.Module | Sequence[Any] | Callable[[Config, comm.Groups], nn.Module] | None
 
@@ -111,6 +111,32 @@ def recompute_blocks(layers: Iterable[nn.Module]) -> int:
     return len(blocks)
 
 
+def resolve_device(cfg: Config, local_rank: int | None = None) -> torch.device:
+    """The device of this rank from train.device (comm.pick_device), with the checks that need torch:
+    "cuda" without a GPU, or memory.gpu_budget where "auto" found no GPU, is a ConfigError."""
+    if local_rank is None:
+        local_rank = comm.launch().local_rank if comm.is_initialized() else comm.detect_launch().local_rank
+    try:
+        device = comm.pick_device(cfg.train.device, local_rank)
+    except comm.DeviceError as exc:
+        raise ConfigError(f"train.device = \"{cfg.train.device}\": {exc}") from None
+    if device.type != "cuda" and cfg.memory.gpu_budget is not None:
+        raise ConfigError(f"memory.gpu_budget = {cfg.memory.gpu_budget} needs a GPU, but train.device = "
+                          f"\"{cfg.train.device}\" found none (torch.cuda.is_available() is False)")
+    return device
+
+
+def _check_gpu_chunks(cfg: Config, groups: comm.Groups) -> None:
+    """What chunked memory on a GPU does not do yet, refused alike on every rank before anything is built."""
+    if groups.dp.size > 1:
+        raise ConfigError(f"chunked memory on a GPU with data parallelism (dp = {groups.dp.size}: ZeRO-3 sharded "
+                          "chunks) is not built yet: gathers and reductions of sharded chunks run on RAM buffers. "
+                          "Use train.device = \"cpu\", dp = 1 (tp/pp are fine), or ZeRO 0-2 without offload")
+    if cfg.memory.ram_limit is not None:
+        raise ConfigError("memory.ram_limit on a GPU is not built yet: the non-model memory it follows is measured "
+                          "in RAM; use memory.cpu_budget (and memory.gpu_budget for the GPU)")
+
+
 def resolve_groups(cfg: Config, sources: dict[str, str]) -> comm.Groups:
     """Check the layout against the launch, start comm if needed, and build the dp/pp/tp groups."""
     if comm.is_initialized():
@@ -119,12 +145,15 @@ def resolve_groups(cfg: Config, sources: dict[str, str]) -> comm.Groups:
         launch = comm.detect_launch()
         size, where = launch.world_size, launch.describe("world_size")
     dp = check_world(cfg, size, where, sources)  # before any process group exists
+    device = resolve_device(cfg)
     if size == 1 and not comm.is_initialized():
         from capstan.comm.log import set_rank_context
 
         set_rank_context(0, (0, 0, 0))  # log lines say "rank 0 0/0/0", as under a launcher
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         return comm.single_process_groups()
-    comm.init()
+    comm.init(device=device)
     return comm.build_groups(comm.Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp))
 
 
@@ -157,6 +186,9 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
         groups = resolve_groups(cfg, sources)
     else:
         check_world(cfg, groups.world.size, f"world size {groups.world.size} of the given groups", sources)
+    device = resolve_device(cfg)
+    if device.type == "cuda" and uses_chunks(cfg):
+        _check_gpu_chunks(cfg, groups)
     torch.manual_seed(cfg.train.seed)
     if cfg.parallel.pp > 1:
         from .pipe import PipelineStage, user_layer_specs
@@ -165,7 +197,7 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
             if loss_fn is not None:
                 raise ValueError(f"parallel.pp = {cfg.parallel.pp} with the reference GPT: it brings its own "
                                  "(vocab-parallel) loss; pass loss_fn only with a model of your own")
-            stage = PipelineStage(cfg, groups)
+            stage = PipelineStage(cfg, groups, device=device)
         else:
             if callable(model) and not isinstance(model, nn.Module):
                 model = model(cfg, groups)
@@ -177,9 +209,9 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
                 raise ValueError(f"parallel.pp = {cfg.parallel.pp} with a model on the meta device: a pipeline "
                                  "of your own is built for real (give LayerSpecs, and each stage builds only "
                                  "its layers)")
-            stage = PipelineStage(cfg, groups, user_layer_specs(model), loss_fn)
+            stage = PipelineStage(cfg, groups, user_layer_specs(model), loss_fn, device=device)
         return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
-                      pipeline=stage, reference_model=model is None, init_fn=stage.init_fn)
+                      pipeline=stage, reference_model=model is None, init_fn=stage.init_fn, device=device)
     if cfg.parallel.sequence_parallel and model is not None:
         raise ValueError("parallel.sequence_parallel slices the reference GPT; a model of your own sets it on its "
                          "capstan.tensorpar layers (sequence_parallel=True) and leaves the option off")
@@ -224,4 +256,4 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
                          "materializes them, module by module with reset_parameters(); set memory.offload = "
                          "\"cpu\" or \"disk\" (or parallel.zero_stage = 3), or build the model for real")
     return Engine(config=cfg, model=module, groups=groups, loss_fn=loss_fn or _default_loss(module),
-                  reference_model=model is None, init_fn=init_fn)
+                  reference_model=model is None, init_fn=init_fn, device=device)

@@ -75,8 +75,10 @@ class Engine:
 
     def __init__(self, *, config: Config, model: nn.Module, groups: comm.Groups, loss_fn: LossFn,
                  pipeline: PipelineStage | None = None, reference_model: bool = False,
-                 init_fn: Callable[[nn.Module], None] | None = None) -> None:
+                 init_fn: Callable[[nn.Module], None] | None = None, device: torch.device | None = None) -> None:
         self.config, self.groups, self.loss_fn = config, groups, loss_fn
+        # Where forward and backward run (build.resolve_device); chunks move there when they compute.
+        self.device = device or torch.device("cpu")
         self.pipeline = pipeline  # with pp > 1: this rank's stage; `model` is then its chunks
         self.accum = config.train.grad_accum_steps
         self.global_step = 0  # optimizer steps taken
@@ -89,7 +91,7 @@ class Engine:
         if self.chunked:
             self._init_chunks(model, init_fn)
         else:
-            self.module = model
+            self.module = model.to(self.device)  # parameters, and so the flat buffers and Adam, on the device
             bucket_bytes = int(config.parallel.bucket_mb * 2**20)
             overlap = config.parallel.overlap_param_gather
             if overlap is None:  # auto: on for the reference GPT, whose parameters are used by their own modules
@@ -119,7 +121,11 @@ class Engine:
         mem, t = self.config.memory, self.config.train
         rank = self.groups.world.rank
         disk = DiskStore(mem.disk_dir, rank=rank) if mem.offload == "disk" else None
-        self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction, memory_limit=mem.ram_limit)
+        # On a GPU, parameter (and gradient) chunks compute there within memory.gpu_budget; masters and
+        # Adam moments stay in RAM / on disk, where the native CPU Adam steps them (chunkmem/device.py).
+        gpu = self.device if self.device.type == "cuda" else None
+        self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction, memory_limit=mem.ram_limit,
+                                    device=gpu, device_budget=mem.gpu_budget if gpu is not None else None)
         named = dict(model.named_parameters())
         names = [n for n, p in named.items() if p.requires_grad]
         # One chunk list per (tp-sliced?, decayed?), as zero/optimizer.py's segments: each list has one set of
@@ -161,8 +167,8 @@ class Engine:
             if self.chunked and not self._stepping:
                 self.manager.begin_step()
                 self._stepping = True
-        x, y = batch
-        with autocast(self.config.precision):
+        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        with autocast(self.config.precision, self.device.type):
             out = self.module(x)
         # The loss in fp32: a 16-bit softmax over the vocabulary loses the small probabilities.
         return self.loss_fn(out.float(), y)
@@ -283,7 +289,8 @@ class Engine:
         """All micro-batches through the pipeline schedule: what `accum` forward/backward calls do at pp = 1."""
         assert self.pipeline is not None
         self._step_start = time.perf_counter()
-        batches = [next(data_iter) for _ in range(self.accum)]  # every stage reads alike; the ends use them
+        # Every stage reads alike; the first uses the inputs, the last the targets.
+        batches = [tuple(t.to(self.device, non_blocking=True) for t in next(data_iter)) for _ in range(self.accum)]
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.chunked:
             # The executor calls this stage's modules itself, so the chunk hooks fetch parameters;
@@ -306,7 +313,7 @@ class Engine:
         """Mean loss over `batches` (this rank's share), averaged over dp: the validation loss."""
         self.module.eval()
         if self.pipeline is not None:
-            losses = [self.pipeline.eval_loss(batch) for batch in batches]
+            losses = [self.pipeline.eval_loss(tuple(t.to(self.device) for t in batch)) for batch in batches]
         else:
             losses = [float(self(batch)) for batch in batches]
         self.module.train()
@@ -319,14 +326,28 @@ class Engine:
         """`mem.<tier>.peak_bytes` and `mem.moved_bytes` (from chunkmem when chunked)."""
         if not self.chunked:
             held = self.optimizer.state_bytes()  # fixed-size buffers: held is also the peak
-            return {"mem.cpu.peak_bytes": held, "mem.cpu.resident_bytes": held, "mem.moved_bytes": 0}
+            tier = self.device.type  # the model states live where the model computes
+            out = {f"mem.{tier}.peak_bytes": held, f"mem.{tier}.resident_bytes": held, "mem.moved_bytes": 0}
+            return {**out, **self._cuda_allocator_stats()}
         s = self.manager.stats()
         disk = s["disk"]["resident_bytes"]  # type: ignore[index]
         self._disk_peak = max(self._disk_peak, disk)
-        return {"mem.cpu.peak_bytes": s["cpu"]["peak_bytes"],  # type: ignore[index]
-                "mem.cpu.resident_bytes": s["cpu"]["resident_bytes"],  # type: ignore[index]
-                "mem.disk.peak_bytes": self._disk_peak, "mem.disk.resident_bytes": disk,
-                "mem.moved_bytes": s["moved_bytes"], "mem.stall_s": s["stall_s"]}  # type: ignore[dict-item]
+        out = {"mem.cpu.peak_bytes": s["cpu"]["peak_bytes"],  # type: ignore[index]
+               "mem.cpu.resident_bytes": s["cpu"]["resident_bytes"],  # type: ignore[index]
+               "mem.disk.peak_bytes": self._disk_peak, "mem.disk.resident_bytes": disk,
+               "mem.moved_bytes": s["moved_bytes"], "mem.stall_s": s["stall_s"]}  # type: ignore[dict-item]
+        if "cuda" in s:  # chunks on the GPU (their bytes, within memory.gpu_budget)
+            out["mem.cuda.peak_bytes"] = s["cuda"]["peak_bytes"]  # type: ignore[index]
+            out["mem.cuda.resident_bytes"] = s["cuda"]["resident_bytes"]  # type: ignore[index]
+        return {**out, **self._cuda_allocator_stats()}
+
+    def _cuda_allocator_stats(self) -> dict[str, float]:
+        """Everything torch allocated on this rank's GPU (activations included), peak since the last call."""
+        if self.device.type != "cuda":
+            return {}
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return {"mem.cuda.allocated_peak_bytes": peak}
 
     def parameters_snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of this rank's parameters by name (loads chunks one at a time when chunked)."""

@@ -150,14 +150,16 @@ class PipelineStage:
     """This rank's pipeline stage of the reference GPT (see the module docstring)."""
 
     def __init__(self, cfg: Config, groups: comm.Groups, specs: list | None = None,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 device: torch.device | None = None) -> None:
         """specs None: the reference GPT of [model]; else the user's layers (`user_layer_specs`)
-        trained with `loss_fn` (outputs, targets) -> mean loss."""
+        trained with `loss_fn` (outputs, targets) -> mean loss. `device`: where the stage computes."""
         from capstan.pipeline import LayerSpec, Partition, PipelineExecutor, make_schedule
 
         p = cfg.parallel
         v = p.virtual_stages
         self.config, self.groups = cfg, groups
+        self.device = device or torch.device("cpu")
         self.reference = specs is None
         if self.reference:
             from capstan.tensorpar import gpt_layer_factories, gpt_loss
@@ -190,7 +192,7 @@ class PipelineStage:
         # chunks, one layer in RAM at a time (`init_fn`, build.py's LayerwiseInit).
         meta = self.reference and uses_chunks(cfg)
         self.executor = PipelineExecutor(self.plan, self.schedule, groups, self._scaled_loss, seed=seed,
-                                         checkpoint=ckpt, meta=meta)
+                                         checkpoint=ckpt, meta=meta, device=self.device)
         self.init_fn = None
         if meta:
             from .build import LayerwiseInit
@@ -232,7 +234,7 @@ class PipelineStage:
         (the engine's flat buffer), which the caller zeroes after its optimizer step.
         """
         self._scale = loss_scale
-        with autocast(self.config.precision):
+        with autocast(self.config.precision, self.device.type):
             loss = self.executor.step(inputs=xs if self.is_first else None, targets=ys if self.is_last else None,
                                       zero_grad=False)
         return self._share_loss(None if loss is None else loss / loss_scale)
@@ -254,9 +256,9 @@ class PipelineStage:
                 h = torch.zeros(HEADER_LEN, dtype=torch.int64)
                 comm.exchange([comm.P2POp("recv", h, (me - 1) % stages)], group=pp).wait()
                 shape, dtype = decode_header(h)
-                x = torch.empty(shape, dtype=dtype)
+                x = torch.empty(shape, dtype=dtype, device=self.device)
                 comm.exchange([comm.P2POp("recv", x, (me - 1) % stages)], group=pp).wait()
-            with autocast(self.config.precision):
+            with autocast(self.config.precision, self.device.type):
                 out = self.module[chunk](x)
             if v == stages * sched.chunks - 1:
                 loss = float(self._loss_fn(out.float(), y))

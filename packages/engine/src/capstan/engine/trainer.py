@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from capstan import comm
 
 from . import checkpoint
@@ -45,7 +47,7 @@ def run(cfg: Config, sources: Sources, data: TokenData) -> list[dict]:
     if rank0:
         (run_dir / "config.resolved.toml").write_text(to_toml(cfg, derived))
     chunks = f" | chunks of {engine.module.chunk_size} elements" if engine.chunked else ""
-    comm.log_rank0(log, "%s%s | %d tokens (%d train, %d validation) from %s | %s", _layout(cfg, groups), chunks,
+    comm.log_rank0(log, "%s%s | %d tokens (%d train, %d validation) from %s | %s", _layout(cfg, groups, engine.device), chunks,
                    len(data.tokens), data.n_train, data.n_val, data.source,
                    ", ".join(f"{k} {v}" for k, v in derived.items()))
     batches = train_batches(data, cfg, dp, dp_rank, start_step=start)
@@ -77,13 +79,15 @@ def run(cfg: Config, sources: Sources, data: TokenData) -> list[dict]:
             log.info("wrote %s, %s and %s", run_dir / "metrics.jsonl", run_dir / "config.resolved.toml",
                      run_dir / "loss.png")
         last_rec = sink.records[-1]
-        log.info("done: %d steps, final loss %.4f, peak memory %s", last_rec["step"], last_rec["loss"],
-                 human_bytes(last_rec["mem.cpu.peak_bytes"]))
+        peaks = ", ".join(f"{k.split('.')[1]} {human_bytes(v)}" for k, v in last_rec.items()
+                          if k.startswith("mem.") and k.endswith(".peak_bytes"))
+        log.info("done: %d steps, final loss %.4f, peak memory %s", last_rec["step"], last_rec["loss"], peaks)
     return sink.records
 
 
-def _layout(cfg: Config, groups: comm.Groups) -> str:
+def _layout(cfg: Config, groups: comm.Groups, device: torch.device) -> str:
     p, mem = cfg.parallel, cfg.memory
     where = f"offload {mem.offload}" if mem.offload != "none" else f"ZeRO stage {p.zero_stage}"
+    on = f", on {device}" if device.type != "cpu" else ""
     return (f"world {groups.world.size} = dp {groups.dp.size} x tp {groups.tp.size} x pp {groups.pp.size}, "
-            f"{where}, {cfg.precision.dtype}")
+            f"{where}, {cfg.precision.dtype}{on}")

@@ -82,6 +82,7 @@ class PipelineExecutor:
         checkpoint: bool = False,
         optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
         meta: bool = False,
+        device: torch.device | str = "cpu",
     ) -> None:
         if groups.pp.size != schedule.stages:
             raise ValueError(
@@ -94,6 +95,7 @@ class PipelineExecutor:
             )
         self.schedule, self.groups, self.pp, self.loss_fn = schedule, groups, groups.pp, loss_fn
         self.stage, self.checkpoint = groups.pp.rank, checkpoint
+        self.device = torch.device(device)  # where activations live (received ones are allocated there)
         self.parts = partition.stage_parts(self.stage, schedule.stages)
         if meta:  # structure only: the caller gives the parameters values (e.g. straight into chunks)
             if partition.tied_parts():
@@ -102,7 +104,7 @@ class PipelineExecutor:
             with torch.device("meta"):
                 self.chunks = nn.ModuleList(partition.build(part, seed) for part in self.parts)
         else:
-            self.chunks = nn.ModuleList(partition.build(part, seed) for part in self.parts)
+            self.chunks = nn.ModuleList(partition.build(part, seed) for part in self.parts).to(self.device)
         self._tie(partition)
         # A separate communicator for shape headers (see transport.py); created collectively.
         self.header_group = subgroups(groups, {"all": list(range(self.pp.size))}, "pp-header")[
@@ -295,12 +297,12 @@ class PipelineExecutor:
                 ops.append(comm.P2POp("send", g.contiguous(), sched.prev_stage(self.stage)))
             elif isinstance(ins, RecvActivation):
                 shape, dtype = self._act_meta[key]
-                buf = torch.empty(shape, dtype=dtype)
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
                 ops.append(comm.P2POp("recv", buf, sched.prev_stage(self.stage)))
                 received.append((key, buf))
             elif isinstance(ins, RecvGrad):
                 y = self._y[key]
-                buf = torch.empty(y.shape, dtype=y.dtype)
+                buf = torch.empty(y.shape, dtype=y.dtype, device=y.device)
                 ops.append(comm.P2POp("recv", buf, sched.next_stage(self.stage)))
                 self._dy[key] = buf
         self._post(ops, " + ".join(str(i) for i in batch))

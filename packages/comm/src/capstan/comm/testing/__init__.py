@@ -21,7 +21,8 @@ Example::
 """
 
 from .harness import (
-    RankFailure, find_mpirun, mpirun_args, mpirun_flavor, requires_mpirun, run_mpirun, run_ranks,
+    RankFailure, find_mpirun, mpirun_args, mpirun_flavor, requires_cuda, requires_mpirun, run_mpirun, run_ranks,
 )
 
-__all__ = ["RankFailure", "find_mpirun", "mpirun_args", "mpirun_flavor", "requires_mpirun", "run_mpirun", "run_ranks"]
+__all__ = ["RankFailure", "find_mpirun", "mpirun_args", "mpirun_flavor", "requires_cuda", "requires_mpirun",
+           "run_mpirun", "run_ranks"]

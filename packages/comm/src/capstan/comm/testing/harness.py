@@ -203,6 +203,24 @@ def requires_mpirun() -> Any:
     return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
+def requires_cuda() -> Any:
+    """Marks a test that needs a GPU: the `cuda` marker (``pytest -m cuda`` runs only these, as
+    tools/gpu/run_gpu_tests.sh does) and a skip naming why where torch sees none."""
+    import pytest
+    import torch
+
+    reason = None
+    if torch.version.cuda is None:
+        reason = f"needs a GPU: this torch ({torch.__version__}) is a CPU-only build"
+    elif not torch.cuda.is_available():
+        reason = "needs a GPU: torch.cuda.is_available() is False"
+
+    def mark(fn: Any) -> Any:
+        return pytest.mark.cuda(pytest.mark.skipif(reason is not None, reason=reason or "")(fn))
+
+    return mark
+
+
 def run_mpirun(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0, comm_timeout: float = 30.0,
     backend: str | None = None, init: bool = True, env: dict[str, str] | None = None, **kwargs: Any,

@@ -155,9 +155,10 @@ class FlatView(StateView):
     def read(self, lp: LocalParam, field: str) -> torch.Tensor:
         pos, _ = self._offset[lp.name]
         a, b = lp.own
+        # A copy in RAM (the buffers are on the GPU when the model trains there).
         if field == "param":
-            return self.opt.flat_param[pos + a : pos + b].clone()
-        return self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo].clone()
+            return self.opt.flat_param[pos + a : pos + b].to("cpu", copy=True)
+        return self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo].to("cpu", copy=True)
 
     def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
         pos, p = self._offset[lp.name]
@@ -260,12 +261,15 @@ def slice_tp(full: torch.Tensor, lp: LocalParam) -> torch.Tensor:
 
 
 def rng_generators(engine: Engine) -> Iterator[tuple[str, torch.Generator]]:
-    """The dropout generators of tensorpar's layers (replicated and per-tp-rank streams), by key."""
+    """The dropout generators of tensorpar's layers (replicated and per-tp-rank streams), by key: those
+    of the device the model computes on (a GPU draws its masks from CUDA generators)."""
     seen: list[int] = []
+    device = engine.device
+    suffix = "" if device.type == "cpu" else f".{device.type}"
     for mod in _raw_module(engine).modules():
         rng = getattr(mod, "rng", None)
         if rng is None or not hasattr(rng, "tensor_parallel") or id(rng) in seen:
             continue
         seen.append(id(rng))
-        yield f"rng.tp{len(seen) - 1}.replicated", rng.replicated()
-        yield f"rng.tp{len(seen) - 1}.tensor_parallel", rng.tensor_parallel()
+        yield f"rng.tp{len(seen) - 1}.replicated{suffix}", rng.replicated(device)
+        yield f"rng.tp{len(seen) - 1}.tensor_parallel{suffix}", rng.tensor_parallel(device)

@@ -58,7 +58,14 @@ def _layout(engine: Engine) -> dict[str, object]:
     cfg, g = engine.config, engine.groups
     return {"world_size": g.world.size, "dp": g.dp.size, "tp": g.tp.size, "pp": g.pp.size,
             "zero_stage": cfg.parallel.zero_stage, "offload": cfg.memory.offload, "dtype": cfg.precision.dtype,
-            "schedule": cfg.parallel.schedule, "virtual_stages": cfg.parallel.virtual_stages}
+            "schedule": cfg.parallel.schedule, "virtual_stages": cfg.parallel.virtual_stages,
+            "device": engine.device.type}
+
+
+def _same_layout(saved: dict, engine: Engine) -> bool:
+    """The saved layout is this run's (RNG states then continue exactly; a checkpoint written before
+    the layout named its device was written on the CPU)."""
+    return {"device": "cpu", **saved} == _layout(engine)
 
 
 def _write_json(path: Path, obj: object) -> None:
@@ -123,6 +130,8 @@ def _write_shard(engine: Engine, directory: Path, rank: int) -> dict[str, object
                            "tp_rank": lp.tp_rank if sliced else 0, "tp_size": lp.tp_size if sliced else 1,
                            "local_shape": list(lp.local_shape), "start": a, "length": b - a})
     rng = [("rng.torch", torch.get_rng_state())]
+    if engine.device.type == "cuda":
+        rng.append(("rng.cuda", torch.cuda.get_rng_state(engine.device)))
     rng += [(k, gen.get_state()) for k, gen in rng_generators(engine)]
     for key, state in rng:
         entries.append(Entry(key, tuple(state.shape), torch.uint8, lambda s=state: s))
@@ -310,7 +319,7 @@ def _load(engine: Engine, path: Path) -> int:
     view.optimizer_step = int(state["optimizer_step"])
     if engine.scaler is not None and state["scaler"] is not None:
         engine.scaler.load_state_dict(state["scaler"])
-    if manifest["layout"] == _layout(engine):
+    if _same_layout(manifest["layout"], engine):
         _load_rng(engine, directory, manifest)
     engine.global_step = int(state["global_step"])
     return engine.global_step
@@ -341,6 +350,8 @@ def _load_rng(engine: Engine, directory: Path, manifest: dict) -> None:
             raise CheckpointError(str(exc)) from None
 
     torch.set_rng_state(get("rng.torch"))
+    if "rng.cuda" in stored:
+        torch.cuda.set_rng_state(get("rng.cuda"), engine.device)
     for key, gen in rng_generators(engine):
         if key in stored:
             gen.set_state(get(key))

@@ -31,6 +31,12 @@ def _guarded(fn: Callable[[], object]) -> object:
         return f"error: {exc}"
 
 
+def _native_cuda() -> str:
+    from capstan.native import cuda
+
+    return "loaded" if cuda.loaded() else f"not loaded ({cuda.load_error()})"
+
+
 def collect_info() -> dict[str, object]:
     """Everything `capstan info` prints, as a dict (also used by tests and bug reports)."""
     import torch
@@ -50,9 +56,12 @@ def collect_info() -> dict[str, object]:
         "native": _guarded(native.status),
         "cuda available": torch.cuda.is_available(),
         "cuda devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "cuda": _guarded(comm.cuda_report),
+        "native cuda library": _guarded(_native_cuda),
         "torch threads": torch.get_num_threads(),
-        "comm default backend": "nccl" if torch.cuda.is_available() else
-            f"{comm.CPU_DEFAULT_BACKEND} under mpirun with mpi4py, else gloo",
+        "comm default backend": f"{comm.CPU_DEFAULT_BACKEND} under mpirun with mpi4py, else gloo (CPU tensors)"
+            + ("; nccl for CUDA tensors with a GPU per local rank, else staged through host memory"
+               if torch.cuda.is_available() else ""),
     }
     if isinstance(launch, comm.LaunchInfo):
         info["launcher"] = launch.launcher

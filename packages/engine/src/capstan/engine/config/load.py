@@ -249,9 +249,10 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
     if mem.chunk_order == "trace" and (p.pp > 1 or not uses_chunks(cfg)):
         raise ConfigError("memory.chunk_order = \"trace\" needs chunked memory (offload or ZeRO-3) and "
                           f"parallel.pp = 1 (got pp = {p.pp}): pipeline stages are registered in layer order")
-    if mem.gpu_budget is not None:
-        raise ConfigError("memory.gpu_budget is not yet supported: the engine trains on the CPU only (chunkmem's "
-                          "device tier is not wired into it); remove the key")
+    if mem.gpu_budget is not None and (not uses_chunks(cfg) or t.device == "cpu"):
+        raise ConfigError(f"memory.gpu_budget = {mem.gpu_budget} needs chunked memory (memory.offload = \"cpu\" or "
+                          f"\"disk\", or parallel.zero_stage = 3) on a GPU (train.device = \"cuda\" or \"auto\"); "
+                          f"got offload = {mem.offload!r}, zero_stage = {p.zero_stage}, device = {t.device!r}")
     if uses_chunks(cfg):
         _check_chunk_path(cfg, sources)
     elif mem.cpu_budget is not None:

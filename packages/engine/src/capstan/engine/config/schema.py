@@ -101,6 +101,8 @@ class TrainConfig:
     """Compute the validation loss every this many steps and at the end (0: never)."""
     eval_batches: int = constraint(4, ge=1)
     """Micro-batches per data-parallel rank in one validation pass."""
+    device: str = constraint("auto", choices=("auto", "cpu", "cuda"))
+    """Where forward and backward run: "cuda" puts each rank on GPU cuda:<local rank> (ranks share GPUs round-robin when there are more ranks than GPUs; their CUDA tensors then communicate through host memory instead of NCCL); "cpu" keeps everything on the CPU; "auto" is "cuda" where torch sees a GPU, else "cpu". Without chunked memory the optimizer runs on the same device; with it (memory.offload or ZeRO-3) parameter chunks compute on the GPU within memory.gpu_budget while masters and Adam moments stay in RAM or on disk and the CPU steps them (docs/gpu.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +146,7 @@ class MemoryConfig:
     ram_limit: int | None = constraint(None, gt=0, nullable=True)
     """Bytes of RAM for chunks plus everything else the step allocates (activations), if set: the warm-up step runs within cpu_budget and measures that non-model memory per chunk access; later steps give chunks ram_limit minus it at each moment (docs/chunkmem.md). Needs cpu_budget <= ram_limit."""
     gpu_budget: int | None = constraint(None, gt=0, nullable=True)
-    """Bytes of chunks allowed on the GPU. Not supported yet (the engine trains on the CPU only; chunkmem's device tier is not wired into it): must stay unset."""
+    """Bytes of parameter and gradient chunks allowed on the GPU with chunked memory on a CUDA device (train.device); the rest wait in RAM (or on disk) and are copied in before use. Unset: every chunk may stay on the GPU. Needs chunked memory (offload or ZeRO-3) and a CUDA device."""
     disk_dir: str = "capstan-chunks"
     """Directory for the disk tier's chunk files (one file per rank)."""
     chunk_order: str = constraint("modules", choices=("modules", "trace"))

@@ -175,10 +175,10 @@ class OverlappedBuckets:
             return
         a, b = bucket.shard
         n = b - a
-        packed = torch.empty(n * len(bucket.ranges))  # rank r's piece at [r*n, (r+1)*n)
+        packed = torch.empty(n * len(bucket.ranges), device=self.flat_grad.device)  # rank r's piece at [r*n, (r+1)*n)
         for r, (lo, hi) in enumerate(bucket.ranges):
             packed[r * n : (r + 1) * n].copy_(self.flat_grad[lo:hi])
-        out = torch.empty(n)
+        out = torch.empty(n, device=self.flat_grad.device)
         handle = comm.reduce_scatter(out, packed, op="avg", group=g, async_op=True)
         self._pending.append((handle, j, out))
 

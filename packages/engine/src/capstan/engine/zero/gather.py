@@ -75,7 +75,7 @@ class ParamPrefetch:
         lo = self.group.rank * self.shard
         self._pending = []
         for a, b in self.bounds:
-            out = torch.empty((b - a) * self.group.size)
+            out = torch.empty((b - a) * self.group.size, device=self.flat.device)
             handle = comm.all_gather(out, self.flat[lo + a : lo + b], group=self.group, async_op=True)
             self._pending.append((handle, out))
         self.waited = 0

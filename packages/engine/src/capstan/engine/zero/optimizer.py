@@ -121,8 +121,9 @@ class ZeroOptimizer:
         dp = groups.dp.size
         self.numel = numel
         self.padded = -(-numel // dp) * dp
-        self.flat_param = torch.zeros(self.padded)
-        self.flat_grad = torch.zeros(self.padded)
+        dev = self.device = params[0].device if params else torch.device("cpu")  # where the model is (a GPU)
+        self.flat_param = torch.zeros(self.padded, device=dev)
+        self.flat_grad = torch.zeros(self.padded, device=dev)
         self.segments: list[Segment] = []
         pos = 0
         for i in order:
@@ -145,8 +146,8 @@ class ZeroOptimizer:
         # Replicas must start equal: a user module may have been initialized differently per rank.
         comm.broadcast(self.flat_param, src=0, group=groups.dp)
         self.lo, self.hi = (0, self.padded) if stage == 0 else comm.shard_bounds(self.padded, dp, groups.dp.rank)
-        self.exp_avg = torch.zeros(self.hi - self.lo)
-        self.exp_avg_sq = torch.zeros(self.hi - self.lo)
+        self.exp_avg = torch.zeros(self.hi - self.lo, device=dev)
+        self.exp_avg_sq = torch.zeros(self.hi - self.lo, device=dev)
         self.step_count = 0
         self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
         # Backward passes per optimizer step: the accumulation's micro-batches, or one pipeline schedule.
@@ -156,7 +157,7 @@ class ZeroOptimizer:
         # holds the averaged shard gradient, and nothing accumulates across micro-batches, so stage 2
         # uses it in place (no shard accumulator, no copy into it, no clearing the flat gradient twice).
         in_place = overlap and self.passes == 1 and zero2_collective == "all_reduce"
-        self.shard_grad = torch.zeros(self.hi - self.lo) if stage == 2 and not in_place else None
+        self.shard_grad = torch.zeros(self.hi - self.lo, device=dev) if stage == 2 and not in_place else None
         self.overlap: OverlappedBuckets | None = None
         if overlap:
             offsets, sizes = _offsets(self.params), [p.numel() for p in self.params]
@@ -198,7 +199,7 @@ class ZeroOptimizer:
             if ran or self.stage < 2:
                 return
         if self.stage == 2:
-            part = torch.empty(self.hi - self.lo)
+            part = torch.empty(self.hi - self.lo, device=self.device)
             comm.reduce_scatter(part, self.flat_grad, op="avg", group=self.groups.dp, overwrite_input=True)  # cleared next
             self.shard_grad.add_(part)  # type: ignore[union-attr]
             self.flat_grad.zero_()

@@ -1,0 +1,62 @@
+"""The kernels' contract on a CUDA device, through torch's own kernels.
+
+`kernels.py` validates the arguments and sends tensors that live on a GPU
+here, so an optimizer whose flat buffers sit on the GPU (capstan.engine's
+ZeRO 0-2 without offload) calls the same functions as one on the CPU.
+
+Adam/AdamW is `torch._fused_adamw_` / `torch._fused_adam_` (one kernel over
+the whole buffer, what ``torch.optim.AdamW(fused=True)`` runs) where this
+torch has it for the device and the gradient has the parameter's dtype;
+otherwise `fallback.adam_step`, the op-by-op form of the CPU kernel. The fused
+kernel's arithmetic is the textbook update, so the results match the CPU
+kernel to rounding (the GPU parity tests allow 1e-4 relative on the loss),
+not bit for bit. It divides the gradient by the scale tensor it is given and
+stores the divided value back, so on a GPU `grad` holds ``grad * grad_scale``
+after the call: callers consume gradients with the step.
+
+Every function here also runs on CPU tensors (torch's fused Adam has a CPU
+kernel too), which is how the tests check this path on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import fallback
+
+__all__ = ["adam_step", "sumsq", "fused_available"]
+
+
+def fused_available(device: torch.device) -> bool:
+    return hasattr(torch, "_fused_adamw_") and device.type in ("cuda", "cpu")
+
+
+@torch.no_grad()
+def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+              step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool,
+              grad_scale: float = 1.0, check_overflow: bool = False, out: torch.Tensor | None = None) -> bool:
+    """Same contract as `kernels.adam_update` (returns True and changes nothing on overflow), except
+    that with the fused kernel `grad` is left scaled (see the module docstring)."""
+    if check_overflow and fallback.has_nonfinite(grad, grad_scale):
+        return True
+    if grad.dtype != param.dtype or not fused_available(param.device):
+        fallback.adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                           weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, out=out)
+        return False
+    dev = param.device
+    kernel = torch._fused_adamw_ if adamw else torch._fused_adam_
+    # The fused kernels read the step count from a tensor on the device and divide by grad_scale.
+    steps = [torch.tensor(float(step), dtype=torch.float32, device=dev)]
+    scale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=dev)
+    kernel([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=beta1, beta2=beta2,
+           weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+    if out is not None and out.data_ptr() != param.data_ptr():
+        out.copy_(param)
+    return False
+
+
+def sumsq(x: torch.Tensor) -> float:
+    """Squared L2 norm, accumulated in float64 without a float64 copy of `x` (one reduction kernel)."""
+    if x.numel() == 0:
+        return 0.0
+    return float(torch.linalg.vector_norm(x, 2, dtype=torch.float64)) ** 2

@@ -1,0 +1,79 @@
+"""The kernels' contract on a GPU (device_ops.py: torch's fused Adam), checked on the CPU where torch
+has the same fused kernel, and on a real GPU where there is one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capstan.comm.testing import requires_cuda
+from capstan.native import device_ops, kernels
+
+HP = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+def _state(n: int, seed: int, device: str = "cpu") -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m, v = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01
+    return [t.to(device) for t in (p, grad, m, v)]
+
+
+@pytest.mark.parametrize("adamw,wd,scale", [(True, 0.1, 1.0), (True, 0.0, 0.25), (False, 0.1, 0.5)])
+def test_fused_adam_matches_the_native_kernel(adamw: bool, wd: float, scale: float) -> None:
+    """One step of torch's fused kernel (what a GPU runs) vs the CPU kernel, to float rounding."""
+    assert device_ops.fused_available(torch.device("cpu"))
+    ref = _state(10_000, 0)
+    got = [t.clone() for t in ref]
+    kernels.adam_update(*ref, **HP, weight_decay=wd, adamw=adamw, grad_scale=scale)
+    device_ops.adam_step(*got, **HP, weight_decay=wd, adamw=adamw, grad_scale=scale)
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), (ref[0], ref[2], ref[3]), (got[0], got[2], got[3])):
+        torch.testing.assert_close(b, a, rtol=2e-6, atol=1e-7, msg=name)
+    if scale != 1.0:  # the fused kernel leaves the gradient unscaled in place (documented)
+        torch.testing.assert_close(got[1], ref[1] * scale)
+
+
+def test_overflow_changes_nothing_and_cast_out() -> None:
+    p, g, m, v = _state(64, 1)
+    g[5] = float("inf")
+    before = [t.clone() for t in (p, m, v)]
+    assert device_ops.adam_step(p, g, m, v, **HP, weight_decay=0.0, adamw=True, check_overflow=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, (p, m, v)))
+    p, g, m, v = _state(64, 2)
+    out = torch.empty(64, dtype=torch.bfloat16)
+    device_ops.adam_step(p, g, m, v, **HP, weight_decay=0.0, adamw=True, out=out)
+    assert torch.equal(out, p.to(torch.bfloat16))
+
+
+def test_sumsq_in_float64() -> None:
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(3))
+    assert device_ops.sumsq(x) == pytest.approx(float(x.double().square().sum()), rel=1e-12)
+    assert device_ops.sumsq(x) == pytest.approx(kernels.sumsq(x), rel=1e-6)  # the CPU kernel sums fp32 blocks
+    assert device_ops.sumsq(torch.empty(0)) == 0.0
+
+
+def test_devices_must_agree() -> None:
+    p, g, m, v = _state(16, 4)
+    with pytest.raises(ValueError, match="^param must be on the cpu or a cuda device"):
+        kernels.adam_update(p.to("meta"), g, m, v, **HP)
+    with pytest.raises(ValueError, match="^src must be on the cpu or a cuda device"):
+        kernels.cast_(p.to("meta"), torch.empty(16))
+
+
+@requires_cuda()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_on_a_gpu_match_the_cpu(dtype: torch.dtype) -> None:
+    cpu = _state(1 << 20, 5)
+    cpu[1] = cpu[1].to(dtype)
+    gpu = [t.to("cuda") for t in cpu]
+    out = torch.empty(1 << 20, dtype=torch.bfloat16, device="cuda")
+    kernels.adam_update_and_cast(*gpu, out, **HP, weight_decay=0.1, grad_scale=0.5)
+    kernels.adam_update(*cpu, **HP, weight_decay=0.1, grad_scale=0.5)
+    torch.testing.assert_close(gpu[0].cpu(), cpu[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.cpu(), cpu[0].to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    assert kernels.sumsq(gpu[2]) == pytest.approx(kernels.sumsq(cpu[2]), rel=1e-5)
+    assert not kernels.has_nonfinite(gpu[0])
+    gpu[0][7] = float("nan")
+    assert kernels.has_nonfinite(gpu[0])
+    with pytest.raises(ValueError, match="^grad must be on cuda"):
+        kernels.adam_update(gpu[0], cpu[1], gpu[2], gpu[3], **HP)

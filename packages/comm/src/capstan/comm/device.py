@@ -1,0 +1,94 @@
+"""Which device a rank computes on, and how collectives reach tensors that live there.
+
+`pick_device(kind, local_rank)`: "cpu"; "cuda" (``cuda:<local rank mod GPUs>``,
+an error naming why when torch sees no GPU); "auto" (CUDA when torch sees a
+GPU, else the CPU). Ranks of one node get GPUs round-robin, so several ranks
+share a GPU when there are more local ranks than GPUs.
+
+`transport(device, local_world_size, backend)` decides how CUDA tensors are
+communicated:
+
+* "nccl" when every local rank has a GPU of its own and no CPU-only backend
+  was asked for: torch.distributed gets one process group per device type
+  (``cpu:gloo,cuda:nccl``), so CPU tensors (losses, flags, checkpoint
+  agreement) keep going through gloo (or MPI) while CUDA tensors go through
+  NCCL;
+* "host" otherwise: NCCL refuses two ranks on one GPU ("Duplicate GPU
+  detected"), which is exactly a one-GPU test machine running a 2-rank layout.
+  Every collective and point-to-point transfer of a CUDA tensor is then staged
+  through host memory (a copy to the CPU, the CPU collective, a copy back):
+  slower, but every multi-rank layout runs, and computes the same values, on
+  one GPU.
+
+A CPU device needs neither ("cpu").
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["pick_device", "transport", "DEVICE_KINDS", "DeviceError", "cuda_report"]
+
+DEVICE_KINDS = ("auto", "cpu", "cuda")
+
+
+class DeviceError(ValueError):
+    """The device asked for is not there (e.g. "cuda" without a GPU torch can use)."""
+
+
+def pick_device(kind: str | torch.device = "auto", local_rank: int = 0) -> torch.device:
+    """The torch.device this rank computes on (see the module docstring)."""
+    if isinstance(kind, torch.device):
+        return kind
+    if kind not in DEVICE_KINDS:
+        raise DeviceError(f"device {kind!r} is not one of {', '.join(map(repr, DEVICE_KINDS))}")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if kind == "auto":
+            return torch.device("cpu")
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else "torch.cuda.is_available() is False (no GPU visible: driver, CUDA_VISIBLE_DEVICES?)")
+        raise DeviceError(f"device \"cuda\" asked for, but {why}; use \"auto\" or \"cpu\"")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def transport(device: torch.device, local_world_size: int, backend: str | None = None) -> str:
+    """How CUDA tensors are communicated: "cpu" (no GPU in use), "nccl" or "host" (staged)."""
+    if device.type != "cuda":
+        return "cpu"
+    if backend in ("gloo", "mpi"):
+        return "host"
+    if local_world_size > torch.cuda.device_count():
+        return "host"  # ranks share a GPU: NCCL cannot run there
+    return "nccl"
+
+
+def cuda_report() -> dict[str, object]:
+    """What `capstan info` says about the GPUs: count, names, memory, free memory, driver and CUDA."""
+    if not torch.cuda.is_available():
+        return {"available": False, "torch cuda": torch.version.cuda or "none (CPU build)"}
+    report: dict[str, object] = {"available": True, "torch cuda": torch.version.cuda,
+                                 "devices": torch.cuda.device_count()}
+    try:
+        report["driver"] = _driver_version()
+    except Exception as exc:  # the report must print even on an odd install
+        report["driver"] = f"unknown ({exc})"
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        report[f"cuda:{i}"] = (f"{props.name}, compute capability {props.major}.{props.minor}, "
+                               f"{total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+    return report
+
+
+def _driver_version() -> str:
+    try:
+        import pynvml  # nvidia-ml-py, where installed
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:
+        code = int(torch._C._cuda_getDriverVersion())  # e.g. 13000: the CUDA version the driver supports
+        return f"supports CUDA {code // 1000}.{code % 1000 // 10}"
