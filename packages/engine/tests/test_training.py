@@ -85,6 +85,24 @@ def test_offload_cpu_and_disk_equal_no_offload(tmp_path: Path) -> None:
     assert cpu["moved"] == 0 and disk["moved"] > 0  # the disk run really streamed chunks
 
 
+def test_overlapped_optimizer_step_is_the_plain_step() -> None:
+    """memory.overlap_optimizer: chunk groups stepped during backward, validated at the step, give the
+    same trajectory bit for bit (clipping fires on some steps: those are redone), in fp32 and bf16,
+    with and without gradient accumulation."""
+    for extra in ({}, {"precision": {"dtype": "bf16"}}, {"train": {"grad_accum_steps": 1}}):
+        plain = _trajectory(_cfg(memory={"offload": "cpu", "chunk_size": 8192}, **extra), steps=8)
+        overlapped = _trajectory(_cfg(memory={"offload": "cpu", "chunk_size": 8192, "overlap_optimizer": True},
+                                      **extra), steps=8)
+        assert overlapped == plain, extra
+    engine = initialize(config=_cfg(memory={"offload": "cpu", "chunk_size": 8192, "overlap_optimizer": True}))
+    it = train_batches(open_data(engine.config), engine.config, 1, 0)
+    for _ in range(4):
+        engine.train_batch(it)
+    spec = engine.optimizer.speculation
+    assert spec.stepped_early > 0 and spec.rollbacks > 0  # it did step during backward, and redo clipped steps
+    engine.close()
+
+
 def test_tiny_model_learns_the_default_corpus() -> None:
     # The tiny example's model; ln(256) = 5.545 at the start. Threshold 3.0 nats/byte: below the
     # byte-unigram entropy of Python source (~3.2), so the model must have learned context.

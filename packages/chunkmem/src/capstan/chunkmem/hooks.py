@@ -106,4 +106,6 @@ def _grad_hook(model: ChunkedModel, home: ParamHome) -> Callable[[nn.Parameter],
             model._grad_arrived(home, param.grad)
             param.grad = None
         model._release(home, TensorState.HOLD_AFTER_BWD, all_pins=True)
+        if model.grad_listener is not None:
+            model.grad_listener(home.group, home.index)
     return hook

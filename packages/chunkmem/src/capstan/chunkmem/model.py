@@ -81,9 +81,15 @@ class ChunkedModel(nn.Module):
                  dtype: torch.dtype = torch.float32, accumulate_grads: bool = False,
                  init_fn: Callable[[nn.Module], None] | None = None,
                  norm_weights: Sequence[float] | None = None, outer_groups: Sequence[Group] = (),
-                 order: str = "modules", example_inputs: Sequence[object] | None = None) -> None:
+                 order: str = "modules", example_inputs: Sequence[object] | None = None,
+                 report_grads: bool = False) -> None:
         super().__init__()
         self.init_fn = init_fn
+        # report_grads: every parameter's gradient hook calls `grad_listener(group, index)` once its
+        # gradient is in its chunk (the overlapped optimizer step listens, overlap.py); hooks are
+        # installed for it even where chunks stay put.
+        self.report_grads = report_grads
+        self.grad_listener: Callable[[int, int], None] | None = None
         n_groups = max(1, len(param_groups or []))
         if norm_weights is not None and len(norm_weights) != n_groups:
             raise ValueError(f"{len(norm_weights)} norm weights for {n_groups} parameter groups")
@@ -415,7 +421,8 @@ class ChunkedModel(nn.Module):
 
     def _install_hooks(self) -> None:
         self.static = self._chunks_stay_put()
-        install_hooks(self, modules=not self.static, grads=not (self.static and self._grads_bound()))
+        grads = self.report_grads or not (self.static and self._grads_bound())
+        install_hooks(self, modules=not self.static, grads=grads)
 
     def _grad_arrived(self, home: ParamHome, grad: torch.Tensor) -> None:
         """Accumulate one gradient into its GRAD chunk slot, or store it in its parameter's slot."""

@@ -16,6 +16,11 @@ the 16-bit parameters are restored from their masters.
 
 Gradients are consumed by the step (their chunks read as zeros again, which
 is `zero_grad`).
+
+`ChunkAdam(model, overlap=True)` steps each chunk group while backward is
+still running, as soon as its gradients are complete, and validates at the
+step (overlap.py): the result is the same as without overlap, bit for bit.
+Call `arm(...)` before the backward that completes the step's gradients.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from capstan.native import kernels
 
 from .model import ChunkedModel
+from .overlap import Speculation, can_overlap
 from .states import ChunkKind
 
 __all__ = ["ChunkAdam", "AdamGroup"]
@@ -46,7 +52,8 @@ class AdamGroup:
 class ChunkAdam:
     """AdamW (decoupled weight decay) for a `ChunkedModel`; one `AdamGroup` per parameter group."""
 
-    def __init__(self, model: ChunkedModel, groups: list[AdamGroup] | None = None, **defaults: object) -> None:
+    def __init__(self, model: ChunkedModel, groups: list[AdamGroup] | None = None, overlap: bool = False,
+                 **defaults: object) -> None:
         n = len(model.chunks[ChunkKind.PARAM])
         self.model = model
         self.groups = groups or [AdamGroup(**defaults) for _ in range(n)]  # type: ignore[arg-type]
@@ -57,12 +64,35 @@ class ChunkAdam:
                 raise ValueError(f"invalid Adam hyper-parameters: {g}")
         # Names of the parameters whose gradient held inf/NaN on this rank at the last skipped step.
         self.overflowed: list[str] = []
+        self.speculation: Speculation | None = None
+        if overlap:
+            why = can_overlap(model)
+            if why is not None:
+                raise ValueError(f"ChunkAdam(overlap=True) cannot overlap this model's step with backward: {why}")
+            if not model.report_grads:
+                raise ValueError("ChunkAdam(overlap=True) needs ChunkedModel(..., report_grads=True)")
+            self.speculation = Speculation(self)
+
+    def arm(self, grad_clip: float | None = None, loss_scale: float = 1.0, check_overflow: bool = False,
+            arrivals: int = 1) -> None:
+        """overlap=True: call before the backward that completes this step's gradients (the last
+        micro-batch's; `arrivals` gradients per parameter when one call runs several, as a pipeline
+        schedule does), with the learning rates already set and the arguments `step` will get."""
+        if self.speculation is None:
+            raise RuntimeError("arm() needs ChunkAdam(..., overlap=True)")
+        self.speculation.arm(grad_clip, loss_scale, check_overflow, arrivals)
+
+    @property
+    def armed(self) -> bool:
+        return self.speculation is not None and self.speculation.armed
 
     def _grad_kind(self) -> ChunkKind:
         return ChunkKind.GRAD if self.model.grad_chunks else ChunkKind.PARAM
 
-    def _each_grad(self, weighted: bool = False):  # noqa: ANN202 - yields (group, chunk, used) of owned gradients
-        """Every owned gradient chunk; with `weighted`, only groups whose norm weight is not 0."""
+    def _each_grad(self, weighted: bool = False, lazy: dict | set = frozenset()):  # noqa: ANN202
+        """(group, index, chunk, used) of every owned gradient chunk; with `weighted`, only groups whose
+        norm weight is not 0. Chunks whose (group, index) is in `lazy` are not brought in (the caller
+        does not read them)."""
         mgr = self.model.manager
         for g, group in enumerate(self.model.chunks[self._grad_kind()]):
             if weighted and self.model.norm_weights[g] == 0:
@@ -71,9 +101,12 @@ class ChunkAdam:
                 chunk = group[i]
                 if chunk.used == 0:
                     continue
+                if (g, i) in lazy:
+                    yield g, i, chunk, chunk.used
+                    continue
                 mgr.access(chunk.chunk_id)
                 try:
-                    yield g, chunk, chunk.used
+                    yield g, i, chunk, chunk.used
                 finally:  # also when the consumer stops early (`any` in has_overflow)
                     mgr.release(chunk.chunk_id)
 
@@ -83,21 +116,33 @@ class ChunkAdam:
         Each parameter group's sum of squares enters with its norm weight (a group replicated on
         the ranks of an outer group counts on one of them), then the sum is reduced over the shard
         group and the model's outer groups."""
-        w = self.model.norm_weights
-        total = sum(w[g] * kernels.sumsq(c.payload[:n]) for g, c, n in self._each_grad(weighted=True))  # type: ignore[index]
-        return math.sqrt(self.model.reduce_sq(total))
+        return math.sqrt(self.model.reduce_sq(self._weighted_sumsq()))
+
+    def _weighted_sumsq(self, known: dict[tuple[int, int], float] | None = None) -> float:
+        """This rank's weighted sum of squares, chunk by chunk in list order (a chunk's term from
+        `known` where given: the overlapped step's, taken before the gradient was overwritten)."""
+        w, known = self.model.norm_weights, known or {}
+
+        def term(g: int, i: int, chunk: object, n: int) -> float:
+            got = known.get((g, i))
+            return got if got is not None else kernels.sumsq(chunk.payload[:n])  # type: ignore[attr-defined]
+
+        return sum(w[g] * term(g, i, c, n) for g, i, c, n in self._each_grad(weighted=True, lazy=known))
 
     def has_overflow(self) -> bool:
         """True if any gradient on any rank (shard and outer groups) is inf/NaN."""
-        with closing(self._each_grad()) as grads:  # stopping at the first overflow releases its chunk
-            local = any(kernels.has_nonfinite(c.payload[:n]) for _, c, n in grads)  # type: ignore[index]
-        return self.model.reduce_any(local)
+        return self.model.reduce_any(self._local_overflow())
+
+    def _local_overflow(self, skip: dict | set = frozenset()) -> bool:
+        """True if a gradient on this rank is inf/NaN (chunk groups in `skip` not looked at)."""
+        with closing(self._each_grad(lazy=skip)) as grads:  # stopping at the first overflow releases its chunk
+            return any(kernels.has_nonfinite(c.payload[:n]) for g, i, c, n in grads if (g, i) not in skip)  # type: ignore[index]
 
     def nonfinite_params(self) -> list[str]:
         """Names of the parameters whose gradient (in this rank's chunks) holds inf/NaN, in chunk
         order: which layers overflowed, for the message of a skipped fp16 step."""
         names = []
-        for _, chunk, n in self._each_grad():
+        for _, _, chunk, n in self._each_grad():
             if kernels.has_nonfinite(chunk.payload[:n]):  # type: ignore[index]
                 names += [s.name for s in chunk.slots if kernels.has_nonfinite(chunk.view(s))]
         return names
@@ -108,7 +153,19 @@ class ChunkAdam:
 
         loss_scale: the factor the loss was multiplied by (fp16); gradients are divided by it.
         check_overflow: skip the whole step (and restore 16-bit parameters) if any gradient is inf/NaN.
+        After `arm` (overlap=True) the arguments must be those given to it, and the norm is also
+        returned without clipping (divided by the loss scale, as the caller would divide `grad_norm`).
         """
+        if self.armed:
+            assert self.speculation is not None
+            s = self.speculation
+            if (s.grad_clip, s.loss_scale, s.check_overflow) != (grad_clip, loss_scale, check_overflow):
+                raise ValueError("step() arguments differ from those given to arm()")
+            return s.finish()
+        return self._plain_step(grad_clip, loss_scale, check_overflow)
+
+    def _plain_step(self, grad_clip: float | None, loss_scale: float,
+                    check_overflow: bool) -> tuple[float | None, bool]:
         self.overflowed = []
         if check_overflow and self.has_overflow():
             self.overflowed = self.nonfinite_params()  # before the gradients are dropped
@@ -121,6 +178,13 @@ class ChunkAdam:
             norm = self.grad_norm() * unscale
             if norm > grad_clip:
                 unscale *= grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
+        self._update(unscale)
+        self._drop_grads()
+        return norm, False
+
+    def _update(self, unscale: float, skip: set[tuple[int, int]] | frozenset = frozenset()) -> None:
+        """AdamW over every owned chunk group but those in `skip` (stepped already, overlap.py), with
+        gradients multiplied by `unscale`; every group's step count advances."""
         mgr, chunks, mixed = self.model.manager, self.model.chunks, self.model.mixed
         master_kind = ChunkKind.MASTER if mixed else ChunkKind.PARAM
         for g, hp in enumerate(self.groups):
@@ -129,8 +193,8 @@ class ChunkAdam:
             for i in self.model.owned_indices(g):
                 p_chunk = chunks[ChunkKind.PARAM][g][i]
                 n = p_chunk.used
-                if n == 0:
-                    continue  # padding chunk of a sharded list
+                if n == 0 or (g, i) in skip:
+                    continue  # padding chunk of a sharded list, or stepped during backward
                 kinds = (master_kind, self._grad_kind(), ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
                 ids = [chunks[k][g][i].chunk_id for k in kinds]
                 master, grad, m, v = (mgr.access(cid, write=True).payload[:n] for cid in ids)  # type: ignore[index]
@@ -144,8 +208,6 @@ class ChunkAdam:
                     kernels.adam_update(master, grad, m, v, **args)
                 for cid in ids:
                     mgr.release(cid)
-        self._drop_grads()
-        return norm, False
 
     def _drop_grads(self) -> None:
         """Gradients are consumed: free gradient chunks (zero_grad), clear slot-reuse marks."""

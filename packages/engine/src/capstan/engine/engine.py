@@ -149,12 +149,43 @@ class Engine:
         if mem.chunk_order == "trace":  # one forward on a dummy batch of token ids decides the packing order
             dummy = torch.zeros(t.micro_batch_size, self.config.model.seq_len, dtype=torch.long)
             kwargs.update(order="trace", example_inputs=(dummy,))
+        overlap = self._overlap_optimizer()
         if self.groups.dp.size > 1:  # ZeRO-3 through chunks: each dp rank owns 1/dp of them (of its stage)
             self.module = ShardedChunkedModel(model, self.manager, mem.chunk_size, group=self.groups.dp, **kwargs)
         else:
-            self.module = ChunkedModel(model, self.manager, mem.chunk_size, **kwargs)
-        self.optimizer = ChunkAdam(self.module, groups=adam)
+            self.module = ChunkedModel(model, self.manager, mem.chunk_size, report_grads=overlap, **kwargs)
+        self.optimizer = ChunkAdam(self.module, groups=adam, overlap=overlap)
         self._stepping = False
+
+    def _overlap_optimizer(self) -> bool:
+        """memory.overlap_optimizer: on where asked (and possible), by default where chunks compute on a GPU."""
+        from .config import ConfigError
+
+        mem = self.config.memory
+        why = None
+        if self.groups.dp.size > 1:
+            why = f"dp = {self.groups.dp.size} shards the chunks (ZeRO-3), and sharded gradients reach their owners late"
+        elif mem.cpu_budget is not None or mem.offload == "disk":
+            why = "chunks move between RAM and disk (memory.cpu_budget or offload = \"disk\")"
+        elif self.pipeline is not None and self.pipeline.executor.tied_params:
+            why = "weights tied across pipeline stages get their gradients summed after backward"
+        if mem.overlap_optimizer and why is not None:
+            raise ConfigError(f"memory.overlap_optimizer = true cannot overlap the step here: {why}")
+        if mem.overlap_optimizer is None:
+            return why is None and self.device.type == "cuda"
+        return bool(mem.overlap_optimizer)
+
+    def _arm_overlap(self, arrivals: int = 1) -> None:
+        """Before the backward that completes this step's gradients: the overlapped optimizer steps each
+        chunk group as its gradients complete, with this step's learning rate, clip and loss scale."""
+        if not (self.chunked and self.optimizer.speculation is not None):
+            return
+        lr = lr_at(self.config.train, self.global_step)
+        for group in self.optimizer.groups:
+            group.lr = lr
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self.optimizer.arm(grad_clip=self.config.train.grad_clip or None, loss_scale=scale,
+                           check_overflow=self.scaler is not None, arrivals=arrivals)
 
     # ---- the three-call API ------------------------------------------------------------------------
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -182,6 +213,8 @@ class Engine:
         if self.scaler is not None:
             scaled = scaled * self.scaler.scale
         if self.chunked:
+            if self.micro_step == self.accum - 1:  # this backward completes the step's gradients
+                self._arm_overlap()
             self.module.backward(scaled)
         else:
             scaled.backward()
@@ -255,11 +288,11 @@ class Engine:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         info.loss_scale = scale
         clip = self.config.train.grad_clip or None
-        if clip is None:
+        if clip is None and not self.optimizer.armed:  # (the overlapped step returns the norm itself)
             info.grad_norm = self.optimizer.grad_norm() / scale
         norm, overflow = self.optimizer.step(grad_clip=clip, loss_scale=scale,
                                              check_overflow=self.scaler is not None)
-        if clip is not None and norm is not None:
+        if norm is not None:
             info.grad_norm = float(norm)
         where = _overflowed(self.optimizer.overflowed) if overflow else ""
         if self.scaler is not None:
@@ -299,6 +332,7 @@ class Engine:
             if not self._stepping:
                 self.manager.begin_step()
                 self._stepping = True
+            self._arm_overlap(arrivals=self.accum)  # one schedule runs every micro-batch's backward
             with self.module.saved_tensors():
                 loss = self.pipeline.train_step([x for x, _ in batches], [y for _, y in batches], scale)
             self.module.finish_backward()
@@ -371,4 +405,6 @@ class Engine:
 
     def close(self) -> None:
         if self.chunked:
+            if self.optimizer.speculation is not None:
+                self.optimizer.speculation.close()
             self.manager.close()

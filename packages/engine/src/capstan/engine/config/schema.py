@@ -153,6 +153,8 @@ class MemoryConfig:
     """How parameters are packed into chunks: "modules" in module creation order (the reference GPT's, which is its execution order), "trace" in the order one forward on a dummy batch (micro_batch_size x seq_len tokens, no gradients) first calls the modules, for a user module built in another order than it runs (fewer chunk moves under a budget). Needs parallel.pp = 1 (stages are registered in layer order)."""
     eviction: str = constraint("belady", choices=("belady", "lru"))
     """Which chunk leaves RAM first: furthest next use in the warm-up trace (belady) or least recently used."""
+    overlap_optimizer: bool | None = constraint(None, nullable=True)
+    """Step each chunk group on the CPU as soon as backward has produced its gradients, while backward goes on, instead of after it (ZeRO-Offload's CPU Adam made concurrent). Exact: the step is validated at its end and redone where clipping or an fp16 overflow changes it, so training is bit for bit the same; it holds 12-14 more bytes of RAM per parameter during a step when grad_clip > 0 or fp16 (the copies a redo restores). Needs chunked memory without a cpu_budget or disk tier and dp = 1. Unset: on where chunks compute on a GPU (train.device), off on the CPU."""
     activation_checkpointing: bool = False
     """Recompute activations in backward instead of keeping them (about one extra forward per step): each transformer block of the reference GPT keeps only its input (dropout masks replayed, so training is unchanged); a pipeline of your own layers keeps only each stage chunk's input. Not for a user module at pp = 1: wrap its blocks with capstan.tensorpar.recompute."""
 

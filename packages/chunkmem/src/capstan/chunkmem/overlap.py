@@ -1,0 +1,248 @@
+"""The CPU optimizer step overlapped with backward, exactly (ZeRO-Offload's CPU Adam, made concurrent).
+
+Without overlap the Adam step of every chunk waits for the end of backward,
+because clipping needs the global gradient norm and fp16 needs the global
+inf/NaN check, both known only then (the GPU idles through the CPU step: 4 s
+of a 7 s Llama-2-7B ZeRO-Offload step, PRIOR_ART.md section 5). Here a chunk
+group (master, gradient, moments) is stepped on a worker thread as soon as
+backward has produced all of its gradients, while backward goes on, under the
+assumption that neither clipping nor an overflow will change the step
+(SuperOffload's speculation-then-validation; clipping fired in 0.12% of
+BLOOM-176B's steps). At the end of backward `finish` validates:
+
+* the norm is the sum of the per-chunk sums of squares taken before each
+  speculative update, added in the order `ChunkAdam.grad_norm` adds them, so
+  it is the same float;
+* no overflow and no clipping: the speculative updates are the step, bit for
+  bit what `ChunkAdam.step` computes (same kernel, same arguments); the
+  chunks not stepped yet are stepped now;
+* clipping or an overflow: every speculatively stepped chunk is put back from
+  the copy taken just before its update (master, both moments, and the
+  16-bit slot where it held the gradient), and the ordinary step runs: the
+  clipped update, or the skipped one.
+
+So the result is always the non-overlapped step's, and the price of a wrong
+guess is one more pass of Adam over the chunks. The copies cost RAM: 12 bytes
+per parameter (14 where the gradient shares the 16-bit slot) while a step is
+in flight, counted in the cpu tier; with grad_clip 0 and no loss scaling no
+guess can be wrong and nothing is copied.
+
+Threads: the worker only runs native kernels (which release the GIL) on chunk
+buffers pinned by the main thread before the job is queued; every manager
+call (access, release, reservations) stays on the main thread. Speculation
+needs chunks that never move while pinned RAM is full of them: the manager
+must have no RAM budget and no disk tier (a device tier is fine: chunks come
+off the GPU when their gradients are complete).
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from capstan.native import kernels
+
+from .states import ChunkKind
+
+if TYPE_CHECKING:
+    from .optim import ChunkAdam
+
+__all__ = ["Speculation", "can_overlap"]
+
+
+def can_overlap(model: object) -> str | None:
+    """None if `model`'s optimizer step can overlap its backward, else why not."""
+    from .sharding import ShardedChunkedModel
+
+    mgr = model.manager  # type: ignore[attr-defined]
+    if isinstance(model, ShardedChunkedModel):
+        return "sharded chunks (ZeRO-3) reduce their gradients to their owners at the end of each unit"
+    if mgr.cpu.capacity is not None or mgr.disk is not None:
+        return "chunks may move between RAM and disk (a cpu budget or a disk tier)"
+    return None
+
+
+@dataclass
+class _Job:
+    """One speculatively stepped chunk group: its pinned chunks, the copies to roll back to, the result."""
+
+    group: int
+    index: int
+    n: int
+    ids: list[int]  # pinned chunk ids (released by `_settle`)
+    backup: torch.Tensor | None = None  # [master | exp_avg | exp_avg_sq | 16-bit gradient slot]
+    backup_bytes: int = 0
+    future: Future | None = None
+    sumsq: float = 0.0
+    nonfinite: bool = False
+    stepped: bool = False
+
+
+@dataclass
+class Speculation:
+    """The overlapped step of one `ChunkAdam` (see the module docstring); armed once per step."""
+
+    opt: ChunkAdam
+    grad_clip: float | None = None
+    loss_scale: float = 1.0
+    check_overflow: bool = False
+    arrivals: int = 1
+    armed: bool = False
+    jobs: dict[tuple[int, int], _Job] = field(default_factory=dict)
+    missing: dict[tuple[int, int], int] = field(default_factory=dict)
+    # Counters for tests and the run log: chunk groups stepped during backward, steps redone.
+    stepped_early: int = 0
+    rollbacks: int = 0
+
+    def __post_init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capstan-adam")
+        self._overflowed = False
+
+    # ---- arming and the gradient hook ----------------------------------------------------------------
+    def arm(self, grad_clip: float | None, loss_scale: float, check_overflow: bool, arrivals: int = 1) -> None:
+        """Before the backward that completes this step's gradients: from now on a chunk group whose
+        parameters all got `arrivals` gradients is stepped at once (the learning rates must be set)."""
+        if self.armed:
+            raise RuntimeError("speculative step armed twice without finish()")
+        self.grad_clip, self.loss_scale, self.check_overflow = grad_clip, loss_scale, check_overflow
+        self.arrivals, self.armed = arrivals, True
+        self._overflowed = False  # set by the worker at the first inf/NaN gradient it meets
+        model = self.opt.model
+        self.missing = {}
+        for home in model.homes.values():
+            if home.param.requires_grad:
+                key = (home.group, home.index)
+                self.missing[key] = self.missing.get(key, 0) + arrivals
+        model.grad_listener = self._arrived
+
+    def _arrived(self, group: int, index: int) -> None:
+        key = (group, index)
+        left = self.missing.get(key)
+        if left is None:
+            return
+        left -= 1
+        self.missing[key] = left
+        if left == 0 and key not in self.jobs:
+            self._submit(group, index)
+
+    # ---- one chunk group ------------------------------------------------------------------------------
+    def _submit(self, g: int, i: int) -> None:
+        opt, model = self.opt, self.opt.model
+        chunks, mgr = model.chunks, model.manager
+        p_chunk = chunks[ChunkKind.PARAM][g][i]
+        n = p_chunk.used
+        if n == 0:
+            return
+        master_kind = ChunkKind.MASTER if model.mixed else ChunkKind.PARAM
+        kinds = [master_kind, opt._grad_kind(), ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ]
+        if model.mixed and p_chunk.chunk_id not in [chunks[k][g][i].chunk_id for k in kinds]:
+            kinds.append(ChunkKind.PARAM)  # the 16-bit output, where it is not the gradient's slot
+        ids = [chunks[k][g][i].chunk_id for k in kinds]
+        views = [mgr.access(cid, write=True).payload[:n] for cid in ids]  # type: ignore[index]
+        job = _Job(g, i, n, ids)
+        slot_reuse = model.mixed and not model.grad_chunks
+        if self._may_roll_back():
+            # master, exp_avg, exp_avg_sq, and the 16-bit slot the kernel overwrites with the parameter
+            # when it holds the gradient: all fp32 here, the 16-bit one widened exactly.
+            job.backup_bytes = (4 if slot_reuse else 3) * n * 4
+            mgr.reserve_transient(job.backup_bytes, f"rollback copy of chunk group ({g}, {i})")
+            job.backup = torch.empty((4 if slot_reuse else 3) * n)
+        hp = opt.groups[g]
+        args = dict(step=hp.step + 1, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], eps=hp.eps,
+                    weight_decay=hp.weight_decay, adamw=True, grad_scale=1.0 / self.loss_scale)
+        job.future = self._pool.submit(self._work, job, views, args, model.mixed)
+        self.jobs[(g, i)] = job
+
+    def _work(self, job: _Job, views: list[torch.Tensor], args: dict, mixed: bool) -> None:
+        """On the worker thread: the chunk's norm term and overflow check, the copies, the update."""
+        master, grad, m, v = views[:4]
+        out = views[4] if len(views) > 4 else (grad if mixed else None)
+        job.sumsq = kernels.sumsq(grad)
+        job.nonfinite = self.check_overflow and kernels.has_nonfinite(grad)
+        if job.nonfinite:
+            self._overflowed = True  # the step will be skipped: stop updating (each would be rolled back)
+        if self._overflowed:
+            return
+        if job.backup is not None:
+            n = job.n
+            for k, t in enumerate((master, m, v, grad) if job.backup.numel() == 4 * n else (master, m, v)):
+                job.backup[k * n : (k + 1) * n].copy_(t)
+        if mixed:
+            kernels.adam_update_and_cast(master, grad, m, v, out, **args)
+        else:
+            kernels.adam_update(master, grad, m, v, **args)
+        job.stepped = True
+
+    def _may_roll_back(self) -> bool:
+        return self.grad_clip is not None or self.check_overflow
+
+    # ---- the end of the step ----------------------------------------------------------------------------
+    def finish(self) -> tuple[float | None, bool]:
+        """At the step (after backward): validate the speculation and complete the step exactly.
+        Returns what `ChunkAdam.step` returns: (the unscaled gradient norm or None, overflow)."""
+        if not self.armed:
+            raise RuntimeError("finish() without arm()")
+        self.armed = False
+        self.opt.model.grad_listener = None
+        for job in self.jobs.values():
+            job.future.result()  # type: ignore[union-attr]  # re-raises a kernel's error here
+        self.stepped_early += sum(j.stepped for j in self.jobs.values())
+        opt, model = self.opt, self.opt.model
+        known = {k: j.sumsq for k, j in self.jobs.items()}
+        overflow = False
+        if self.check_overflow:
+            local = any(j.nonfinite for j in self.jobs.values()) or opt._local_overflow(skip=self.jobs)
+            overflow = model.reduce_any(local)
+        norm = None
+        unscale = 1.0 / self.loss_scale
+        if not overflow:
+            raw = math.sqrt(model.reduce_sq(opt._weighted_sumsq(known)))
+            # As the plain step reports it: times 1/scale with clipping, else what the caller divides.
+            norm = raw * unscale if self.grad_clip is not None else raw / self.loss_scale
+        clipped = self.grad_clip is not None and norm is not None and norm > self.grad_clip
+        if overflow or clipped:  # the guess was wrong: undo it, and take the ordinary step
+            stepped = [j for j in self.jobs.values() if j.stepped]
+            self.rollbacks += bool(stepped)
+            for job in stepped:
+                self._roll_back(job)
+            self._settle()
+            return opt._plain_step(self.grad_clip, self.loss_scale, self.check_overflow)
+        # The guess held: the speculative updates are the step's; the rest are stepped now, alike.
+        done = {k for k, j in self.jobs.items() if j.stepped}
+        self._settle()
+        opt._update(unscale, skip=done)
+        opt._drop_grads()
+        return norm, False
+
+    def _roll_back(self, job: _Job) -> None:
+        """Put a speculatively stepped chunk group back as it was before its update."""
+        model, n = self.opt.model, job.n
+        chunks = model.chunks
+        g, i = job.group, job.index
+        master_kind = ChunkKind.MASTER if model.mixed else ChunkKind.PARAM
+        kinds = [master_kind, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ]
+        assert job.backup is not None
+        for k, kind in enumerate(kinds):
+            chunks[kind][g][i].payload[:n].copy_(job.backup[k * n : (k + 1) * n])  # type: ignore[index]
+        if job.backup.numel() == 4 * n:  # the slot held the gradient: put it back (exact: 16-bit -> fp32 -> 16-bit)
+            chunks[ChunkKind.PARAM][g][i].payload[:n].copy_(job.backup[3 * n :])  # type: ignore[index]
+        elif model.mixed:  # the 16-bit parameter was written from the new master: write it from the old
+            kernels.cast_(chunks[ChunkKind.MASTER][g][i].payload[:n], chunks[ChunkKind.PARAM][g][i].payload[:n])  # type: ignore[index]
+
+    def _settle(self) -> None:
+        """Release every job's chunks and copies (main thread)."""
+        mgr = self.opt.model.manager
+        for job in self.jobs.values():
+            for cid in job.ids:
+                mgr.release(cid)
+            if job.backup_bytes:
+                mgr.release_transient(job.backup_bytes)
+            job.backup = None
+        self.jobs = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,115 @@
+"""The optimizer step overlapped with backward (overlap.py) equals the ordinary step bit for bit.
+
+Each case trains two copies of one model side by side, one with `ChunkAdam(overlap=True)` (armed
+before the backward that completes the gradients), one without, and compares every master weight,
+moment and reported norm exactly after every step. The steps alternate between a clip threshold
+no gradient reaches (the speculative updates stand) and one every gradient exceeds (all of them are
+rolled back and the clipped step redone), so both branches run; fp16 adds steps whose gradients
+overflow (rolled back, then skipped).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capstan.chunkmem import ChunkAdam, ChunkedModel, ChunkKind, ChunkManager, DynamicLossScaler
+
+CHUNK = 4096  # the net below fills several chunks, so some are complete while backward still runs
+STEPS = 8
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(64, 32), torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 32),
+        torch.nn.LayerNorm(32), torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 64),
+    )
+
+
+def _loss(model: torch.nn.Module, step: int, micro: int, poison: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + micro)
+    x = torch.randint(0, 64, (4, 8), generator=g)
+    out = model(x).float()
+    if poison:  # an fp16 overflow: inf in every gradient
+        out = out * float("inf")
+    return torch.nn.functional.cross_entropy(out.reshape(-1, 64), ((x * 3 + 1) % 64).reshape(-1))
+
+
+def _state(model: ChunkedModel) -> list[torch.Tensor]:
+    kinds = [ChunkKind.MASTER if model.mixed else ChunkKind.PARAM, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ,
+             ChunkKind.PARAM]
+    return [c.payload.clone() for k in kinds for lst in model.chunks[k] for c in lst]
+
+
+def _run(overlap: bool, dtype: torch.dtype, accum: int, fp16_overflow_steps: tuple[int, ...] = ()) -> tuple:
+    manager = ChunkManager(None, audit=True)
+    model = ChunkedModel(_net(), manager, CHUNK, dtype=dtype, accumulate_grads=accum > 1, report_grads=overlap)
+    opt = ChunkAdam(model, lr=1e-2, weight_decay=0.1, overlap=overlap)
+    scaler = DynamicLossScaler(initial_scale=2.0**8, hysteresis=1) if dtype == torch.float16 else None
+    norms, states = [], []
+    for step in range(STEPS):
+        clip = 1e9 if step % 2 == 0 else 1e-3  # never / always clipped
+        scale = scaler.scale if scaler is not None else 1.0
+        manager.begin_step()
+        for micro in range(accum):
+            if overlap and micro == accum - 1:
+                opt.arm(grad_clip=clip, loss_scale=scale, check_overflow=scaler is not None)
+            loss = _loss(model, step, micro, poison=step in fp16_overflow_steps and micro == 0) / accum * scale
+            model.backward(loss)
+        norm, overflow = opt.step(grad_clip=clip, loss_scale=scale, check_overflow=scaler is not None)
+        if scaler is not None:
+            scaler.update(overflow)
+        manager.end_step()
+        norms.append((norm, overflow))
+        states.append(_state(model))
+    return norms, states, opt
+
+
+@pytest.mark.parametrize("dtype,accum", [(torch.float32, 1), (torch.bfloat16, 1), (torch.bfloat16, 2),
+                                         (torch.float32, 2)])
+def test_overlapped_step_equals_the_plain_step(dtype: torch.dtype, accum: int) -> None:
+    want_norms, want_states, _ = _run(False, dtype, accum)
+    got_norms, got_states, opt = _run(True, dtype, accum)
+    assert got_norms == want_norms
+    for step, (got, want) in enumerate(zip(got_states, want_states)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"step {step} differs"
+    spec = opt.speculation
+    assert spec.stepped_early > STEPS // 2  # chunk groups really were stepped during backward
+    assert spec.rollbacks == STEPS // 2  # and every clipped step was rolled back and redone
+
+
+def test_fp16_overflow_is_rolled_back_and_skipped() -> None:
+    bad = (2, 5)
+    want_norms, want_states, _ = _run(False, torch.float16, 1, bad)
+    got_norms, got_states, opt = _run(True, torch.float16, 1, bad)
+    assert [o for _, o in got_norms] == [s in bad for s in range(STEPS)]
+    assert got_norms == want_norms
+    for got, want in zip(got_states, want_states):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_without_clipping_or_scaling_nothing_is_copied() -> None:
+    manager = ChunkManager(None, audit=True)
+    model = ChunkedModel(_net(), manager, CHUNK, report_grads=True)
+    opt = ChunkAdam(model, lr=1e-2, overlap=True)
+    peak = []
+    real = manager.reserve_transient
+    manager.reserve_transient = lambda n, what: (peak.append(n), real(n, what))  # type: ignore[method-assign]
+    manager.begin_step()
+    opt.arm()
+    model.backward(_loss(model, 0, 0))
+    norm, overflow = opt.step()
+    manager.end_step()
+    assert peak == [] and not overflow and norm is not None and opt.speculation.stepped_early > 0
+
+
+def test_overlap_is_refused_where_chunks_can_move(tmp_path) -> None:
+    from capstan.chunkmem import DiskStore
+
+    manager = ChunkManager(64 * CHUNK * 4, DiskStore(tmp_path))
+    model = ChunkedModel(_net(), manager, CHUNK, report_grads=True)
+    with pytest.raises(ValueError, match="chunks may move between RAM and disk"):
+        ChunkAdam(model, overlap=True)
+    with pytest.raises(ValueError, match="report_grads=True"):
+        ChunkAdam(ChunkedModel(_net(), ChunkManager(None), CHUNK), overlap=True)
