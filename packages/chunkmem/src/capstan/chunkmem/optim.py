@@ -29,8 +29,6 @@ import math
 from contextlib import closing
 from dataclasses import dataclass
 
-import torch
-
 from capstan.native import kernels
 
 from .model import ChunkedModel
