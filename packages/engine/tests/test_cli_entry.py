@@ -39,3 +39,18 @@ def test_entry_exit_code_and_output(name: str) -> None:
     assert want_out in done.stdout
     assert want_err in done.stderr
     assert "logged line" in done.stderr
+
+
+def test_a_failing_rank_decides_its_grace_without_importing_torch() -> None:
+    """`entry` waits ERROR_GRACE_S only under a multi-rank launch, and finds that out from the
+    launcher's variables: importing capstan.comm for it imported torch, which took 2-4 s of every
+    failing `capstan launch` (the launcher is no rank)."""
+    script = ("import sys\nfrom capstan.engine.cli.commands import _multi_rank_launch\n"
+              "print(_multi_rank_launch(), 'torch' in sys.modules)\n")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stdout.split() == ["False", "False"], done.stderr
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**env, "OMPI_COMM_WORLD_SIZE": "2"})
+    assert done.stdout.split() == ["True", "False"], done.stderr

@@ -112,3 +112,22 @@ def test_cli_dry_run_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture
     assert err.count("\n") == 1 and err.startswith("capstan: error:") and "a has 3" in err
     assert main(["launch", "-np", "2", "--dry-run"]) == 2
     assert "nothing to launch" in capsys.readouterr().err
+
+
+def test_max_restarts_requests(capsys: pytest.CaptureFixture[str]) -> None:
+    from capstan.engine.cli.launch import _is_train, _restartable, resumed_command
+
+    train = ["capstan", "train", "--config", TINY]
+    assert _is_train(train) and _is_train(["/venv/bin/capstan", "train"]) and not _is_train(["echo", "train"])
+    assert resumed_command(train)[-4:] == ["--set", "checkpoint.resume=true", "--set",
+                                           "checkpoint.allow_fresh_start=true"]
+    crashed = {0: {"code": None}, 1: {"code": 1}}
+    assert _restartable(crashed, 137) and not _restartable({0: {"code": 2}, 1: {"code": None}}, 2)
+    assert not _restartable({0: {"code": 0}}, 0)
+    assert main(["launch", "-np", "2", "--max-restarts", "-1", "--", *train]) == 2
+    assert "--max-restarts -1: must be >= 0" in capsys.readouterr().err
+    assert main(["launch", "-np", "2", "--max-restarts", "1", "--", "echo", "hi"]) == 2
+    assert "needs a `capstan train` command" in capsys.readouterr().err
+    # the relaunched command, as mpirun would run it
+    cmd = build_command(resumed_command(train), 2, mpirun="/x/mpirun", openmpi=True, root=False, environ=ENV)
+    assert cmd[-4:] == ["--set", "checkpoint.resume=true", "--set", "checkpoint.allow_fresh_start=true"]

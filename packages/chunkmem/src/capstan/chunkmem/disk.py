@@ -34,13 +34,21 @@ ALIGN = aio.ALIGNMENT
 class DiskTierError(OSError):
     """A disk-tier read or write failed; the message names the file and offset."""
 
+    def __str__(self) -> str:  # the message alone: it names the file; "[Errno 28]" adds nothing
+        return self.strerror or super().__str__()
+
 
 class _Pending:
-    """An in-flight chunk transfer; `result()` waits and turns failures into DiskTierError."""
+    """An in-flight chunk transfer; `result()` waits and turns failures into DiskTierError.
+
+    The native request is waited on once: a failure is raised by that `result()` call only, and a
+    later call (the manager closing after the error propagated) returns quietly instead of waiting
+    again on a handle the library has already retired."""
 
     def __init__(self, req: aio.Request, what: str, path: Path) -> None:
         self._req, self._what, self._path = req, what, path
         self._done = False
+        self.failed: DiskTierError | None = None
 
     def done(self) -> bool:
         return self._done or self._req.done()
@@ -48,13 +56,14 @@ class _Pending:
     def result(self) -> None:
         if self._done:
             return
+        self._done = True
         try:
             self._req.wait()
         except aio.AsyncIOError as exc:
             code = exc.errno or errno.EIO
             what = "no space left" if code in (errno.ENOSPC, errno.EFBIG) else os.strerror(code)
-            raise DiskTierError(code, f"{self._what} {self._path} failed: {what} ({exc.strerror})") from None
-        self._done = True
+            self.failed = DiskTierError(code, f"disk tier: {self._what} {self._path} failed: {what} ({exc.strerror})")
+            raise self.failed from None
 
 
 class DiskStore:

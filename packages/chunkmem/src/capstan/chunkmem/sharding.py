@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from capstan import comm
-from capstan.comm import Group
+from capstan.comm import Group, faults
 
 from .chunk import Chunk
 from .manager import ChunkManager
@@ -257,6 +257,7 @@ class ShardedChunkedModel(ChunkedModel):
                     break
                 held -= self._gathered[other].nbytes
                 self._drop_unit(other)
+        faults.crash_point("zero3.gather")
         self.unit_gathers += 1
         width = self._width(g, unit)
         indices = self._unit_indices(g, unit)

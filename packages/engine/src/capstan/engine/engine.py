@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from capstan import comm
+from capstan.comm import faults
 from torch import nn
 
 from .config.load import uses_chunks
@@ -198,6 +199,7 @@ class Engine:
             if self.chunked and not self._stepping:
                 self.manager.begin_step()
                 self._stepping = True
+        faults.crash_point("forward", step=self.global_step + 1)
         x, y = (t.to(self.device, non_blocking=True) for t in batch)
         with autocast(self.config.precision, self.device.type):
             out = self.module(x)
@@ -212,6 +214,9 @@ class Engine:
         scaled = loss / self.accum
         if self.scaler is not None:
             scaled = scaled * self.scaler.scale
+        if faults.armed("backward") and scaled.requires_grad:  # inside autograd, at its first node
+            step = self.global_step + 1
+            scaled.register_hook(lambda g: faults.crash_point("backward", step=step))
         if self.chunked:
             if self.micro_step == self.accum - 1:  # this backward completes the step's gradients
                 self._arm_overlap()
@@ -230,6 +235,7 @@ class Engine:
                                f"train.grad_accum_steps = {self.accum}")
         t = self.config.train
         info = StepInfo(step=self.global_step + 1, lr=lr_at(t, self.global_step))
+        faults.crash_point("optimizer.step", step=info.step)
         info.loss = self._global_loss()
         if self.chunked:
             self._chunk_step(info)

@@ -7,11 +7,13 @@ several processes, and returns when the run is done.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 
 from capstan import comm
+from capstan.comm import faults
 
 from . import checkpoint
 from .build import initialize, resolve_groups
@@ -19,6 +21,7 @@ from .config.load import Sources, to_toml
 from .config.schema import Config
 from .data.sources import TokenData, train_batches, val_batches
 from .metrics import MetricsSink, human_bytes, plot_losses, progress_line
+from .rundir import check_resume, lock_run
 
 __all__ = ["run"]
 
@@ -28,6 +31,18 @@ log = comm.get_logger(__name__)
 def run(cfg: Config, sources: Sources, data: TokenData) -> list[dict]:
     """Train as configured; returns rank 0's metric records (empty on other ranks)."""
     groups = resolve_groups(cfg, sources)
+    faults.limit_file_size()  # CAPSTAN_FILE_SIZE_LIMIT: a full disk for the fault tests (after MPI's own files)
+    locks = lock_run(cfg, groups)  # before anything reads or writes the run directory
+    try:
+        if cfg.checkpoint.resume:
+            check_resume(cfg, groups)
+        return _run(cfg, data, groups)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _run(cfg: Config, data: TokenData, groups: comm.Groups) -> list[dict]:
     engine = initialize(config=cfg, groups=groups)
     rank0 = groups.world.rank == 0
     dp, dp_rank = groups.dp.size, groups.dp.rank
@@ -56,6 +71,7 @@ def run(cfg: Config, sources: Sources, data: TokenData) -> list[dict]:
     try:
         for step in range(start, t.steps):
             info = engine.train_batch(batches)
+            faults.crash_point("train.step", step=info.step)
             elapsed.append(info.seconds)
             record = {"step": info.step, "loss": info.loss, "lr": info.lr,
                       "tokens_per_s": derived["tokens_per_step"] / max(info.seconds, 1e-9),
@@ -71,9 +87,16 @@ def run(cfg: Config, sources: Sources, data: TokenData) -> list[dict]:
                 comm.log_rank0(log, "%s", progress_line(record, t.steps, eta))
             if cfg.checkpoint.every and (info.step % cfg.checkpoint.every == 0 or last):
                 engine.save(ckpt_root)
-    finally:
-        sink.close()
-        engine.close()
+    except BaseException:
+        # Closing after a failure must not replace its error with another (a second failed write of
+        # a full disk, a peer already gone): the first one is what the rank reports.
+        with contextlib.suppress(Exception):
+            sink.close()
+        with contextlib.suppress(Exception):
+            engine.close()
+        raise
+    sink.close()
+    engine.close()
     if rank0 and sink.records:
         if plot_losses(sink.records, run_dir / "loss.png"):
             log.info("wrote %s, %s and %s", run_dir / "metrics.jsonl", run_dir / "config.resolved.toml",

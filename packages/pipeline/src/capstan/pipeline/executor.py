@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from capstan import comm
+from capstan.comm import faults
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -278,6 +279,7 @@ class PipelineExecutor:
 
     # ---- communication: one batch of consecutive send/recv instructions
     def _exchange(self, batch: list[CommInstruction]) -> None:
+        faults.crash_point("pipeline.transfer", stage=self.stage)
         sched = self.schedule
         if self._negotiate:
             self._exchange_headers(batch)

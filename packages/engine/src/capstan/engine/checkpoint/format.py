@@ -85,23 +85,30 @@ def write_safetensors(path: Path, entries: Sequence[Entry], metadata: dict[str, 
     tmp = path.with_name(path.name + ".tmp")
     sha = hashlib.sha256()
     where: dict[str, tuple[int, int, int]] = {}
-    with open(tmp, "wb") as f:
-        prefix = struct.pack("<Q", len(header)) + header
-        f.write(prefix)
-        sha.update(prefix)
-        pos = len(prefix)
-        for e in entries:
-            t = e.produce().detach()
-            if t.dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
-                raise ValueError(f"{path}: entry {e.key} produced {t.dtype} {tuple(t.shape)}, "
-                                 f"announced {e.dtype} {e.shape}")
-            data = _as_bytes(t)
-            f.write(data)
-            sha.update(data)
-            where[e.key] = (pos, len(data), zlib.crc32(data))
-            pos += len(data)
-        f.flush()
-        os.fsync(f.fileno())
+    prefix = struct.pack("<Q", len(header)) + header
+    total = len(prefix) + sum(e.nbytes for e in entries)
+    pos = 0
+    try:
+        with open(tmp, "wb") as f:
+            f.write(prefix)
+            sha.update(prefix)
+            pos = len(prefix)
+            for e in entries:
+                t = e.produce().detach()
+                if t.dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
+                    raise ValueError(f"{path}: entry {e.key} produced {t.dtype} {tuple(t.shape)}, "
+                                     f"announced {e.dtype} {e.shape}")
+                data = _as_bytes(t)
+                f.write(data)
+                sha.update(data)
+                where[e.key] = (pos, len(data), zlib.crc32(data))
+                pos += len(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:  # a full disk (or quota): say which file and how far it got, leave no part behind
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"writing {path} ({total} bytes; about {pos} written) failed: "
+                                 f"{exc.strerror or exc}") from None
     tmp.replace(path)
     return where, sha.hexdigest(), pos
 

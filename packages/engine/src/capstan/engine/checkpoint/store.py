@@ -28,18 +28,19 @@ import json
 import os
 import shutil
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from capstan import comm
 
-from .. import faults
+from capstan.comm import faults
 from ..engine import Engine
 from .format import FORMAT, MANIFEST, VERSION, Entry, fsync_dir, read_tensor, write_safetensors
 from .state import FIELDS, LocalParam, merge_tp, rng_generators, slice_tp, state_view
 
 __all__ = ["save", "load", "load_latest", "latest", "checkpoint_dir", "CheckpointError", "read_manifest",
-           "assemble"]
+           "assemble", "incomplete_checkpoints"]
 
 log = comm.get_logger(__name__)
 PARTIAL = ".partial"
@@ -70,10 +71,14 @@ def _same_layout(saved: dict, engine: Engine) -> bool:
 
 def _write_json(path: Path, obj: object) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"writing {path} failed: {exc.strerror or exc}") from None
     tmp.replace(path)
 
 
@@ -85,33 +90,57 @@ def save(engine: Engine, root: str | Path) -> Path:
     rank = g.world.rank
     name = f"step_{engine.global_step:08d}"
     final, partial = root / name, root / (name + PARTIAL)
+    error = ""
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
-        partial.mkdir()
-    comm.barrier(g.world)
-    index = _write_shard(engine, partial, rank)
-    _write_json(partial / f"rank_{rank:05d}.json", index)
+        error = _writing(lambda: _prepare(root, partial), f"creating {partial}")
+    _agree(engine, error, f"saving checkpoint step {engine.global_step}")  # (also the barrier before writing)
+    error = _writing(lambda: _write_json(partial / f"rank_{rank:05d}.json", _write_shard(engine, partial, rank)))
     faults.crash_point("save.shard_written", step=engine.global_step, rank=rank)
-    comm.barrier(g.world)
+    # Every rank's shard is written, or every rank raises the first failure: a full disk on one rank
+    # is one error on all, at once, instead of the others waiting out the comm timeout in a barrier.
+    _agree(engine, error, f"saving checkpoint step {engine.global_step}")
     if rank == 0:
-        _write_json(partial / MANIFEST, _manifest(engine, partial))
-        for p in partial.glob("rank_*.json"):
-            p.unlink()
-        fsync_dir(partial)
-        faults.crash_point("save.before_rename", step=engine.global_step, rank=rank)
-        if final.exists():  # saved this step before (e.g. the last step is also a periodic one)
-            old = root / (name + ".old")
-            final.replace(old)
-            partial.replace(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            partial.replace(final)
-        fsync_dir(root)
-        for stale in complete_checkpoints(root)[: -engine.config.checkpoint.keep]:
-            shutil.rmtree(stale, ignore_errors=True)
-    comm.barrier(g.world)
+        error = _writing(lambda: _publish(engine, root, partial, final, name))
+    _agree(engine, error, f"saving checkpoint step {engine.global_step}")
     return final
+
+
+def _prepare(root: Path, partial: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
+    partial.mkdir()
+
+
+def _publish(engine: Engine, root: Path, partial: Path, final: Path, name: str) -> None:
+    """Rank 0: the manifest, then the atomic rename of the directory, then the oldest ones go."""
+    _write_json(partial / MANIFEST, _manifest(engine, partial))
+    for p in partial.glob("rank_*.json"):
+        p.unlink()
+    fsync_dir(partial)
+    faults.crash_point("save.before_rename", step=engine.global_step, rank=0)
+    if final.exists():  # saved this step before (e.g. the last step is also a periodic one)
+        old = root / (name + ".old")
+        final.replace(old)
+        partial.replace(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        partial.replace(final)
+    fsync_dir(root)
+    for stale in complete_checkpoints(root)[: -engine.config.checkpoint.keep]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _writing(work: Callable[[], None], what: str = "") -> str:
+    """Run a step of the save; an OSError (full disk, quota, permissions) becomes its one-line text,
+    which names the file (the writers put it in the message)."""
+    try:
+        work()
+    except OSError as exc:
+        detail = exc.strerror or str(exc)
+        if exc.filename and str(exc.filename) not in detail:
+            detail = f"{exc.filename}: {detail}"
+        return f"{what}: {detail}" if what else detail
+    return ""
 
 
 def _write_shard(engine: Engine, directory: Path, rank: int) -> dict[str, object]:
@@ -184,6 +213,15 @@ def _numel(shape: list[int]) -> int:
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first (a manifest and no .partial suffix)."""
     found = [p for p in root.glob("step_*") if p.is_dir() and p.suffix == "" and (p / MANIFEST).exists()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    """Directories under `root` that look like checkpoints but cannot be loaded, oldest first: a save
+    that did not finish (``.partial``) or a ``step_*`` directory without its manifest."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if p.is_dir() and p.suffix in ("", PARTIAL) and not (p / MANIFEST).exists()]
     return sorted(found, key=lambda p: p.name)
 
 
@@ -274,24 +312,11 @@ def load_latest(engine: Engine, root: str | Path) -> int:
     return load(engine, root)
 
 
-def _agree(engine: Engine, error: str) -> None:
-    """Raise the first failing rank's error on every rank."""
-    world = engine.groups.world
-    if world.size == 1:
-        if error:
-            raise CheckpointError(error)
-        return
-    width = 512
-    mine = torch.zeros(width, dtype=torch.uint8)
-    raw = error.encode()[:width]
-    if raw:
-        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    every = torch.zeros(width * world.size, dtype=torch.uint8)
-    comm.all_gather(every, mine, group=world)
-    for r in range(world.size):
-        text = bytes(every[r * width : (r + 1) * width].tolist()).rstrip(b"\0").decode(errors="replace")
-        if text:
-            raise CheckpointError(text if r == world.rank else f"rank {r}: {text}")
+def _agree(engine: Engine, error: str, context: str = "") -> None:
+    """Raise the first failing rank's error on every rank (a collective: every rank calls it)."""
+    first = comm.first_error(error, engine.groups.world)
+    if first:
+        raise CheckpointError(f"{context}: {first}" if context else first)
 
 
 def _load(engine: Engine, path: Path) -> int:

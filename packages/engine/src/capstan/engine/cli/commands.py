@@ -17,9 +17,11 @@ skips interpreter teardown).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 __all__ = ["main", "entry", "build_parser", "EXIT_BAD_INPUT"]
 
@@ -28,6 +30,46 @@ EXIT_BAD_INPUT = 2
 
 class _UsageError(Exception):
     pass
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP reached a training rank: a scheduler (SLURM, Kubernetes, systemd) or
+    `capstan launch` is stopping the job. A BaseException, like KeyboardInterrupt, so no `except
+    Exception` on the way out swallows it; the run's `finally` blocks still close files."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """Inside: SIGTERM and SIGHUP stop this rank cleanly (`Stopped`, exit 128 + signal); a second one
+    kills at once, as without the handler. A checkpoint being saved is left as `.partial`, never
+    half-renamed. The previous handlers come back on the way out (tests call `main` in-process)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+    sigs = (signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.getsignal(s) for s in sigs}
+
+    def stop(signum: int, frame: object) -> None:
+        for s in sigs:
+            signal.signal(s, signal.SIG_DFL)
+        raise Stopped(signum)
+
+    for s in sigs:
+        signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,13 +98,19 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from ..checkpoint.store import CheckpointError
     from ..config.load import ConfigError
     from ..data.sources import DataError
+    from ..rundir import RunDirError
     from .disk_bench import DiskBenchError
 
     return (ConfigError, DataError, LaunchError, BudgetError, LayoutError, DiskTierError, CheckpointError,
-            DiskBenchError)
+            DiskBenchError, RunDirError)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    with _stop_on_signals():
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from importlib.util import find_spec
 
     from ..config.load import ConfigError, check_world, resolve
@@ -173,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = _main(argv)
         return code
+    except KeyboardInterrupt:
+        print("capstan: error: interrupted (SIGINT)", file=sys.stderr)
+        code = 130
+        return code
     finally:
         rank_finished(code)
 
@@ -186,6 +238,9 @@ def _main(argv: list[str] | None) -> int:
     except _UsageError as exc:
         print(f"capstan: error: {exc} (see capstan --help)", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Stopped as exc:
+        print(f"capstan: error: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except Exception as exc:
         from capstan.chunkmem import LossScaleError
         from capstan.comm import CommError
@@ -206,12 +261,13 @@ ERROR_GRACE_S = 1.0
 
 
 def _multi_rank_launch() -> bool:
-    try:
-        from capstan.comm import detect_launch
-
-        return detect_launch().world_size > 1
-    except Exception:  # a broken launch environment was already reported as the error
-        return False
+    """Whether a launcher started several ranks: from its variables alone (importing capstan.comm
+    would import torch, seconds of a failing job's exit, and the launcher itself is no rank)."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value) > 1
+    return False
 
 
 def _finalize_mpi() -> None:
@@ -255,12 +311,12 @@ def entry() -> None:
         else:
             print(exc.code, file=sys.stderr)
             code = 1
-    except KeyboardInterrupt:
-        code = 130
+    except (KeyboardInterrupt, Stopped) as exc:
+        code = 128 + getattr(exc, "signum", 2)
     except BaseException:
         traceback.print_exc()
         code = 1
-    if code != 0 and _multi_rank_launch():
+    if code != 0 and code < 128 and _multi_rank_launch():
         # Under mpirun the first rank to exit non-zero gets the others killed: let the peers that hit
         # the same bad input print their own line first ("one clear error on every rank").
         time.sleep(ERROR_GRACE_S)

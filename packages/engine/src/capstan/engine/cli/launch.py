@@ -30,6 +30,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from pathlib import Path
 
 __all__ = ["LaunchRequestError", "HostSlots", "parse_hostfile", "plan_hosts", "build_command", "forwarded_env",
            "tp_from_command", "add_parser", "cmd_launch", "rank_started", "rank_finished", "read_status",
-           "STATUS_DIR_VAR"]
+           "resumed_command", "STATUS_DIR_VAR"]
 
 EXIT_BAD_INPUT = 2
 STATUS_DIR_VAR = "CAPSTAN_STATUS_DIR"
@@ -303,27 +304,94 @@ def describe_failure(status: dict[int, dict], np: int, deaths: dict[int, float] 
     return what + (f"; then ranks {rest} ended too" if rest else "")
 
 
-def _run_watching(cmd: list[str], env: dict[str, str], status_dir: str) -> tuple[int, dict[int, float]]:
-    """Run mpirun; meanwhile note when each rank on this host stops existing (for the failure line)."""
+STOP_GRACE_S = 10.0  # after forwarding a stop signal, how long mpirun gets before its ranks are killed
+
+
+class _Watch:
+    """One mpirun run: when each rank on this host vanished, and the stop signal the launcher got."""
+
+    def __init__(self) -> None:
+        self.deaths: dict[int, float] = {}
+        self.stopped_by: int | None = None  # SIGTERM / SIGHUP / SIGINT sent to `capstan launch` itself
+
+
+def _run_watching(cmd: list[str], env: dict[str, str], status_dir: str) -> tuple[int, _Watch]:
+    """Run mpirun; meanwhile note when each rank on this host stops existing (for the failure line).
+
+    SIGTERM and SIGHUP (a scheduler stopping the job: SLURM, Kubernetes, systemd) and SIGINT (Ctrl-C)
+    are forwarded to mpirun, which stops every rank; a rank on this host still alive STOP_GRACE_S
+    later is killed, and so is mpirun. The launcher never exits before the job is gone."""
+    watch = _Watch()
     proc = subprocess.Popen(cmd, env=env)
     here = socket.gethostname()
-    deaths: dict[int, float] = {}
+    previous = {}
+
+    def forward(signum: int, frame: object) -> None:
+        if watch.stopped_by is None:
+            watch.stopped_by = signum
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        previous[sig] = signal.signal(sig, forward)
     try:
+        stop_deadline = None
         while proc.poll() is None:
             for r, s in read_status(status_dir).items():
-                if r in deaths or s["host"] != here or s["pid"] is None or s["code"] is not None:
+                if r in watch.deaths or s["host"] != here or s["pid"] is None or s["code"] is not None:
                     continue
-                try:
-                    os.kill(s["pid"], 0)
-                except ProcessLookupError:
-                    deaths[r] = time.time()
-                except PermissionError:
-                    pass
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        proc.send_signal(2)
-        proc.wait()
-    return proc.returncode, deaths
+                if not _alive(s["pid"]):
+                    watch.deaths[r] = time.time()
+            if watch.stopped_by is not None:
+                stop_deadline = stop_deadline or time.monotonic() + STOP_GRACE_S
+                if time.monotonic() > stop_deadline:
+                    _kill_ranks(status_dir, here)
+                    proc.kill()
+            time.sleep(0.05)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # mpirun may leave before its ranks have (a survivor of a dead peer still tearing down): none
+    # outlives the launcher, so a scheduler that sees it exit sees the whole job gone.
+    _wait_ranks_gone(status_dir, here, STOP_GRACE_S)
+    return proc.returncode, watch
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_ranks(status_dir: str, host: str) -> None:
+    for s in read_status(status_dir).values():
+        if s["host"] == host and s["pid"] is not None and s["code"] is None:
+            try:
+                os.kill(s["pid"], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _wait_ranks_gone(status_dir: str, host: str, limit: float) -> None:
+    """Until every rank process on this host has exited (those still there at `limit` are killed)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        alive = [s["pid"] for s in read_status(status_dir).values()
+                 if s["host"] == host and s["pid"] is not None and _alive(s["pid"])]
+        if not alive:
+            return
+        time.sleep(0.05)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 # ---------------------------------------------------------------- the subcommand
@@ -336,6 +404,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hostfile", help="Open MPI hostfile (host slots=N per line); default: this host")
     p.add_argument("--tp", type=int, help="tensor-parallel size for placement (default: the wrapped "
                                           "command's parallel.tp)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="when a rank dies, stop the job and relaunch it from its last complete checkpoint, "
+                        "up to N times (a `capstan train` command only; default 0)")
     p.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit")
     p.add_argument("--mpirun-arg", action="append", default=[], metavar="ARG",
                    help="an extra argument for mpirun (repeatable), e.g. --mpirun-arg=--mca=...")
@@ -343,32 +414,81 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_launch)
 
 
+def resumed_command(command: list[str]) -> list[str]:
+    """The wrapped `capstan train` command, resuming from its last complete checkpoint (and starting
+    over where the crash came before the first one, keeping the crashed attempt's metrics beside)."""
+    return [*command, "--set", "checkpoint.resume=true", "--set", "checkpoint.allow_fresh_start=true"]
+
+
+def _is_train(command: list[str]) -> bool:
+    words = [os.path.basename(w) for w in command[:4]]
+    return "train" in command[:4] and ("capstan" in words or "capstan.engine.cli" in command[:4])
+
+
+def _restartable(status: dict[int, dict], code: int) -> bool:
+    """A crash, not bad input: no rank ended with exit code 2 (a config, data or checkpoint error that
+    a relaunch would meet again)."""
+    return code != 0 and all(s["code"] != 2 for s in status.values())
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    if args.max_restarts < 0:
+        print(f"capstan: error: --max-restarts {args.max_restarts}: must be >= 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.max_restarts and not _is_train(command):
+        print("capstan: error: --max-restarts needs a `capstan train` command: a relaunch resumes it from its "
+              "last complete checkpoint", file=sys.stderr)
+        return EXIT_BAD_INPUT
     # A status directory given by the caller is kept (tests read the ranks' pids from it); ours is removed.
     given = os.environ.get(STATUS_DIR_VAR)
     status_dir = given or tempfile.mkdtemp(prefix="capstan-launch-")
     try:
-        try:
-            cmd = build_command(command, args.np, hostfile=args.hostfile, tp=args.tp,
-                                extra_env={STATUS_DIR_VAR: status_dir}, mpirun_args=list(args.mpirun_arg))
-        except LaunchRequestError as exc:
-            print(f"capstan: error: {' '.join(str(exc).split())}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        if args.dry_run:
-            print(shlex.join(cmd))
-            return 0
-        env = dict(os.environ)
-        env[STATUS_DIR_VAR] = status_dir
-        env.pop("CAPSTAN_RENDEZVOUS_FILE", None)
-        code, deaths = _run_watching(cmd, env, status_dir)
-        if code != 0:
-            why = describe_failure(read_status(status_dir), args.np, deaths)
+        attempt = 0
+        while True:
+            try:
+                cmd = build_command(command if attempt == 0 else resumed_command(command), args.np,
+                                    hostfile=args.hostfile, tp=args.tp, extra_env={STATUS_DIR_VAR: status_dir},
+                                    mpirun_args=list(args.mpirun_arg))
+            except LaunchRequestError as exc:
+                print(f"capstan: error: {' '.join(str(exc).split())}", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            if args.dry_run:
+                print(shlex.join(cmd))
+                return 0
+            env = dict(os.environ)
+            env[STATUS_DIR_VAR] = status_dir
+            env.pop("CAPSTAN_RENDEZVOUS_FILE", None)
+            _clear_status(status_dir)
+            code, watch = _run_watching(cmd, env, status_dir)
+            status = read_status(status_dir)
+            if watch.stopped_by is not None:
+                name = signal.Signals(watch.stopped_by).name
+                print(f"capstan launch: stopped by {name}: forwarded to every rank; mpirun exited with code {code}",
+                      file=sys.stderr)
+                return 128 + watch.stopped_by
+            if code == 0:
+                return 0
+            why = describe_failure(status, args.np, watch.deaths)
             suffix = f": {why}" if why else ""
+            if attempt < args.max_restarts and _restartable(status, code):
+                attempt += 1
+                print(f"capstan launch: mpirun exited with code {code}{suffix}; restart {attempt} of "
+                      f"{args.max_restarts}: relaunching from the last complete checkpoint", file=sys.stderr)
+                continue
             print(f"capstan launch: mpirun exited with code {code}{suffix}", file=sys.stderr)
-        return code
+            return code
     finally:
         if not given:
             shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _clear_status(status_dir: str) -> None:
+    """The last attempt's status files go, so a relaunch reports only its own ranks."""
+    for p in Path(status_dir).glob("rank_*"):
+        try:
+            p.unlink()
+        except OSError:
+            pass

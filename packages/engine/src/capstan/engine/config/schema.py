@@ -188,7 +188,9 @@ class CheckpointConfig:
     keep: int = constraint(2, ge=1)
     """Most recent checkpoints kept; older ones are deleted after a newer one is complete."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in dir, if there is one."""
+    """Continue from the newest complete checkpoint in dir, if there is one (metrics.jsonl is appended to). Directories there without a manifest (an interrupted save) are named in one warning line and skipped. When none is complete but log.run_dir already holds an earlier run's metrics.jsonl, the run stops (exit 2) unless allow_fresh_start."""
+    allow_fresh_start: bool = False
+    """With resume: where no complete checkpoint is left but log.run_dir holds an earlier run's metrics, start over from step 0, keeping the old metrics.jsonl as metrics.jsonl.1 (.2, ...). `capstan launch --max-restarts` sets it when it relaunches a job that crashed before its first checkpoint."""
     load: str | None = constraint(None, nullable=True)
     """Start from this checkpoint (a step_* directory, or a directory of them: the newest), saved under any layout; resume from dir takes precedence when dir has one."""
 
