@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from capstan.chunkmem import ChunkAdam, ChunkedModel, ChunkKind, ChunkManager, DiskStore, DynamicLossScaler
+from capstan.comm.testing import cuda_param
 
 CHUNK = 4096
 STEPS = 10
@@ -104,7 +105,7 @@ def test_chunks_that_stay_put_train_without_module_hooks_like_the_hooked_path(tm
     m1.manager.close()
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # "cpu": a stand-in device tier
+DEVICES = ["cpu", cuda_param()]  # "cpu": a stand-in device tier; "cuda" where there is a GPU
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,12 +14,13 @@ import torch
 from torch import nn
 
 from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkKind, ChunkManager, DiskStore
+from capstan.comm.testing import cuda_param
 
 VOCAB, SEQ, D, HEADS, LAYERS = 64, 16, 32, 4, 2
 CHUNK = 4096  # elements: ~11 param chunks, x4 kinds, so the budget below forces disk traffic
 # A compute device above RAM: a CPU stand-in here (the same moves, into separately counted
 # buffers); on a machine with CUDA the real device is tested as well.
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", cuda_param()]  # "cpu": a stand-in device tier; "cuda" where there is a GPU
 
 
 class Block(nn.Module):

@@ -4,34 +4,54 @@ PatrickStar's placement on a GPU machine: parameter (and gradient) chunks
 move to the device when a module's hooks access them for compute, and back
 to RAM when the device budget needs room or when the optimizer, which runs
 on the CPU (native Adam), accesses them; master weights and Adam moments
-stay in RAM or on disk and never touch the device. So a chunk is in at most
-one of device / RAM / disk-only at any time, and a chunk on the device has
-no RAM copy: the device budget and the RAM budget count disjoint bytes.
+stay in RAM or on disk and never touch the device. A chunk's data is in one
+place at a time (device, RAM or disk), and the device budget counts the
+bytes of chunks on the device, copies in flight included.
 
-Moves are synchronous copies into freshly allocated buffers of the target
-tier (never `tensor.to`, which returns the same tensor when the devices
-match). A chunk on disk reaches the device through RAM. Evicting from the
-device uses the manager's policy (Belady on the warm-up trace, or LRU); the
-disk prefetch feeds RAM only.
+Copies are asynchronous on a side stream (transfer.py): a chunk coming to
+the device is waited for by the compute stream on the GPU, not by the host;
+a chunk leaving it is waited for by the host only when CPU code reads it
+(`_land`). The RAM buffer a chunk leaves behind on its way to the device is
+kept for its way back when RAM is unbounded (`_Entry.spare`, still counted
+in the cpu tier), so pinned memory is allocated once per chunk; under a RAM
+budget it is freed once the copy has read it.
 
-The mixin below holds the device half of `ChunkManager` (manager.py):
-`access(..., compute=True)` first brings a chunk into RAM as before, then
-calls `_to_device`; moving off the device uses the manager's `_make_room`
-and `_alloc` for the RAM side.
+With the warm-up trace the manager also prefetches to the device: after each
+access, the next chunks the trace computes with are copied up ahead of use,
+into free device budget only (never evicting for it), so the copies run
+while the current modules compute.
+
+A device limit (`device_limit`, with a `device_measure` of the device's
+allocated bytes) makes the device budget follow the activations, as
+nonmodel.py does for RAM: the warm-up step runs within the device budget
+and records, at every moment, the device's peak allocation minus the chunks'
+bytes (the non-model memory); later moments give chunks the limit minus the
+non-model memory of that moment and the next, evicting down to it, and a
+warm-up that needed more than the limit is one error naming the minimum.
+
+Evicting from the device uses the manager's policy (Belady on the warm-up
+trace, or LRU); a chunk on disk reaches the device through RAM.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from .nonmodel import check_memory_limit, nonmodel_ahead
+from .states import ChunkKind
 from .tiers import BudgetError, Tier
+from .transfer import Transfers
 
 if TYPE_CHECKING:
     from .manager import _Entry
 
-__all__ = ["DeviceMoves", "device_tier"]
+__all__ = ["DeviceMoves", "device_tier", "cuda_measure"]
+
+DEVICE_KINDS = (ChunkKind.PARAM, ChunkKind.GRAD)  # the chunks that compute on the device
+DEVICE_PREFETCH = 2  # chunks copied to the device ahead of use
 
 
 def device_tier(device: torch.device | str | None, budget: int | None) -> tuple[torch.device | None, Tier | None]:
@@ -46,6 +66,15 @@ def device_tier(device: torch.device | str | None, budget: int | None) -> tuple[
     return dev, Tier("device" if dev.type == "cpu" else dev.type, budget)
 
 
+def cuda_measure(device: torch.device) -> Callable[[], int]:
+    """The device's peak allocated bytes since the last call (what `device_measure` wants on a GPU)."""
+    def measure() -> int:
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(peak)
+    return measure
+
+
 class DeviceMoves:
     """Moves between the device tier and RAM; mixed into `ChunkManager`."""
 
@@ -54,41 +83,131 @@ class DeviceMoves:
     entries: dict
     cpu: Tier
     moment: int
+    trace: list[int] | None
+    counters: dict
 
+    def _init_device(self, device_limit: int | None, device_measure: Callable[[], int] | None) -> None:
+        self.transfers = Transfers(self.device) if self.device is not None else None
+        self._retiring: list[tuple[object, Tier, int, object]] = []  # (event, tier, bytes, buffer kept alive)
+        self._retiring_bytes = {"cpu": 0, "device": 0}
+        if device_limit is not None:
+            if self.dev is None or device_measure is None or self.dev.capacity is None:
+                raise ValueError("a device limit needs a device, a device budget for the warm-up step and a "
+                                 "device_measure of the device's allocated bytes")
+            if device_limit < self.dev.capacity:
+                raise ValueError(f"device limit ({device_limit} bytes) below the warm-up device budget "
+                                 f"({self.dev.capacity})")
+        self.device_limit, self._measure = device_limit, device_measure
+        self.device_warmup = self.dev.capacity if self.dev is not None else None
+        self.nonmodel_device: list[int] = []  # warm-up: device bytes beyond the chunks', per moment
+        self._pinned_device: list[int] = []
+        self._recording_compute: list[bool] = []
+        self.trace_compute: list[bool] | None = None
+        self.counters.update(device_prefetches=0, device_prefetch_hits=0, landing_waits=0)
+
+    def _keeps_host(self, entry: _Entry) -> bool:
+        return self.cpu.capacity is None and entry.chunk.kind in DEVICE_KINDS
+
+    def raise_device_warmup(self, nbytes: int) -> None:
+        """With a device limit: let the warm-up step hold `nbytes` of chunks on the device (a model whose
+        largest module needs more than the default warm-up share)."""
+        assert self.dev is not None and self.device_limit is not None
+        if nbytes > self.device_limit:
+            raise BudgetError(f"{self.dev.name} memory limit of {self.device_limit} bytes is below the working set "
+                              f"of {nbytes} bytes of chunks on the device at once")
+        self.dev.capacity = self.device_warmup = max(self.device_warmup or 0, nbytes)
+
+    # ---- moves ---------------------------------------------------------------------------------------------
     def _to_device(self, entry: _Entry) -> None:
-        """Move `entry` from RAM onto the device (the caller pins it, so making room cannot evict it)."""
+        """RAM -> device, asynchronously (the caller pins the entry, so making room cannot evict it)."""
         chunk = entry.chunk
-        assert self.dev is not None and self.device is not None and entry.where == "cpu"
+        assert self.dev is not None and self.transfers is not None and entry.where == "cpu"
         self._make_device_room(chunk.nbytes, protect=chunk.chunk_id)
         self.dev.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
-        buf = torch.empty(chunk.capacity, dtype=chunk.dtype, device=self.device)
-        buf.copy_(chunk.payload)
-        chunk.payload = buf  # the RAM buffer goes
-        self.cpu.release(chunk.nbytes)
-        entry.where = "device"
+        host = chunk.payload
+        # A copy into `host` still in flight runs first: both are on the copy stream, in order.
+        buf, event = self.transfers.to_device(host)
+        chunk.payload, entry.where, entry.arriving, entry.landing = buf, "device", event, None
+        if self._keeps_host(entry):
+            entry.spare, entry.spare_busy = host, event  # stays counted in the cpu tier, reused on the way back
+        else:
+            self._retire(event, self.cpu, chunk.nbytes, host)  # the cpu bytes go once the copy has read them
         self.dev.stats.bytes_in += chunk.nbytes
         self._resident(chunk)  # type: ignore[attr-defined]
 
     def _off_device(self, entry: _Entry) -> None:
-        """Move `entry` from the device into RAM (making room there, down to disk if needed)."""
+        """Device -> RAM, asynchronously (making room in RAM, down to disk if needed); CPU readers wait
+        for it through `_land`."""
         chunk = entry.chunk
-        assert self.dev is not None
+        assert self.dev is not None and self.transfers is not None
         if entry.pins:
             raise RuntimeError(f"chunk {chunk.chunk_id} is in use on the device and cannot move to RAM")
         for cb in self.on_evict:  # type: ignore[attr-defined]
             cb(chunk)
-        self._make_room(chunk.nbytes, protect=chunk.chunk_id)  # type: ignore[attr-defined]
-        self.cpu.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
-        buf = self._alloc(chunk)  # type: ignore[attr-defined]
-        buf.copy_(chunk.payload)
-        chunk.payload = buf
-        self.dev.release(chunk.nbytes)
-        entry.where = "cpu"
+        if entry.spare is not None:
+            host, entry.spare, entry.spare_busy = entry.spare, None, None  # counted already; in stream order
+        else:
+            self._make_room(chunk.nbytes, protect=chunk.chunk_id)  # type: ignore[attr-defined]
+            self.cpu.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
+            host = self._alloc(chunk)  # type: ignore[attr-defined]
+        event = self.transfers.to_host(chunk.payload, host)
+        self._retire(event, self.dev, chunk.nbytes, chunk.payload)  # device bytes go once the copy has read them
+        chunk.payload, entry.where, entry.landing, entry.arriving = host, "cpu", event, None
         self.dev.stats.bytes_out += chunk.nbytes
+
+    def _land(self, entry: _Entry) -> None:
+        """Wait on the host for a copy into this chunk's RAM buffer (before CPU code reads or writes it)."""
+        if entry.landing is not None:
+            if not Transfers.done(entry.landing):
+                self.counters["landing_waits"] += 1
+            Transfers.land(entry.landing)
+            entry.landing = None
+
+    def landing(self, chunk_id: int) -> object | None:
+        """The event of a copy into the chunk's RAM buffer still in flight (None: none): a worker thread
+        about to read the chunk waits for it itself instead of the main thread (overlap.py)."""
+        return self.entries[chunk_id].landing
+
+    def _take_spare(self, entry: _Entry) -> torch.Tensor:
+        """The RAM buffer kept for this chunk, once the copy that read it is done (the host writes next)."""
+        Transfers.land(entry.spare_busy)
+        buf, entry.spare, entry.spare_busy = entry.spare, None, None
+        return buf
+
+    def _retire(self, event: object | None, tier: Tier, nbytes: int, buf: object) -> None:
+        if Transfers.done(event):
+            tier.release(nbytes)
+            return
+        self._retiring.append((event, tier, nbytes, buf))
+        self._retiring_bytes[tier.name if tier is self.cpu else "device"] += nbytes
+
+    def _reap_transfers(self, wait_for: Tier | None = None) -> bool:
+        """Release the bytes of finished copies; with `wait_for`, wait for that tier's oldest one first.
+        Returns True if anything was released."""
+        released = False
+        if wait_for is not None:
+            for event, tier, _, _ in self._retiring:
+                if tier is wait_for:
+                    Transfers.land(event)
+                    break
+        keep = []
+        for item in self._retiring:
+            event, tier, nbytes, _ = item
+            if Transfers.done(event):
+                tier.release(nbytes)
+                self._retiring_bytes["cpu" if tier is self.cpu else "device"] -= nbytes
+                released = True
+            else:
+                keep.append(item)
+        self._retiring = keep
+        return released
 
     def _make_device_room(self, nbytes: int, protect: int) -> None:
         assert self.dev is not None
+        self._reap_transfers()
         while not self.dev.fits(nbytes):
+            if self._retiring_bytes["device"] and self._reap_transfers(wait_for=self.dev):
+                continue  # a chunk's bytes leaving the device were still being copied out
             movable = [cid for cid, e in self.entries.items()
                        if e.where == "device" and e.pins == 0 and cid != protect]
             if not movable:
@@ -99,10 +218,65 @@ class DeviceMoves:
             self.dev.stats.evictions += 1
             self._off_device(self.entries[self.policy.victim(movable, self.moment)])  # type: ignore[attr-defined]
 
+    # ---- prefetch and the non-model memory of the device ----------------------------------------------------------
+    def _prefetch_device(self) -> None:
+        """Copy the next chunks the trace computes with onto the device, into free budget only."""
+        if self.dev is None or self.trace is None or self.trace_compute is None:
+            return
+        issued, m, seen = 0, self.moment, set()
+        while issued < DEVICE_PREFETCH and m < len(self.trace) and len(seen) < 8 * DEVICE_PREFETCH:
+            cid, compute = self.trace[m], self.trace_compute[m]
+            m += 1
+            if not compute or cid in seen:
+                continue
+            seen.add(cid)
+            e = self.entries[cid]
+            if e.where != "cpu" or e.read is not None or e.write is not None or e.stale:
+                continue
+            if not self.dev.fits(e.chunk.nbytes):
+                return
+            e.pins += 1
+            try:
+                self._to_device(e)
+            finally:
+                e.pins -= 1
+            e.prefetched = True
+            issued += 1
+            self.counters["device_prefetches"] += 1
+
+    def _record_device(self, chunk_id: int, compute: bool) -> None:
+        """At a moment: the warm-up records the device's non-model bytes; later moments follow them."""
+        if self.dev is None:
+            return
+        if self.trace is None:
+            self._recording_compute.append(compute)
+            if self._measure is not None:
+                held = self.dev.resident
+                self.nonmodel_device.append(max(0, self._measure() - held))
+                pinned = sum(e.chunk.nbytes for e in self.entries.values() if e.pins and e.where == "device")
+                entry = self.entries[chunk_id]
+                extra = entry.chunk.nbytes if compute and not (entry.pins and entry.where == "device") else 0
+                self._pinned_device.append(pinned + extra)
+        elif self.device_limit is not None:
+            cap = self.device_limit - nonmodel_ahead(self.nonmodel_device, self.moment)
+            self.dev.capacity = cap
+            if self.dev.resident > cap:
+                self._make_device_room(0, protect=chunk_id)
+
+    def _end_device_warmup(self) -> None:
+        if self.dev is None:
+            return
+        self.trace_compute = list(self._recording_compute)
+        if self.device_limit is not None:
+            check_memory_limit(self.device_limit, self._pinned_device, self.nonmodel_device,
+                               what=f"{self.dev.name} memory limit")
+
+    # ---- accounting ----------------------------------------------------------------------------------------------
     def _audit_device(self) -> None:
         if self.dev is None:
             return
         held = sum(e.chunk.nbytes for e in self.entries.values() if e.where == "device")
+        held += self._retiring_bytes["device"]
         if held != self.dev.resident:
             raise AssertionError(f"{self.dev.name} tier counter says {self.dev.resident} bytes but chunks hold {held}")
         if self.dev.capacity is not None and held > self.dev.capacity:
@@ -112,10 +286,20 @@ class DeviceMoves:
                 raise AssertionError(f"chunk {e.chunk.chunk_id} is counted on {self.dev.name} but its buffer "
                                      f"is on {e.chunk.payload.device}")
 
+    def _host_extra_bytes(self) -> int:
+        """cpu-tier bytes outside chunk payloads: kept buffers of chunks on the device, copies in flight."""
+        return sum(e.chunk.nbytes for e in self.entries.values() if e.spare is not None) + self._retiring_bytes["cpu"]
+
     def _device_stats(self) -> dict[str, object]:
         if self.dev is None:
             return {}
         d = self.dev
         return {d.name: {"budget_bytes": d.capacity, "resident_bytes": d.resident, "peak_bytes": d.stats.peak_bytes,
                          "bytes_in": d.stats.bytes_in, "bytes_out": d.stats.bytes_out,
-                         "evictions": d.stats.evictions}}
+                         "evictions": d.stats.evictions, "copies": self.transfers.copies if self.transfers else 0,
+                         "nonmodel_peak_bytes": max(self.nonmodel_device, default=0)}}
+
+    def _close_device(self) -> None:
+        if self.transfers is not None:
+            self.transfers.synchronize()
+            self._reap_transfers()

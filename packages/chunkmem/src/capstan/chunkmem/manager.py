@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .chunk import Chunk
-from .device import DeviceMoves, device_tier
+from .device import DEVICE_KINDS, DeviceMoves, device_tier
 from .disk import DiskStore
 from .eviction import EvictionPolicy, make_policy
 from .nonmodel import check_memory_limit, nonmodel_ahead, return_freed_memory
@@ -46,6 +46,14 @@ class _Entry:
     write_buf: torch.Tensor | None = None
     read: object | None = None  # prefetch in flight into chunk.payload
     stale: bool = False  # freed in place (RAM unbounded): the payload's contents are old, the chunk reads as zeros
+    # The device tier (device.py): a copy into the RAM payload in flight (`landing`), into the device
+    # payload (`arriving`); the RAM buffer kept while the chunk is on the device (`spare`) and the copy
+    # still reading it (`spare_busy`); copied up by the device prefetch and not accessed since (`prefetched`).
+    landing: object | None = None
+    arriving: object | None = None
+    spare: torch.Tensor | None = None
+    spare_busy: object | None = None
+    prefetched: bool = False
 
 
 def _rss_bytes() -> int:
@@ -61,7 +69,8 @@ class ChunkManager(DeviceMoves):
 
     def __init__(self, cpu_budget: int | None, disk: DiskStore | None = None, eviction: str = "belady",
                  prefetch: int = 2, audit: bool = False, memory_limit: int | None = None,
-                 device: torch.device | str | None = None, device_budget: int | None = None) -> None:
+                 device: torch.device | str | None = None, device_budget: int | None = None,
+                 device_limit: int | None = None, device_measure: Callable[[], int] | None = None) -> None:
         if cpu_budget is not None and cpu_budget <= 0:
             raise ValueError(f"cpu budget must be positive, got {cpu_budget}")
         if memory_limit is not None and (cpu_budget is None or memory_limit < cpu_budget):
@@ -96,6 +105,7 @@ class ChunkManager(DeviceMoves):
         self.transient = 0  # bytes of buffers outside chunks (gathered remote chunks, reduction buffers)
         self._rss_base = _rss_bytes()
         self.counters = {"prefetch_hits": 0, "prefetch_misses": 0, "stall_s": 0.0, "reads": 0, "writes": 0}
+        self._init_device(device_limit, device_measure)
 
     # ---- registration -------------------------------------------------------------------------
     def add(self, chunk: Chunk, init: torch.Tensor | None = None) -> None:
@@ -114,18 +124,24 @@ class ChunkManager(DeviceMoves):
         self._after_move()
 
     # ---- access ---------------------------------------------------------------------------------
-    def access(self, chunk_id: int, write: bool = False, overwrite: bool = False, compute: bool = False) -> Chunk:
+    def access(self, chunk_id: int, write: bool = False, overwrite: bool = False, compute: bool = False,
+               wait: bool = True) -> Chunk:
         """Make the chunk resident in RAM, or with `compute` in the compute tier (the device where
         there is one, else RAM), and pin it (until `release`).
 
         overwrite: the caller writes every used element before anything reads them (implies
-        `write`), so a chunk that reads as zeros (`reads_as_zeros`) is not cleared first."""
+        `write`), so a chunk that reads as zeros (`reads_as_zeros`) is not cleared first.
+        wait: False leaves a copy from the device into RAM in flight (`landing(chunk_id)` is its
+        event): for a worker thread that waits for it itself (overlap.py)."""
         entry = self.entries[chunk_id]
         chunk = entry.chunk
-        self._record(chunk_id)
+        self._record(chunk_id, compute)
         on_device = compute and self.dev is not None
         if entry.where == "device" and not on_device:
             self._off_device(entry)
+        elif entry.where == "device" and entry.prefetched:
+            self.counters["device_prefetch_hits"] += 1
+        entry.prefetched = False
         if entry.read is not None:  # prefetched: wait for the read to land
             waited = entry.read.done()
             self._finish_read(entry)
@@ -134,6 +150,7 @@ class ChunkManager(DeviceMoves):
             self._load(entry, overwrite)
         if entry.stale:
             if not overwrite:
+                self._land(entry)
                 entry.chunk.payload.zero_()  # type: ignore[union-attr]
             entry.stale = False
         if on_device and entry.where != "device":
@@ -142,10 +159,16 @@ class ChunkManager(DeviceMoves):
                 self._to_device(entry)
             finally:
                 entry.pins -= 1
+        if on_device:
+            self.transfers.ready_for_compute(entry.arriving)  # type: ignore[union-attr]  # on the GPU, no host wait
+            entry.arriving = None
+        elif wait:
+            self._land(entry)
         entry.pins += 1
         if write or overwrite:
             entry.disk_valid = False
         self._prefetch()
+        self._prefetch_device()
         self._after_move()
         return chunk
 
@@ -193,6 +216,7 @@ class ChunkManager(DeviceMoves):
         if entry.read is not None:
             self._finish_read(entry)
         self._wait_write(entry)
+        self._land(entry)
         entry.disk_valid = False
         if entry.where == "cpu" and self.cpu.capacity is None:
             # Unbounded RAM: zero in place. Dropping and re-allocating would cost a fresh
@@ -211,6 +235,13 @@ class ChunkManager(DeviceMoves):
     # ---- moving ---------------------------------------------------------------------------------
     def _load(self, entry: _Entry, overwrite: bool = False) -> None:
         chunk = entry.chunk
+        if entry.spare is not None and entry.where is None:  # freed on the device: its kept RAM buffer
+            chunk.payload = self._take_spare(entry)
+            if not overwrite:
+                chunk.payload.zero_()
+            entry.where = "cpu"
+            self._resident(chunk)
+            return
         if entry.write is not None:  # evicted, write still in flight: take the buffer back
             entry.write.result()
             chunk.payload, entry.write, entry.write_buf = entry.write_buf, None, None
@@ -248,6 +279,8 @@ class ChunkManager(DeviceMoves):
     def _make_room(self, nbytes: int, protect: int) -> None:
         self._reap_writes()
         while not self.cpu.fits(nbytes):
+            if self._retiring_bytes["cpu"] and self._reap_transfers(wait_for=self.cpu):
+                continue  # RAM buffers a copy to the device was still reading
             # Writes in flight free their bytes when done: wait for them rather than evicting more
             # than needed. This also makes eviction decisions independent of I/O timing.
             writing = [e for e in self.entries.values() if e.write is not None]
@@ -285,6 +318,7 @@ class ChunkManager(DeviceMoves):
         chunk = entry.chunk
         if self.disk is None:
             raise BudgetError(f"cpu budget of {self.cpu.capacity} bytes is full and there is no disk tier")
+        self._land(entry)  # a copy from the device into this buffer finishes before it is written out
         if entry.stale:  # only under RAM unbounded, which never evicts; kept exact regardless
             chunk.payload.zero_()  # type: ignore[union-attr]
             entry.stale = False
@@ -351,7 +385,10 @@ class ChunkManager(DeviceMoves):
             issued += 1
 
     def _alloc(self, chunk: Chunk) -> torch.Tensor:
-        """A payload buffer (aligned for direct I/O when the disk tier uses it)."""
+        """A payload buffer (aligned for direct I/O when the disk tier uses it; page-locked, which is
+        page-aligned too, for a chunk that visits a GPU)."""
+        if self.transfers is not None and self.transfers.cuda and chunk.kind in DEVICE_KINDS:
+            return self.transfers.pinned(chunk.capacity, chunk.dtype)
         if self.disk is not None:
             return self.disk.alloc(chunk.capacity, chunk.dtype)
         return torch.empty(chunk.capacity, dtype=chunk.dtype)
@@ -362,8 +399,9 @@ class ChunkManager(DeviceMoves):
         return self.disk
 
     # ---- moments, trace, accounting ---------------------------------------------------------------
-    def _record(self, chunk_id: int) -> None:
+    def _record(self, chunk_id: int, compute: bool = False) -> None:
         self.policy.on_access(chunk_id, self.moment)
+        self._record_device(chunk_id, compute)
         if self.trace is None:
             self._recording.append(chunk_id)
             self.nonmodel.append(max(0, _rss_bytes() - self._rss_base - self.cpu.resident))
@@ -382,6 +420,7 @@ class ChunkManager(DeviceMoves):
         if self.trace is None:
             if self.memory_limit is not None:
                 check_memory_limit(self.memory_limit, self._pinned, self.nonmodel)
+            self._end_device_warmup()
             self.trace = list(self._recording)
             self.policy.set_trace(self.trace)
         self.step += 1
@@ -413,7 +452,7 @@ class ChunkManager(DeviceMoves):
     def audit(self) -> None:
         """Recompute the cpu tier's bytes from the chunks and check them against the counter and budget."""
         self._audit_device()
-        held = self.transient
+        held = self.transient + self._host_extra_bytes()
         for e in self.entries.values():
             if e.chunk.payload is not None and e.where != "device":
                 held += e.chunk.nbytes
@@ -442,6 +481,7 @@ class ChunkManager(DeviceMoves):
         }
 
     def close(self) -> None:
+        self._close_device()
         for e in self.entries.values():
             if e.read is not None:
                 e.read.result()

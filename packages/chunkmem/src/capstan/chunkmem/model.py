@@ -167,6 +167,8 @@ class ChunkedModel(nn.Module):
         dev = self.manager.dev
         if dev is not None and dev.capacity is not None:  # forward/backward compute on the device
             need, what = self._hooks_need()
+            if dev.capacity < need and self.manager.device_limit is not None:
+                self.manager.raise_device_warmup(need)  # a budget derived from the device: give the warm-up more
             if dev.capacity < need:
                 raise BudgetError(
                     f"{dev.name} budget of {dev.capacity} bytes is below the working set: {what} needs {need} "

@@ -91,7 +91,7 @@ def nonmodel_ahead(nonmodel: list[int], moment: int) -> int:
     return max(nonmodel[moment], nonmodel[moment + 1])
 
 
-def check_memory_limit(limit: int, pinned: list[int], nonmodel: list[int]) -> None:
+def check_memory_limit(limit: int, pinned: list[int], nonmodel: list[int], what: str = "memory limit") -> None:
     """Raise if chunks in use plus non-model memory exceeded `limit` at some warm-up moment."""
     need = [p + nonmodel_ahead(nonmodel, m) for m, p in enumerate(pinned)]
     if not need:
@@ -99,6 +99,6 @@ def check_memory_limit(limit: int, pinned: list[int], nonmodel: list[int]) -> No
     worst = max(range(len(need)), key=need.__getitem__)
     if need[worst] > limit:
         raise BudgetError(
-            f"memory limit of {limit} bytes is below what the warm-up step needed at its busiest moment "
+            f"{what} of {limit} bytes is below what the warm-up step needed at its busiest moment "
             f"({worst}): {pinned[worst]} bytes of chunks in use plus {need[worst] - pinned[worst]} bytes of "
             f"non-model memory (activations); the minimum limit is {need[worst]} bytes")

@@ -74,6 +74,7 @@ class _Job:
     index: int
     n: int
     ids: list[int]  # pinned chunk ids (released by `_settle`)
+    landing: list = field(default_factory=list)  # copies from the device into these chunks still in flight
     backup: torch.Tensor | None = None  # [master | exp_avg | exp_avg_sq | 16-bit gradient slot]
     backup_bytes: int = 0
     future: Future | None = None
@@ -142,8 +143,9 @@ class Speculation:
         if model.mixed and p_chunk.chunk_id not in [chunks[k][g][i].chunk_id for k in kinds]:
             kinds.append(ChunkKind.PARAM)  # the 16-bit output, where it is not the gradient's slot
         ids = [chunks[k][g][i].chunk_id for k in kinds]
-        views = [mgr.access(cid, write=True).payload[:n] for cid in ids]  # type: ignore[index]
-        job = _Job(g, i, n, ids)
+        # Chunks coming off a GPU land in RAM while backward goes on: the worker waits for the copies.
+        views = [mgr.access(cid, write=True, wait=False).payload[:n] for cid in ids]  # type: ignore[index]
+        job = _Job(g, i, n, ids, landing=[ev for ev in map(mgr.landing, ids) if ev is not None])
         slot_reuse = model.mixed and not model.grad_chunks
         if self._may_roll_back():
             # master, exp_avg, exp_avg_sq, and the 16-bit slot the kernel overwrites with the parameter
@@ -159,6 +161,8 @@ class Speculation:
 
     def _work(self, job: _Job, views: list[torch.Tensor], args: dict, mixed: bool) -> None:
         """On the worker thread: the chunk's norm term and overflow check, the copies, the update."""
+        for event in job.landing:
+            event.synchronize()  # type: ignore[attr-defined]
         master, grad, m, v = views[:4]
         out = views[4] if len(views) > 4 else (grad if mixed else None)
         job.sumsq = kernels.sumsq(grad)

@@ -62,6 +62,21 @@ class StepInfo:
     mem: dict[str, float] = field(default_factory=dict)
 
 
+GPU_SHARE = 0.9  # of the GPU memory free at start that chunks and activations may use (the rest: CUDA's own)
+GPU_WARMUP_SHARE = 5  # the warm-up step keeps chunks within 1/5 of that while it measures the activations
+
+
+def gpu_chunk_limit(device: torch.device) -> int:
+    """Bytes this rank's chunks and activations may use on its GPU without memory.gpu_budget: 90% of what
+    is free at start, shared evenly by the ranks of this node that share the GPU."""
+    free, _ = torch.cuda.mem_get_info(device)
+    sharing = 1
+    if comm.is_initialized():
+        local = comm.launch().local_world_size
+        sharing = -(-local // max(1, torch.cuda.device_count()))
+    return int(free * GPU_SHARE / sharing)
+
+
 def _overflowed(names: list[str], shown: int = 3) -> str:
     """The overflow message's tail naming this rank's overflowing parameters (the first `shown`, then
     "and N more"); "" when this rank has none (another rank's gradients overflowed)."""
@@ -125,8 +140,14 @@ class Engine:
         # On a GPU, parameter (and gradient) chunks compute there within memory.gpu_budget; masters and
         # Adam moments stay in RAM / on disk, where the native CPU Adam steps them (chunkmem/device.py).
         gpu = self.device if self.device.type == "cuda" else None
+        budget, limit, measure = (mem.gpu_budget, None, None) if gpu is not None else (None, None, None)
+        if gpu is not None and budget is None:  # derived from the GPU and the activations the warm-up measures
+            from capstan.chunkmem.device import cuda_measure
+
+            limit = gpu_chunk_limit(gpu)
+            budget, measure = limit // GPU_WARMUP_SHARE, cuda_measure(gpu)
         self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction, memory_limit=mem.ram_limit,
-                                    device=gpu, device_budget=mem.gpu_budget if gpu is not None else None)
+                                    device=gpu, device_budget=budget, device_limit=limit, device_measure=measure)
         named = dict(model.named_parameters())
         names = [n for n, p in named.items() if p.requires_grad]
         # One chunk list per (tp-sliced?, decayed?), as zero/optimizer.py's segments: each list has one set of

@@ -21,8 +21,9 @@ Example::
 """
 
 from .harness import (
-    RankFailure, find_mpirun, mpirun_args, mpirun_flavor, requires_cuda, requires_mpirun, run_mpirun, run_ranks,
+    RankFailure, cuda_marks, cuda_param, find_mpirun, mpirun_args, mpirun_flavor, requires_cuda, requires_mpirun,
+    run_mpirun, run_ranks,
 )
 
-__all__ = ["RankFailure", "find_mpirun", "mpirun_args", "mpirun_flavor", "requires_cuda", "requires_mpirun",
-           "run_mpirun", "run_ranks"]
+__all__ = ["RankFailure", "cuda_marks", "cuda_param", "find_mpirun", "mpirun_args", "mpirun_flavor", "requires_cuda",
+           "requires_mpirun", "run_mpirun", "run_ranks"]

@@ -203,9 +203,9 @@ def requires_mpirun() -> Any:
     return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
-def requires_cuda() -> Any:
-    """Marks a test that needs a GPU: the `cuda` marker (``pytest -m cuda`` runs only these, as
-    tools/gpu/run_gpu_tests.sh does) and a skip naming why where torch sees none."""
+def cuda_marks() -> list[Any]:
+    """The `cuda` marker (``pytest -m cuda`` runs only such tests, as tools/gpu/run_gpu_tests.sh does)
+    and a skip naming why where torch sees no GPU."""
     import pytest
     import torch
 
@@ -214,11 +214,24 @@ def requires_cuda() -> Any:
         reason = f"needs a GPU: this torch ({torch.__version__}) is a CPU-only build"
     elif not torch.cuda.is_available():
         reason = "needs a GPU: torch.cuda.is_available() is False"
+    return [pytest.mark.cuda, pytest.mark.skipif(reason is not None, reason=reason or "")]
 
+
+def requires_cuda() -> Any:
+    """Marks a test that needs a GPU (`cuda_marks`)."""
     def mark(fn: Any) -> Any:
-        return pytest.mark.cuda(pytest.mark.skipif(reason is not None, reason=reason or "")(fn))
+        for m in cuda_marks():
+            fn = m(fn)
+        return fn
 
     return mark
+
+
+def cuda_param(value: Any = "cuda") -> Any:
+    """A pytest parameter (e.g. the device "cuda" beside a CPU stand-in) that needs a GPU (`cuda_marks`)."""
+    import pytest
+
+    return pytest.param(value, marks=cuda_marks(), id=str(value))
 
 
 def run_mpirun(

@@ -146,7 +146,7 @@ class MemoryConfig:
     ram_limit: int | None = constraint(None, gt=0, nullable=True)
     """Bytes of RAM for chunks plus everything else the step allocates (activations), if set: the warm-up step runs within cpu_budget and measures that non-model memory per chunk access; later steps give chunks ram_limit minus it at each moment (docs/chunkmem.md). Needs cpu_budget <= ram_limit."""
     gpu_budget: int | None = constraint(None, gt=0, nullable=True)
-    """Bytes of parameter and gradient chunks allowed on the GPU with chunked memory on a CUDA device (train.device); the rest wait in RAM (or on disk) and are copied in before use. Unset: every chunk may stay on the GPU. Needs chunked memory (offload or ZeRO-3) and a CUDA device."""
+    """Bytes of parameter and gradient chunks allowed on the GPU with chunked memory on a CUDA device (train.device); the rest wait in RAM (or on disk) and are copied in ahead of use. Unset: derived from the GPU: the warm-up step keeps chunks within a fifth of 90% of the free GPU memory (shared by the ranks on one GPU) while it measures the activations at every chunk access; later steps give chunks that 90% minus the activations of the moment (a warm-up that needed more is one error naming the minimum). Needs chunked memory (offload or ZeRO-3) and a CUDA device."""
     disk_dir: str = "capstan-chunks"
     """Directory for the disk tier's chunk files (one file per rank)."""
     chunk_order: str = constraint("modules", choices=("modules", "trace"))

@@ -1,0 +1,123 @@
+"""The device tier's mechanics (device.py, transfer.py), on a CPU stand-in device and, where there is one,
+on a GPU: RAM buffers kept for chunks on the device (pinned once, not per move), prefetch to the
+device from the warm-up trace, a device budget that follows the activations, and the overlapped
+optimizer step with chunks coming off the device. Exactness against RAM-only training is checked in
+test_training_parity.py and test_mixed_precision.py; here each mechanism is shown to act."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkKind, ChunkManager
+from capstan.comm.testing import cuda_param
+
+CHUNK = 4096
+DEVICES = ["cpu", cuda_param()]  # "cpu": a stand-in device tier (separately counted buffers in RAM)
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(64, 32), torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 32),
+        torch.nn.LayerNorm(32), torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 64),
+    )
+
+
+def _loss(model: torch.nn.Module, step: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 64, (4, 8), generator=g).to(device)
+    return torch.nn.functional.cross_entropy(model(x).float().reshape(-1, 64), ((x * 3 + 1) % 64).reshape(-1))
+
+
+def _train(manager: ChunkManager, steps: int, device: str, overlap: bool = False, dtype=torch.bfloat16,
+           each_step=None) -> tuple[list[float], ChunkedModel]:
+    model = ChunkedModel(_net(), manager, CHUNK, dtype=dtype, report_grads=overlap)
+    opt = ChunkAdam(model, lr=1e-2, weight_decay=0.1, overlap=overlap)
+    losses = []
+    for s in range(steps):
+        manager.begin_step()
+        if overlap:
+            opt.arm(grad_clip=1.0)
+        loss = _loss(model, s, device)
+        model.backward(loss)
+        opt.step(grad_clip=1.0)
+        manager.end_step()
+        losses.append(loss.item())
+        if each_step is not None:
+            each_step(s, manager)
+    return losses, model
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ram_buffers_are_kept_for_chunks_on_the_device(device: str) -> None:
+    """RAM unbounded: a chunk's RAM buffer waits for it while it is on the device, so after the
+    first steps no step allocates one (pinned memory on a GPU: allocated once per chunk)."""
+    manager = ChunkManager(None, audit=True, device=device, device_budget=None)
+    allocs = []
+    real = manager._alloc
+    manager._alloc = lambda chunk: (allocs.append(chunk.kind), real(chunk))[1]  # type: ignore[method-assign]
+    per_step = []
+    _train(manager, 5, device, each_step=lambda s, m: per_step.append(len(allocs)))
+    moved = manager.transfers.copies
+    assert moved > 5 * 4  # the optimizer takes every parameter chunk off the device, forward brings it back
+    assert per_step[1] == per_step[-1], per_step  # steps 3-5 allocated nothing
+    assert manager.stats()["cpu"]["resident_bytes"] == manager.cpu.resident  # kept buffers are counted
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetch_to_the_device_runs_ahead_of_use(device: str) -> None:
+    want, _ = _train(ChunkManager(None, audit=True), 6, "cpu" if device == "cpu" else device)
+    manager = ChunkManager(None, audit=True, device=device, device_budget=3 * CHUNK * 4)
+    got, _ = _train(manager, 6, device)
+    c = manager.counters
+    assert c["device_prefetches"] > 0 and c["device_prefetch_hits"] > 0, c
+    if device == "cpu":
+        assert got == want  # the same arithmetic, moved around
+    else:
+        assert got == pytest.approx(want, rel=1e-3)  # GPU kernels (bf16)
+
+
+def test_the_device_budget_follows_the_activations() -> None:
+    """A device limit with a measure: the warm-up records the non-model bytes at each moment (here a
+    fake measure: chunks plus activations that grow in forward and shrink in backward), and every later
+    moment gives chunks the limit minus the activations of that moment and the next."""
+    acts: dict[int, int] = {}
+
+    def activations(moment: int) -> int:
+        return acts.setdefault(moment, 6 * CHUNK * (moment % 9))  # a saw-tooth over each step's accesses
+
+    limit = 60 * CHUNK
+    manager = ChunkManager(None, audit=True, device="cpu", device_budget=8 * CHUNK * 2, device_limit=limit,
+                           device_measure=lambda: manager.dev.resident + activations(manager.moment))
+    seen = []
+    real = manager._record_device
+
+    def record(chunk_id: int, compute: bool) -> None:
+        real(chunk_id, compute)
+        if manager.trace is not None:
+            seen.append((manager.moment, manager.dev.capacity, manager.dev.resident))
+
+    manager._record_device = record  # type: ignore[method-assign]
+    _train(manager, 4, "cpu")
+    nonmodel = manager.nonmodel_device
+    assert nonmodel == [activations(m) for m in range(len(nonmodel))]  # what the warm-up measured
+    assert len({cap for _, cap, _ in seen}) > 3  # the capacity moved with the activations
+    assert all(held <= cap for _, cap, held in seen)
+    for m, cap, _ in seen:  # this moment's and the next one's activations, the step's peak beyond the trace
+        ahead = max(nonmodel[m], nonmodel[m + 1]) if m + 1 < len(nonmodel) else max(nonmodel)
+        assert cap == limit - ahead, (m, cap)
+
+    small = ChunkManager(None, device="cpu", device_budget=8 * CHUNK * 2, device_limit=8 * CHUNK * 2,
+                         device_measure=lambda: small.dev.resident + 20 * CHUNK)
+    with pytest.raises(BudgetError, match=r"device memory limit of \d+ bytes is below what the warm-up step needed"):
+        _train(small, 1, "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlapped_step_with_chunks_on_the_device(device: str) -> None:
+    plain, m1 = _train(ChunkManager(None, audit=True, device=device), 5, device)
+    overlapped, m2 = _train(ChunkManager(None, audit=True, device=device), 5, device, overlap=True)
+    assert overlapped == plain
+    masters = [[c.payload.clone() for c in lst] for m in (m1, m2) for lst in m.chunks[ChunkKind.MASTER]]
+    assert all(torch.equal(a, b) for a, b in zip(masters[0], masters[1]))
