@@ -103,7 +103,14 @@ def _shared_gpu_layouts() -> dict:
             "tp2": _trajectory(_cfg("cuda", parallel={"dp": 1, "tp": 2})),
             "pp2": _trajectory(_cfg("cuda", parallel={"dp": 1, "pp": 2})),
             "pp2-offload": _trajectory(_cfg("cuda", parallel={"dp": 1, "pp": 2},
-                                            memory={"offload": "cpu", "chunk_size": CHUNK}))}
+                                            memory={"offload": "cpu", "chunk_size": CHUNK})),
+            # ZeRO-3 chunks: gathered units and gradient reductions on the (shared) GPU
+            "dp2-zero3": _trajectory(_cfg("cuda", train={"grad_accum_steps": 1}, parallel={"dp": 2, "zero_stage": 3},
+                                          memory={"chunk_size": CHUNK}), audit=True),
+            "dp2-zero3-budget": _trajectory(_cfg("cuda", train={"grad_accum_steps": 1},
+                                                 parallel={"dp": 2, "zero_stage": 3},
+                                                 memory={"chunk_size": CHUNK, "gpu_budget": 12 * CHUNK * 4}),
+                                            audit=True)}
 
 
 @requires_cuda()

@@ -90,6 +90,7 @@ class DeviceMoves:
         self.transfers = Transfers(self.device) if self.device is not None else None
         self._retiring: list[tuple[object, Tier, int, object]] = []  # (event, tier, bytes, buffer kept alive)
         self._retiring_bytes = {"cpu": 0, "device": 0}
+        self.device_transient = 0  # device bytes of buffers outside chunks (sharding.py's gathered units)
         if device_limit is not None:
             if self.dev is None or device_measure is None or self.dev.capacity is None:
                 raise ValueError("a device limit needs a device, a device budget for the warm-up step and a "
@@ -276,7 +277,7 @@ class DeviceMoves:
         if self.dev is None:
             return
         held = sum(e.chunk.nbytes for e in self.entries.values() if e.where == "device")
-        held += self._retiring_bytes["device"]
+        held += self._retiring_bytes["device"] + self.device_transient
         if held != self.dev.resident:
             raise AssertionError(f"{self.dev.name} tier counter says {self.dev.resident} bytes but chunks hold {held}")
         if self.dev.capacity is not None and held > self.dev.capacity:

@@ -178,14 +178,27 @@ class ChunkManager(DeviceMoves):
             raise RuntimeError(f"chunk {chunk_id} released more often than accessed")
         entry.pins -= 1
 
-    def reserve_transient(self, nbytes: int, what: str) -> None:
-        """Make room for and count a buffer that is not a registered chunk (exact budgets include it)."""
-        self._make_room(nbytes, protect=-1)
-        self.cpu.reserve(nbytes, what)
-        self.transient += nbytes
+    def reserve_transient(self, nbytes: int, what: str, on_device: bool = False) -> None:
+        """Make room for and count a buffer that is not a registered chunk (exact budgets include it):
+        in RAM, or with `on_device` in the device tier (gathered units and gradient buffers of sharded
+        chunks that compute there)."""
+        if on_device:
+            assert self.dev is not None
+            self._make_device_room(nbytes, protect=-1)
+            self.dev.reserve(nbytes, what)
+            self.device_transient += nbytes
+        else:
+            self._make_room(nbytes, protect=-1)
+            self.cpu.reserve(nbytes, what)
+            self.transient += nbytes
         self._after_move()
 
-    def release_transient(self, nbytes: int) -> None:
+    def release_transient(self, nbytes: int, on_device: bool = False) -> None:
+        if on_device:
+            assert self.dev is not None
+            self.dev.release(nbytes)
+            self.device_transient -= nbytes
+            return
         self.cpu.release(nbytes)
         self.transient -= nbytes
 

@@ -159,6 +159,11 @@ class ChunkedModel(nn.Module):
     # `_budget_need` is the least budget that works; the sharded model's is a bound that always suffices.
     budget_need_exact = True
 
+    def _group_need(self, need: int, what: str) -> tuple[int, str]:
+        """A need as every rank of the shard group sees it (the sharded model takes the largest), so all
+        of them accept or refuse a budget alike."""
+        return need, what
+
     def _budget_need(self) -> tuple[int, str]:
         """The minimum budget checked at construction (the sharded model takes the largest over its group)."""
         return self.minimum_budget()
@@ -166,7 +171,7 @@ class ChunkedModel(nn.Module):
     def _check_budget(self) -> None:
         dev = self.manager.dev
         if dev is not None and dev.capacity is not None:  # forward/backward compute on the device
-            need, what = self._hooks_need()
+            need, what = self._group_need(*self._hooks_need())
             if dev.capacity < need and self.manager.device_limit is not None:
                 self.manager.raise_device_warmup(need)  # a budget derived from the device: give the warm-up more
             if dev.capacity < need:
@@ -177,7 +182,7 @@ class ChunkedModel(nn.Module):
         capacity = self.manager.cpu.capacity
         if capacity is None:
             return
-        need, what = self._budget_need() if dev is None else self._optimizer_need()
+        need, what = self._budget_need() if dev is None else self._group_need(*self._optimizer_need())
         if capacity >= need:
             return
         if self.budget_need_exact:

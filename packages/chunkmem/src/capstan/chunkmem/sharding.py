@@ -64,9 +64,10 @@ class ShardedChunkedModel(ChunkedModel):
 
     def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int | None, group: Group,
                  memory_saving: bool = False, **kwargs: object) -> None:
-        if manager.dev is not None:
-            raise ValueError("sharded chunks with a device tier are not built: the gathers and reductions run "
-                             "on RAM buffers (docs/chunkmem.md)")
+        # With a device tier the gathered units, the gradient buffers and the reductions live on the
+        # device (counted in its tier), where the hooks compute; optimizer chunks stay in RAM.
+        self._on_dev = manager.dev is not None
+        self._buf_device = manager.device if manager.device is not None else torch.device("cpu")
         self.group = group
         self.memory_saving = memory_saving
         self._span = 1 if memory_saving else group.size  # chunks per transient unit
@@ -188,20 +189,24 @@ class ShardedChunkedModel(ChunkedModel):
         return self._widths[key]
 
     # ---- transient buffers ----------------------------------------------------------------------
+    def _tier(self) -> object:
+        """The tier transient buffers live in: the device's where there is one, else RAM."""
+        return self.manager.dev if self._on_dev else self.manager.cpu
+
     def _take_buffer(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        """An uninitialized transient buffer, reserved in the cpu tier: a kept one of the same shape if any."""
+        """An uninitialized transient buffer, reserved in its tier: a kept one of the same shape if any."""
         spares = self._spares.get((numel, dtype))
         if spares:
             return spares.pop()  # still reserved since it was first made
-        self.manager.reserve_transient(numel * torch.empty(0, dtype=dtype).element_size(), what)
-        return torch.empty(numel, dtype=dtype)
+        self.manager.reserve_transient(numel * torch.empty(0, dtype=dtype).element_size(), what, self._on_dev)
+        return torch.empty(numel, dtype=dtype, device=self._buf_device)
 
     def _give_buffer(self, buf: torch.Tensor) -> None:
-        """Done with a `_take_buffer` buffer: keep it (RAM unbounded) or free it and its reservation."""
-        if self.manager.cpu.capacity is None:  # no budget (a ram_limit always sets one)
+        """Done with a `_take_buffer` buffer: keep it (its tier unbounded) or free it and its reservation."""
+        if self._tier().capacity is None:  # no budget (a ram_limit always sets one)
             self._spares.setdefault((buf.numel(), buf.dtype), []).append(buf)
         else:
-            self.manager.release_transient(buf.numel() * buf.element_size())
+            self.manager.release_transient(buf.numel() * buf.element_size(), self._on_dev)
 
     def _place(self, g: int, index: int, init: torch.Tensor) -> None:
         if self.owned(index):
@@ -216,13 +221,16 @@ class ShardedChunkedModel(ChunkedModel):
     def _budget_need(self) -> tuple[int, str]:
         """The largest minimum over the group: every rank then accepts or refuses the budget alike
         (no rank left waiting in a collective for one that raised), and `_spare_bytes` agrees."""
-        need, what = self.minimum_budget()
+        need, what = self._group_need(*self.minimum_budget())
+        self._spare_bytes = max(0, (self.manager.cpu.capacity or 0) - need)
+        return need, what
+
+    def _group_need(self, need: int, what: str) -> tuple[int, str]:
         worst = torch.tensor([float(need)], dtype=torch.float64)
         comm.all_reduce(worst, op="max", group=self.group)
         most = int(worst.item())
         if most > need:
             need, what = most, f"another rank's working set (here {what}, {need} bytes)"
-        self._spare_bytes = max(0, (self.manager.cpu.capacity or 0) - need)
         return need, what
 
     def _kept_bytes(self) -> int | None:
@@ -239,6 +247,8 @@ class ShardedChunkedModel(ChunkedModel):
         """
         if self.memory_saving:
             return 0
+        if self._on_dev:  # on a device whose budget may follow the activations: keep units only if unbounded
+            return None if self.manager.dev.capacity is None else 0  # type: ignore[union-attr]
         return None if self.manager.cpu.capacity is None else self._spare_bytes
 
     def _gather(self, g: int, unit: int) -> None:
@@ -265,13 +275,13 @@ class ShardedChunkedModel(ChunkedModel):
         if self.memory_saving:
             (i,) = indices
             if self.owned(i):
-                own = self.manager.access(self.chunks[ChunkKind.PARAM][g][i].chunk_id)
+                own = self.manager.access(self.chunks[ChunkKind.PARAM][g][i].chunk_id, compute=self._on_dev)
                 buf.copy_(own.payload.narrow(0, 0, width))  # type: ignore[union-attr]
                 self.manager.release(own.chunk_id)
             comm.broadcast(buf, src=self.owner(i), group=self.group)
         else:
             mine = next(i for i in indices if self.owned(i))
-            own = self.manager.access(self.chunks[ChunkKind.PARAM][g][mine].chunk_id)
+            own = self.manager.access(self.chunks[ChunkKind.PARAM][g][mine].chunk_id, compute=self._on_dev)
             comm.all_gather(buf, own.payload.narrow(0, 0, width), group=self.group)  # type: ignore[union-attr]
             self.manager.release(own.chunk_id)
         self.collective_elements += width
@@ -367,25 +377,26 @@ class ShardedChunkedModel(ChunkedModel):
             mine = next(i for i in self._unit_indices(g, idx) if self.owned(i))
             grad_id = self.chunks[ChunkKind.GRAD][g][mine].chunk_id
             if self.manager.reads_as_zeros(grad_id):  # this step's first reduction: straight into the chunk
-                grad = self.manager.access(grad_id, overwrite=True).payload.narrow(0, 0, width)  # type: ignore[union-attr]
+                grad = self.manager.access(grad_id, overwrite=True, compute=self._on_dev).payload.narrow(0, 0, width)  # type: ignore[union-attr]
                 comm.reduce_scatter(grad, buf, op="avg", group=self.group, overwrite_input=True)
                 self.manager.release(grad_id)
             else:  # the unit was flushed before in this step (partly filled, or an earlier micro-batch)
-                self.manager.reserve_transient(width * 4, f"reduced gradient chunk of unit {key}")
-                shard = torch.empty(width)
+                self.manager.reserve_transient(width * 4, f"reduced gradient chunk of unit {key}", self._on_dev)
+                shard = torch.empty(width, device=self._buf_device)
                 comm.reduce_scatter(shard, buf, op="avg", group=self.group, overwrite_input=True)  # buf is freed next
                 self._add_grad(g, mine, shard, width)
                 del shard
-                self.manager.release_transient(width * 4)
+                self.manager.release_transient(width * 4, self._on_dev)
         self._give_buffer(buf)
 
     def _add_grad(self, g: int, index: int, reduced: torch.Tensor, width: int) -> None:
         """Add a reduced gradient into the owned GRAD chunk `index` (copy it, if the chunk holds none)."""
         grad_id = self.chunks[ChunkKind.GRAD][g][index].chunk_id
+        on = self._on_dev  # where the reduction ran (the device, with a device tier)
         if self.manager.reads_as_zeros(grad_id):
-            self.manager.access(grad_id, overwrite=True).payload.narrow(0, 0, width).copy_(reduced)  # type: ignore[union-attr]
+            self.manager.access(grad_id, overwrite=True, compute=on).payload.narrow(0, 0, width).copy_(reduced)  # type: ignore[union-attr]
         else:
-            self.manager.access(grad_id, write=True).payload.narrow(0, 0, width).add_(reduced)  # type: ignore[union-attr]
+            self.manager.access(grad_id, write=True, compute=on).payload.narrow(0, 0, width).add_(reduced)  # type: ignore[union-attr]
         self.manager.release(grad_id)
 
     def _end_backward(self) -> None:
@@ -418,9 +429,9 @@ class ShardedChunkedModel(ChunkedModel):
             chunk: Chunk = self.chunk_of(home, ChunkKind.PARAM)
             if self.owned(home.index):
                 chunk = self.manager.access(chunk.chunk_id)
-                out[home.name] = chunk.view(home.slot).float()
+                out[home.name] = chunk.view(home.slot).to("cpu", torch.float32, copy=True)
                 self.manager.release(chunk.chunk_id)
-            else:
-                out[home.name] = chunk.view(home.slot).float()
+            else:  # a copy in RAM: the gathered buffer is reused (or on the device)
+                out[home.name] = chunk.view(home.slot).to("cpu", torch.float32, copy=True)
         self.drop_remote()
         return out

@@ -128,10 +128,6 @@ def resolve_device(cfg: Config, local_rank: int | None = None) -> torch.device:
 
 def _check_gpu_chunks(cfg: Config, groups: comm.Groups) -> None:
     """What chunked memory on a GPU does not do yet, refused alike on every rank before anything is built."""
-    if groups.dp.size > 1:
-        raise ConfigError(f"chunked memory on a GPU with data parallelism (dp = {groups.dp.size}: ZeRO-3 sharded "
-                          "chunks) is not built yet: gathers and reductions of sharded chunks run on RAM buffers. "
-                          "Use train.device = \"cpu\", dp = 1 (tp/pp are fine), or ZeRO 0-2 without offload")
     if cfg.memory.ram_limit is not None:
         raise ConfigError("memory.ram_limit on a GPU is not built yet: the non-model memory it follows is measured "
                           "in RAM; use memory.cpu_budget (and memory.gpu_budget for the GPU)")
