@@ -438,6 +438,7 @@ class ChunkManager(DeviceMoves):
             self.policy.set_trace(self.trace)
         self.step += 1
         self.moment = 0
+        self._prefetch_device()  # the next step's first chunks (updated by the optimizer) go up now
 
     def begin_step(self) -> None:
         self.cpu.stats.timeline = []
