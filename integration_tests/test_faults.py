@@ -26,6 +26,7 @@ import pytest
 
 from capstan.comm.testing import requires_mpirun
 from capstan.comm.testing.harness import _clean_env
+from capstan.engine.cli.launch import _alive
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "capstan.engine.cli"]
@@ -62,14 +63,6 @@ def _args(run: Path, steps: int, *sets: str) -> list[str]:
     for s in sets:
         out += ["--set", s]
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _launch(tmp: Path, name: str, steps: int, *sets: str, env: dict[str, str] | None = None,

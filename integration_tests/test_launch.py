@@ -21,6 +21,7 @@ from pathlib import Path
 
 from capstan.comm.testing import requires_mpirun
 from capstan.comm.testing.harness import _clean_env
+from capstan.engine.cli.launch import _alive
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "examples" / "tiny.toml")
@@ -92,14 +93,6 @@ def test_launch_kill9_one_rank_ends_the_job(tmp_path: Path) -> None:
         _wait_for(lambda p=p: not _alive(p), 5, f"pid {p} to exit")
     assert took < COMM_TIMEOUT, took
     print(f"launch ended {took:.2f} s after kill -9 of rank 1")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _free_port() -> int:

@@ -16,17 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config.load import ConfigError, check_world, load_config, resolve
-from .config.schema import (
-    CheckpointConfig,
-    Config,
-    DataConfig,
-    LogConfig,
-    MemoryConfig,
-    ModelConfig,
-    ParallelConfig,
-    PrecisionConfig,
-    TrainConfig,
+from .config import (
+    CheckpointConfig, Config, ConfigError, DataConfig, LogConfig, MemoryConfig, ModelConfig, ParallelConfig,
+    PrecisionConfig, TrainConfig, check_world, load_config, resolve,
 )
 
 __all__ = [
