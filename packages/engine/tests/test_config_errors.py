@@ -184,3 +184,20 @@ def test_derived_values_and_resolved_toml_round_trip() -> None:
 def test_config_reference_doc_is_current() -> None:
     doc = Path(__file__).resolve().parents[3] / "docs" / "config.md"
     assert doc.read_text() == render(), "run: python -m capstan.engine.config.doc docs/config.md"
+
+
+def test_sizes_with_units_and_defaults_fitted_to_the_run(caplog: pytest.LogCaptureFixture) -> None:
+    cfg, _ = resolve({"memory": {"offload": "disk", "cpu_budget": "4GiB", "ram_limit": "4.5 GiB",
+                                 "chunk_size": 4096}, "train": {"steps": 2}})
+    assert cfg.memory.cpu_budget == 4 << 30 and cfg.memory.ram_limit == int(4.5 * 2**30)
+    assert resolve({"memory": {"offload": "disk", "cpu_budget": "1.5GB"}})[0].memory.cpu_budget == 1_500_000_000
+    assert resolve({"memory": {"offload": "disk", "cpu_budget": 65536}})[0].memory.cpu_budget == 65536
+    with pytest.raises(ConfigError, match="memory.cpu_budget = '4 GB!' is not a size"):
+        resolve({"memory": {"offload": "disk", "cpu_budget": "4 GB!"}})
+    # The default warmup (5) is longer than a 2-step run: fitted with a notice, not refused.
+    assert cfg.train.warmup_steps == 1 and "train.warmup_steps: the default 5 exceeds train.steps = 2" in caplog.text
+    low, _ = resolve({"train": {"lr": 1e-5}})  # below the default min_lr (1e-4)
+    assert low.train.min_lr == pytest.approx(1e-6)
+    with pytest.raises(ConfigError, match="train.warmup_steps = 9 exceeds train.steps = 2"):
+        resolve({"train": {"steps": 2, "warmup_steps": 9}})  # both set by the user: an error
+    assert "\ncpu_budget = 4294967296\n" in to_toml(cfg)  # written back in bytes

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +35,8 @@ from capstan import comm
 from capstan.comm import faults
 from torch import nn
 
-from .config.load import uses_chunks
+from .config.load import check_states_fit, uses_chunks
+from .outputs import loss_of
 from .config.schema import Config
 from .pipe import PipelineStage
 from .precision import autocast, loss_scaler
@@ -45,6 +46,17 @@ from .zero.optimizer import ZeroOptimizer, decays, is_stage_copy
 __all__ = ["Engine", "StepInfo", "LossFn"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def to_device(batch: object, device: torch.device) -> object:
+    """A batch (a tuple / list / dict of tensors) on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
 log = comm.get_logger(__name__)
 
 
@@ -93,6 +105,7 @@ class Engine:
                  pipeline: PipelineStage | None = None, reference_model: bool = False,
                  init_fn: Callable[[nn.Module], None] | None = None, device: torch.device | None = None) -> None:
         self.config, self.groups, self.loss_fn = config, groups, loss_fn
+        self.reference_model = reference_model
         # Where forward and backward run (build.resolve_device); chunks move there when they compute.
         self.device = device or torch.device("cpu")
         self.pipeline = pipeline  # with pp > 1: this rank's stage; `model` is then its chunks
@@ -135,6 +148,9 @@ class Engine:
         )
 
         mem, t = self.config.memory, self.config.train
+        if mem.offload == "cpu" and mem.cpu_budget is not None and not self.reference_model:
+            # (the config check sized the reference GPT; this is the model being trained)
+            check_states_fit(mem.cpu_budget, sum(p.numel() for p in model.parameters() if p.requires_grad))
         rank = self.groups.world.rank
         disk = DiskStore(mem.disk_dir, rank=rank) if mem.offload == "disk" else None
         # On a GPU, parameter (and gradient) chunks compute there within memory.gpu_budget; masters and
@@ -210,8 +226,9 @@ class Engine:
                            check_overflow=self.scaler is not None, arrivals=arrivals)
 
     # ---- the three-call API ------------------------------------------------------------------------
-    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Mean loss of one micro-batch (inputs, targets), each [micro, seq_len]."""
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor] | Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Mean loss of one micro-batch: (inputs, targets), each [micro, seq_len], or a dict of tensors
+        passed to the model as keywords (outputs.py: Hugging Face models and batches as they are)."""
         if self.pipeline is not None:
             raise RuntimeError("with parallel.pp > 1 the pipeline schedule runs all micro-batches of a step: "
                                "use engine.train_batch / engine.eval_batch, not engine(batch) / backward")
@@ -221,11 +238,9 @@ class Engine:
                 self.manager.begin_step()
                 self._stepping = True
         faults.crash_point("forward", step=self.global_step + 1)
-        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        batch = to_device(batch, self.device)
         with autocast(self.config.precision, self.device.type):
-            out = self.module(x)
-        # The loss in fp32: a 16-bit softmax over the vocabulary loses the small probabilities.
-        return self.loss_fn(out.float(), y)
+            return loss_of(self.module, batch, self.loss_fn)
 
     __call__ = forward
 
@@ -350,7 +365,7 @@ class Engine:
         assert self.pipeline is not None
         self._step_start = time.perf_counter()
         # Every stage reads alike; the first uses the inputs, the last the targets.
-        batches = [tuple(t.to(self.device, non_blocking=True) for t in next(data_iter)) for _ in range(self.accum)]
+        batches = [to_device(next(data_iter), self.device) for _ in range(self.accum)]
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.chunked:
             # The executor calls this stage's modules itself, so the chunk hooks fetch parameters;
@@ -374,7 +389,7 @@ class Engine:
         """Mean loss over `batches` (this rank's share), averaged over dp: the validation loss."""
         self.module.eval()
         if self.pipeline is not None:
-            losses = [self.pipeline.eval_loss(tuple(t.to(self.device) for t in batch)) for batch in batches]
+            losses = [self.pipeline.eval_loss(to_device(batch, self.device)) for batch in batches]
         else:
             losses = [float(self(batch)) for batch in batches]
         self.module.train()

@@ -47,6 +47,7 @@ from .config.load import (
     uses_chunks,
 )
 from .config.schema import Config
+from .outputs import logits_of
 from .precision import autocast
 from .zero.optimizer import STAGE_COPY_ATTR
 
@@ -219,7 +220,7 @@ class PipelineStage:
 
     def _scaled_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # The loss in fp32 (as Engine.forward); the fp16 loss scale rides on it into backward.
-        return self._loss_fn(out.float(), targets) * self._scale
+        return self._loss_fn(logits_of(out).float(), targets) * self._scale
 
     def _share_loss(self, local: float | None) -> float:
         """The last stage's value on every rank of the pipeline group."""
@@ -261,7 +262,7 @@ class PipelineStage:
             with autocast(self.config.precision, self.device.type):
                 out = self.module[chunk](x)
             if v == stages * sched.chunks - 1:
-                loss = float(self._loss_fn(out.float(), y))
+                loss = float(self._loss_fn(logits_of(out).float(), y))
             else:
                 out = out.contiguous()
                 comm.exchange([comm.P2POp("send", encode_header(out), (me + 1) % stages)], group=pp).wait()

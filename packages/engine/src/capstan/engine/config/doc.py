@@ -41,6 +41,8 @@ def _rule(meta: dict) -> str:
             parts.append(f"{sym} {meta[key]}")
     if meta.get("nullable"):
         parts.append("may be unset")
+    if meta.get("size"):
+        parts.append('bytes, or with a unit: `"512MiB"`, `"4GiB"`, `"1.5GB"`')
     return "; ".join(parts)
 
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import math
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
@@ -82,14 +84,33 @@ def _type_name(annotation: str) -> str:
     return annotation.replace(" | None", "")
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int | None:
+    """Bytes from "4GiB", "512 MiB", "1.5GB", "4096" (None if `text` is not a size)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if m is None:
+        return None
+    return int(round(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]))
+
+
 def check_value(section: str, f: Any, value: Any) -> Any:
-    """Check one value against its field's type and constraints; return it (ints widened to float)."""
+    """Check one value against its field's type and constraints; return it (ints widened to float,
+    sizes with a unit turned into bytes)."""
     key = f"{section}.{f.name}"
     meta = f.metadata or {}
     if value is None:
         if meta.get("nullable"):
             return None
         raise ConfigError(f"{key} must not be null")
+    if meta.get("size") and isinstance(value, str):
+        size = parse_size(value)
+        if size is None:
+            raise ConfigError(f"{key} = {value!r} is not a size: give bytes (4294967296) or a number with a unit "
+                              "(512MiB, 4GiB, 1.5GB)")
+        value = size
     want = _type_name(f.type)
     if want == "bool":
         ok = isinstance(value, bool)
@@ -147,10 +168,9 @@ def resolve(source: str | Path | Mapping[str, Any] | Config | None = None,
     """
     sources: Sources = {}
     if isinstance(source, Config):
-        cfg = source
-        for f in fields(Config):
-            for g in fields(getattr(cfg, f.name)):
-                check_value(f.name, g, getattr(getattr(cfg, f.name), g.name))
+        cfg = replace(source, **{f.name: replace(getattr(source, f.name), **{
+            g.name: check_value(f.name, g, getattr(getattr(source, f.name), g.name))
+            for g in fields(getattr(source, f.name))}) for f in fields(Config)})
     elif source is None:
         cfg = Config()
     elif isinstance(source, Mapping):
@@ -162,7 +182,7 @@ def resolve(source: str | Path | Mapping[str, Any] | Config | None = None,
     for text in overrides:
         section, key, value = parse_override(text)
         cfg = _build({section: {key: value}}, f"--set {text.strip()}", cfg, sources)
-    check_cross(cfg, sources, reference_model)
+    cfg = check_cross(cfg, sources, reference_model)
     return cfg, sources
 
 
@@ -212,8 +232,30 @@ def uses_chunks(cfg: Config) -> bool:
     return cfg.memory.offload != "none" or cfg.parallel.zero_stage == 3
 
 
-def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> None:
-    """Rules between fields that need no processes; raises the first violation."""
+def _clamp_defaults(cfg: Config, sources: Sources) -> Config:
+    """Defaults that conflict with what the user set are fitted to it with a notice (warmup longer
+    than the run, a minimum learning rate above the learning rate); a conflict between two values the
+    user set stays an error (check_cross)."""
+    t = cfg.train
+    changes: dict[str, Any] = {}
+    if t.warmup_steps > t.steps and "train.warmup_steps" not in sources:
+        changes["warmup_steps"] = max(0, t.steps - 1)
+        _notice(f"train.warmup_steps: the default {t.warmup_steps} exceeds train.steps = {t.steps}: "
+                f"{changes['warmup_steps']} warmup steps")
+    if t.min_lr > t.lr and "train.min_lr" not in sources:
+        changes["min_lr"] = t.lr / 10
+        _notice(f"train.min_lr: the default {t.min_lr} exceeds train.lr = {t.lr}: min_lr = {changes['min_lr']}")
+    return replace(cfg, train=replace(t, **changes)) if changes else cfg
+
+
+def _notice(text: str) -> None:
+    logging.getLogger("capstan.engine.config").warning("%s", text)
+
+
+def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> Config:
+    """Rules between fields that need no processes; raises the first violation, returns the config with
+    conflicting defaults fitted (`_clamp_defaults`)."""
+    cfg = _clamp_defaults(cfg, sources)
     m, p, t, mem, d = cfg.model, cfg.parallel, cfg.train, cfg.memory, cfg.data
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model = {m.d_model} must be divisible by model.n_heads = {m.n_heads}")
@@ -258,10 +300,11 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
                           "(memory.offload = \"cpu\" or ZeRO-3, without memory.cpu_budget or a disk tier); got "
                           f"offload = {mem.offload!r}, cpu_budget = {mem.cpu_budget}")
     if uses_chunks(cfg):
-        _check_chunk_path(cfg, sources)
+        _check_chunk_path(cfg, sources, reference_model)
     elif mem.cpu_budget is not None:
         raise ConfigError("memory.cpu_budget only applies to chunked memory: set memory.offload = \"cpu\" "
                           "or \"disk\" (or parallel.zero_stage = 3)")
+    return cfg
 
 
 def _check_bpe(cfg: Config) -> None:
@@ -299,7 +342,7 @@ def _check_pipeline(cfg: Config, sources: Sources, reference_model: bool = True)
                               f"(pp from {_src(sources, 'parallel.pp')})")
 
 
-def _check_chunk_path(cfg: Config, sources: Sources) -> None:
+def _check_chunk_path(cfg: Config, sources: Sources, reference_model: bool = True) -> None:
     mem = cfg.memory
     # Unset, the chunk size is chosen per model (at least 1024 elements) once the model exists.
     chunk = (f"memory.chunk_size = {mem.chunk_size} fp32 elements" if mem.chunk_size is not None
@@ -310,13 +353,18 @@ def _check_chunk_path(cfg: Config, sources: Sources) -> None:
     if mem.cpu_budget is not None and mem.cpu_budget < chunk_bytes:
         raise ConfigError(f"memory.cpu_budget = {mem.cpu_budget} bytes cannot hold one chunk of "
                           f"{chunk} ({chunk_bytes} bytes)")
-    if mem.offload == "cpu" and mem.cpu_budget is not None:
-        # param, grad, exp_avg, exp_avg_sq: four fp32 copies of every parameter stay in RAM.
-        need = 16 * reference_param_count(cfg)
-        if mem.cpu_budget < need:
-            raise ConfigError(f"memory.offload = \"cpu\" keeps every chunk in RAM: memory.cpu_budget = "
-                              f"{mem.cpu_budget} bytes is below the model states' {need} bytes "
-                              "(use offload = \"disk\" or a larger budget)")
+    if mem.offload == "cpu" and mem.cpu_budget is not None and reference_model:
+        check_states_fit(mem.cpu_budget, reference_param_count(cfg))  # a model of one's own: by the engine
+
+
+def check_states_fit(cpu_budget: int, params: int) -> None:
+    """memory.offload = "cpu" keeps every chunk in RAM: the budget must hold the model states."""
+    # param, grad, exp_avg, exp_avg_sq: four fp32 copies of every parameter stay in RAM.
+    need = 16 * params
+    if cpu_budget < need:
+        raise ConfigError(f"memory.offload = \"cpu\" keeps every chunk in RAM: memory.cpu_budget = "
+                          f"{cpu_budget} bytes is below the model states' {need} bytes ({params} parameters "
+                          "x 16 bytes; use offload = \"disk\" or a larger budget)")
 
 
 def check_world(cfg: Config, world_size: int, world_source: str, sources: Sources) -> int:

@@ -25,9 +25,11 @@ __all__ = [
 
 
 def constraint(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-               lt: float | None = None, choices: tuple[Any, ...] | None = None, nullable: bool = False) -> Any:
-    """A dataclass field with its range/choices, checked by the loader (`load.check_value`)."""
-    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "nullable": nullable}
+               lt: float | None = None, choices: tuple[Any, ...] | None = None, nullable: bool = False,
+               size: bool = False) -> Any:
+    """A dataclass field with its range/choices, checked by the loader (`load.check_value`). `size`: a
+    number of bytes, also written with a unit ("512MiB", "4GiB", "1.5GB")."""
+    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "nullable": nullable, "size": size}
     return field(default=default, metadata=meta)
 
 
@@ -141,11 +143,11 @@ class MemoryConfig:
     """"none": plain tensors; "cpu": chunked, all in RAM within cpu_budget; "disk": chunked, RAM within cpu_budget and the rest on disk_dir."""
     chunk_size: int | None = constraint(None, ge=1024, nullable=True)
     """Elements per chunk; at least the largest parameter tensor. Unset: chosen per model, the size with the least padding over its chunk lists (ZeRO-3 pads each to a multiple of dp) between the largest tensor and 2^20 elements (chunkmem.auto_chunk_size); the run log names it."""
-    cpu_budget: int | None = constraint(None, gt=0, nullable=True)
+    cpu_budget: int | None = constraint(None, gt=0, nullable=True, size=True)
     """Bytes of chunks allowed in RAM (unset: unlimited; required for offload = "disk")."""
-    ram_limit: int | None = constraint(None, gt=0, nullable=True)
+    ram_limit: int | None = constraint(None, gt=0, nullable=True, size=True)
     """Bytes of RAM for chunks plus everything else the step allocates (activations), if set: the warm-up step runs within cpu_budget and measures that non-model memory per chunk access; later steps give chunks ram_limit minus it at each moment (docs/chunkmem.md). Needs cpu_budget <= ram_limit."""
-    gpu_budget: int | None = constraint(None, gt=0, nullable=True)
+    gpu_budget: int | None = constraint(None, gt=0, nullable=True, size=True)
     """Bytes of parameter and gradient chunks allowed on the GPU with chunked memory on a CUDA device (train.device); the rest wait in RAM (or on disk) and are copied in ahead of use. Unset: derived from the GPU: the warm-up step keeps chunks within a fifth of 90% of the free GPU memory (shared by the ranks on one GPU) while it measures the activations at every chunk access; later steps give chunks that 90% minus the activations of the moment (a warm-up that needed more is one error naming the minimum). Needs chunked memory (offload or ZeRO-3) and a CUDA device."""
     disk_dir: str = "capstan-chunks"
     """Directory for the disk tier's chunk files (one file per rank)."""
