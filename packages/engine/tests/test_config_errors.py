@@ -110,7 +110,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "--config", bad_toml], "is not valid TOML"),
         (["train", "--config", bad_json], "did you mean 'train.steps'"),
         (["train", "--config", not_table], "[train] in"),
-        (["train"], "the following arguments are required: --config"),
+        (["train"], "give --config FILE (a capstan config) or --deepspeed FILE"),
     ]
 
 

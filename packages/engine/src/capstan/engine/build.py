@@ -163,7 +163,7 @@ def _default_loss(model: nn.Module) -> LossFn:
 
 def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] | Config | None = None, *,
                overrides: Sequence[str] = (), groups: comm.Groups | None = None,
-               loss_fn: LossFn | None = None) -> Engine:
+               loss_fn: LossFn | None = None, deepspeed: str | Path | Mapping[str, Any] | None = None) -> Engine:
     """An `Engine` for `model` under `config`.
 
     model: None (the reference GPT from [model]), an nn.Module (fp32, the same
@@ -176,8 +176,19 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
     groups: existing comm groups (their world must match the config's layout).
     loss_fn: ``fn(outputs, targets) -> mean loss``; default: the model's
         ``.loss`` method if it has one, else token-level cross-entropy.
+    deepspeed: a DeepSpeed config (a JSON path or a dict), translated over `config` and under
+        `overrides` (config/deepspeed.py); what has no equivalent is logged once.
     """
-    cfg, sources = resolve(config, overrides, reference_model=model is None)
+    layers = []
+    if deepspeed is not None:
+        from .config.deepspeed import data_parallel_size, from_deepspeed
+
+        world = groups.world.size if groups is not None else comm.detect_launch().world_size
+        sections, notes = from_deepspeed(deepspeed, data_parallel_size(config, overrides, world))
+        for note in notes:
+            comm.log_rank0(comm.get_logger(__name__), "deepspeed: %s", note)
+        layers.append((sections, "the DeepSpeed config"))
+    cfg, sources = resolve(config, overrides, reference_model=model is None, layers=layers)
     if groups is None:
         groups = resolve_groups(cfg, sources)
     else:

@@ -116,7 +116,7 @@ def _train(args: argparse.Namespace) -> int:
     from ..config.load import ConfigError, check_world, resolve
 
     # The config first: this needs no torch, so the commonest mistakes fail in a fraction of a second.
-    cfg, sources = resolve(args.config, args.set or [])
+    cfg, sources = _resolve_train_config(args)
     from capstan import comm
 
     from ..data.sources import open_data
@@ -144,6 +144,40 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resolve_train_config(args: argparse.Namespace) -> tuple[object, dict[str, str]]:
+    """--config (else the defaults), a --deepspeed config's translation over it, then --set."""
+    from ..config import resolve
+    from ..config.deepspeed import data_parallel_size, from_deepspeed
+
+    if args.config is None and args.deepspeed is None:
+        raise _UsageError("give --config FILE (a capstan config) or --deepspeed FILE (a DeepSpeed config), or both")
+    if args.deepspeed is None:
+        return resolve(args.config, args.set or [])
+    dp = data_parallel_size(args.config, args.set or [], _launch_world_size())
+    sections, notes = from_deepspeed(args.deepspeed, dp)
+    if _launch_rank() == 0:
+        said = ", ".join(f"{s}.{k} = {v!r}" for s, body in sections.items() for k, v in body.items())
+        print(f"capstan: deepspeed: {args.deepspeed} -> {said or 'nothing'}", file=sys.stderr)
+        for note in notes:
+            print(f"capstan: deepspeed: {note}", file=sys.stderr)
+    return resolve(args.config, args.set or [], layers=[(sections, f"--deepspeed {args.deepspeed}")])
+
+
+def _launch_world_size() -> int:
+    """The world size a launcher announced (1 without one), from its variables alone: importing
+    capstan.comm would import torch."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def _launch_rank() -> int:
+    from .launch import _env_rank
+
+    return _env_rank() or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="capstan", description="Train models too big for the hardware at hand.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -151,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print as JSON")
     info.set_defaults(func=_cmd_info)
     train = sub.add_parser("train", help="train a model as a config file says (docs/engine.md)")
-    train.add_argument("--config", required=True, help="TOML or JSON file (docs/config.md)")
+    train.add_argument("--config", help="TOML or JSON file (docs/config.md)")
+    train.add_argument("--deepspeed", metavar="DS_CONFIG", help="a DeepSpeed config JSON, translated over --config "
+                                                              "(printed, with every key that has no equivalent)")
     train.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                        help="override one value (a TOML literal or a bare string); repeatable")
     train.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
@@ -261,13 +297,9 @@ ERROR_GRACE_S = 1.0
 
 
 def _multi_rank_launch() -> bool:
-    """Whether a launcher started several ranks: from its variables alone (importing capstan.comm
-    would import torch, seconds of a failing job's exit, and the launcher itself is no rank)."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value) > 1
-    return False
+    """Whether a launcher started several ranks (importing capstan.comm to ask would import torch:
+    seconds of a failing job's exit, and the launcher itself is no rank)."""
+    return _launch_world_size() > 1
 
 
 def _finalize_mpi() -> None:

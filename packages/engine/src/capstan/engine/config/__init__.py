@@ -4,6 +4,7 @@ generator of docs/config.md (`doc`, run as ``python -m capstan.engine.config.doc
 Nothing here imports torch, so `capstan train` rejects a bad config in a fraction of a second.
 """
 
+from .deepspeed import from_deepspeed, translate_deepspeed
 from .load import ConfigError, Sources, check_world, load_config, parse_override, resolve, to_toml
 from .schema import (
     SECTIONS,
@@ -22,5 +23,5 @@ from .schema import (
 __all__ = [
     "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LogConfig", "MemoryConfig",
     "ModelConfig", "ParallelConfig", "PrecisionConfig", "Sources", "TrainConfig", "check_world", "constraint",
-    "load_config", "parse_override", "resolve", "to_toml",
+    "from_deepspeed", "load_config", "parse_override", "resolve", "to_toml", "translate_deepspeed",
 ]

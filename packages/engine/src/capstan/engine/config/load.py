@@ -160,11 +160,14 @@ def _build(data: Mapping[str, Any], origin: str, base: Config, sources: Sources)
 
 
 def resolve(source: str | Path | Mapping[str, Any] | Config | None = None,
-            overrides: Sequence[str] = (), reference_model: bool = True) -> tuple[Config, Sources]:
+            overrides: Sequence[str] = (), reference_model: bool = True,
+            layers: Sequence[tuple[Mapping[str, Any], str]] = ()) -> tuple[Config, Sources]:
     """Load, apply ``--set`` overrides, and check; returns the config and where each key came from.
 
     reference_model: False when the caller trains a model of its own; the checks that count the
     reference GPT's layers (pipeline parts) are then left to the partition of that model.
+    layers: (sections, origin) applied over `source` and under `overrides`, in order: a DeepSpeed
+    config's translation (deepspeed.py), named as its origin in errors.
     """
     sources: Sources = {}
     if isinstance(source, Config):
@@ -179,6 +182,8 @@ def resolve(source: str | Path | Mapping[str, Any] | Config | None = None,
         cfg = _build(_read_file(Path(source)), str(source), Config(), sources)
     else:
         raise ConfigError(f"config must be a path, dict or Config, got {type(source).__name__}")
+    for sections, origin in layers:
+        cfg = _build(sections, origin, cfg, sources)
     for text in overrides:
         section, key, value = parse_override(text)
         cfg = _build({section: {key: value}}, f"--set {text.strip()}", cfg, sources)
