@@ -24,11 +24,12 @@ from .config import (
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DataError", "Engine", "LogConfig",
     "MemoryConfig", "ModelConfig", "ParallelConfig", "PrecisionConfig", "StepInfo", "TrainConfig",
-    "check_world", "initialize", "load_config", "open_data", "resolve", "train_batches", "val_batches",
+    "check_world", "dataset_batches", "initialize", "load_config", "open_data", "resolve", "train_batches",
+    "val_batches",
 ]
 
 _LAZY = {"Engine": "engine", "StepInfo": "engine", "initialize": "build", "DataError": "data",
-         "open_data": "data", "train_batches": "data", "val_batches": "data"}
+         "open_data": "data", "train_batches": "data", "val_batches": "data", "dataset_batches": "data"}
 
 
 def __getattr__(name: str) -> Any:

@@ -56,7 +56,9 @@ class DataConfig:
     """Where training text comes from and how it becomes token ids."""
 
     source: str = "stdlib"
-    """"stdlib" (the running Python's standard library source, on every machine), a text file, a folder of text files, or a pre-tokenized `.bin` file."""
+    """"stdlib" (the running Python's standard library source, on every machine), a text file, a folder of text files, a JSON Lines file (`.jsonl`: the text_field of each record, documents packed into one stream), or a pre-tokenized `.bin` file. Your own torch Dataset or iterable goes through `capstan.engine.dataset_batches` (docs/engine.md)."""
+    text_field: str = "text"
+    """The field of each `.jsonl` record that holds its text."""
     tokenizer: str = constraint("byte", choices=("byte", "bpe"))
     """Text to ids: "byte" maps each UTF-8 byte to its value (vocabulary 256); "bpe" is a byte-level BPE with model.vocab_size ids (more than 256), trained deterministically on the training split and saved as log.run_dir/tokenizer.json (needs the tokenizers package: capstan-engine[bpe]). Not used for `.bin`."""
     tokenizer_file: str | None = constraint(None, nullable=True)

@@ -5,6 +5,8 @@ Sources (``[data] source``):
 * ``"stdlib"``: the running Python's standard-library ``.py`` files, sorted by
   path and capped at ``max_bytes`` — real text on every machine, no download;
 * a text file, or a folder of them (sorted recursively, hidden files skipped);
+* a JSON Lines file (``.jsonl``): the ``data.text_field`` of every record, documents separated by
+  a blank line;
 * a pre-tokenized ``.bin`` file: a flat uint16/uint32 array of ids (nanoGPT's format), memory-mapped.
 
 Text goes through the byte tokenizer (id = byte value, vocabulary 256), or,
@@ -78,10 +80,43 @@ def _concat(files: list[Path], max_bytes: int, what: str) -> bytes:
     return text
 
 
-def read_text_source(source: str, max_bytes: int) -> bytes:
+def _jsonl_text(path: Path, field: str, max_bytes: int) -> bytes:
+    """The `field` of every line of a JSON Lines file, in order, separated by blank lines (documents
+    packed into one stream, which the batches cut into fixed-length sequences)."""
+    import json
+
+    parts, total = [], 0
+    try:
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    raise DataError(f"data.source {path} line {lineno} is not JSON: {exc}") from None
+                if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                    raise DataError(f"data.source {path} line {lineno} has no string field {field!r} "
+                                    "(data.text_field)")
+                blob = record[field].encode()
+                parts.append(blob)
+                total += len(blob) + 2
+                if total >= max_bytes:
+                    break
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror}") from None
+    text = b"\n\n".join(parts)[:max_bytes]
+    if not text:
+        raise DataError(f"data.source {path} holds no text")
+    return text
+
+
+def read_text_source(source: str, max_bytes: int, text_field: str = "text") -> bytes:
     if source == "stdlib":
         return stdlib_text(max_bytes)
     path = Path(source)
+    if path.is_file() and path.suffix == ".jsonl":
+        return _jsonl_text(path, text_field, max_bytes)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file()
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
@@ -162,12 +197,12 @@ def open_data(cfg: Config) -> TokenData:
     if d.source.endswith(".bin"):
         tokens = _open_bin(Path(d.source), d.bin_dtype, cfg.model.vocab_size)
     elif d.tokenizer == "bpe":
-        text = read_text_source(d.source, d.max_bytes)
+        text = read_text_source(d.source, d.max_bytes, d.text_field)
         # Learn merges from the training part of the text only, so validation stays held out.
         tok = bpe_tokenizer(cfg, text[: len(text) - int(len(text) * d.val_fraction)])
         tokens = bpe.encode(tok, text)
     else:
-        tokens = byte_tokenize(read_text_source(d.source, d.max_bytes))
+        tokens = byte_tokenize(read_text_source(d.source, d.max_bytes, d.text_field))
     n_val = int(len(tokens) * d.val_fraction)
     n_train = len(tokens) - n_val
     if n_train < seq + 2:
