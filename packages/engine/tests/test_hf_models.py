@@ -26,6 +26,11 @@ STEPS = 10
 
 def hf_model(family: str) -> torch.nn.Module:
     torch.manual_seed(7)
+    if family == "bert":
+        cfg = transformers.BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0, pad_token_id=0)
+        return transformers.BertForMaskedLM(cfg)
     if family == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                       bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -78,7 +83,7 @@ def capstan_losses(family: str, **sections: dict) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 def test_hf_model_trains_as_a_plain_loop(family: str) -> None:
     want = plain_losses(family)
     assert want[-1] < want[0]
@@ -108,6 +113,47 @@ def test_hf_llama_at_dp2_zero2_and_zero3_through_disk() -> None:
     for result in run_ranks(_two_ranks, 2, "llama", timeout=300):
         for name, got in result.items():
             assert_trajectories_close(got, want), name
+
+
+def _tp2(families: list[str]) -> dict[str, list[float]]:
+    """tp = 2 with the shipped plan of each family (capstan.tensorpar.hf_plan), picked by the model's config."""
+    torch.set_num_threads(1)
+    out = {}
+    for family in families:
+        out[family] = capstan_losses(family, parallel={"tp": 2})
+        # (dp = 1: the whole batch on each tp rank, as the plain loop)
+    engine = initialize(model=hf_model("gpt2"), config=_config(parallel={"tp": 2}))
+    out["sliced"] = sorted({type(m).__name__ for m in engine.module.modules() if "Parallel" in type(m).__name__})
+    engine.close()
+    return out
+
+
+def test_shipped_tensor_parallel_plans_for_gpt2_llama_and_bert() -> None:
+    families = ["gpt2", "llama", "bert"]
+    wants = {f: plain_losses(f) for f in families}
+    for result in run_ranks(_tp2, 2, families, timeout=300):
+        for family in families:
+            assert_trajectories_close(result[family], wants[family]), family
+        assert result["sliced"] == ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+
+
+def test_a_model_without_a_plan_is_refused_at_tp2() -> None:
+    from capstan.comm import Topology
+    from capstan.comm.groups import Group, Groups
+
+    one = Group("x", (0,), 0)
+    groups = Groups(world=Group("world", (0, 1), 0), dp=one, pp=one, tp=Group("tp", (0, 1), 0), topology=Topology(tp=2))
+    from capstan.engine.build import slice_for_tp
+
+    with pytest.raises(ValueError, match="capstan ships tensor-parallel plans for transformers models of the families "
+                                         "bert, gpt2, llama, mistral, qwen2"):
+        slice_for_tp(torch.nn.Linear(4, 4), groups)
+    bad = transformers.LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=6, num_key_value_heads=3)
+    from capstan.tensorpar import hf_plan
+
+    with pytest.raises(ValueError, match="config.num_key_value_heads = 3 is not divisible by parallel.tp = 2"):
+        hf_plan(transformers.LlamaForCausalLM(bad), 2)
 
 
 def test_a_dict_batch_uses_the_models_own_loss() -> None:

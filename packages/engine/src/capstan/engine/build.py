@@ -36,7 +36,7 @@ from .config.schema import Config
 from .engine import Engine, LossFn
 
 __all__ = ["initialize", "build_reference_model", "build_reference_on_meta", "LayerwiseInit", "recompute_blocks",
-           "resolve_device", "resolve_groups"]
+           "resolve_device", "resolve_groups", "slice_for_tp"]
 
 ModelSpec = nn.Module | Sequence[Any] | Callable[[Config, comm.Groups], nn.Module] | None
 
@@ -98,6 +98,29 @@ class LayerwiseInit:
         if sum(v.nbytes for v in values.values()) >= 1 << 20:
             del values
             trim_heap()  # else glibc keeps the freed pages, and RSS grows layer after layer
+
+
+def slice_for_tp(model: nn.Module, groups: comm.Groups) -> nn.Module:
+    """A model of one's own at tp > 1: a Hugging Face model of a family with a shipped plan
+    (capstan.tensorpar.hf_plan) is sliced with it, after every rank of the tp group takes rank 0's
+    values (the slices must come from one model); a model already made of capstan.tensorpar layers
+    is taken as it is; anything else is refused naming what to give."""
+    from capstan.tensorpar import HF_FAMILIES, hf_plan, parallelize
+
+    tp = groups.tp.size
+    if any(getattr(p, "tp_dim", None) is not None for p in model.parameters()):
+        return model  # sliced already (capstan.tensorpar layers)
+    plan = hf_plan(model, tp)
+    if plan is None:
+        raise ValueError(f"parallel.tp = {tp} with {type(model).__name__}: capstan ships tensor-parallel plans for "
+                         f"transformers models of the families {', '.join(sorted(HF_FAMILIES))}; for another model "
+                         "pass a builder fn(config, groups) that slices it with capstan.tensorpar.parallelize(model, "
+                         "plan, groups.tp) (docs/tensorpar.md), or use tp = 1")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if not t.is_meta:
+                comm.broadcast(t.data, src=0, group=groups.tp)
+    return parallelize(model, plan, groups.tp)
 
 
 def recompute_blocks(layers: Iterable[nn.Module]) -> int:
@@ -251,7 +274,7 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
             tie_layers(specs, layers)
             module = nn.Sequential(*layers)
     elif isinstance(model, nn.Module):
-        module = model
+        module = slice_for_tp(model, groups) if groups.tp.size > 1 else model
     elif callable(model):
         module = model(cfg, groups)
         if not isinstance(module, nn.Module):

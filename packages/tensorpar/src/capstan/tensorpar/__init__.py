@@ -18,6 +18,7 @@ Example (one process; under torchrun use ``comm.build_groups(...).tp``)::
 """
 
 from .apply import STYLES, Divide, parallelize
+from .hf_plans import HF_FAMILIES, hf_plan
 from .blocks import ParallelBlock, ParallelMLP, ParallelSelfAttention, check_attention_sizes
 from .cross_entropy import gather_vocab_logits, vocab_parallel_cross_entropy
 from .gpt import (GPT, GPTConfig, GPTEmbedding, GPTFinalNorm, GPTHead, build_gpt, build_gpt_layers,
@@ -35,8 +36,8 @@ from .rng import TensorParallelRNG, dropout
 
 __all__ = [
     "is_recomputed", "recompute",
-    "STYLES", "ColumnParallelLinear", "CommCounter", "Divide", "GPT", "GPTConfig", "GPTEmbedding",
-    "GPTFinalNorm", "GPTHead", "ParallelBlock", "ParallelLayerNorm", "ParallelMLP", "ParallelRMSNorm",
+    "HF_FAMILIES", "STYLES", "ColumnParallelLinear", "CommCounter", "Divide", "GPT", "GPTConfig", "GPTEmbedding",
+    "GPTFinalNorm", "GPTHead", "hf_plan", "ParallelBlock", "ParallelLayerNorm", "ParallelMLP", "ParallelRMSNorm",
     "ParallelSelfAttention",
     "RowParallelLinear", "TensorParallelRNG", "VocabParallelEmbedding", "build_gpt", "build_gpt_layers",
     "check_attention_sizes", "gpt_layer_factories", "gpt_loss",

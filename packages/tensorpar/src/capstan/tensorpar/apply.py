@@ -16,7 +16,8 @@ A plan maps fnmatch patterns over ``model.named_modules()`` names to a style:
 Styles (each replaces the matched module by the parallel layer, sliced from
 the module's current weights, so the result computes exactly what it did):
 
-- ``column``: nn.Linear -> ColumnParallelLinear, output stays split [.., out/tp].
+- ``column``: nn.Linear -> ColumnParallelLinear, output stays split [.., out/tp]. Hugging Face's
+  Conv1D (GPT-2's linear layers, weight stored [in, out]) is taken wherever nn.Linear is.
 - ``column_gather``: the same, output all-gathered to [.., out] (padded if out % tp != 0).
 - ``column_qkv``: fused q/k/v nn.Linear [3d, d] split per block, so rank r
   holds [q_r; k_r; v_r], i.e. whole heads. Plain ``column`` on a fused qkv
@@ -62,22 +63,31 @@ class Divide:
         object.__setattr__(self, "attrs", attrs)
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D (GPT-2): a linear layer whose weight is stored transposed, [in, out]."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+
+
 def _convert(name: str, module: nn.Module, style: str, group: Group) -> nn.Module:
     kind = nn.Embedding if style == "embedding" else nn.Linear
-    if not isinstance(module, kind):
+    conv = style != "embedding" and _is_conv1d(module)
+    if not isinstance(module, kind) and not conv:
         raise TypeError(f"plan style {style!r} needs an nn.{kind.__name__} but module {name!r} is "
                         f"{type(module).__name__}")
     w = module.weight.detach()
+    if conv:  # y = x @ W + b with W [in, out]: the same as nn.Linear with W^T
+        w = w.t().contiguous()
     common = dict(dtype=w.dtype, device=w.device, full_weight=w)
     if style == "embedding":
         return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, group, **common)
+    out_features, in_features = w.shape
     has_bias = module.bias is not None
     b = module.bias.detach() if has_bias else None
     if style.startswith("column"):
-        return ColumnParallelLinear(module.in_features, module.out_features, group, bias=has_bias, full_bias=b,
+        return ColumnParallelLinear(in_features, out_features, group, bias=has_bias, full_bias=b,
                                     gather_output=style == "column_gather", pad_output=style == "column_gather",
                                     fused=3 if style == "column_qkv" else 1, **common)
-    return RowParallelLinear(module.in_features, module.out_features, group, bias=has_bias, full_bias=b,
+    return RowParallelLinear(in_features, out_features, group, bias=has_bias, full_bias=b,
                              input_is_parallel=style == "row", **common)
 
 
