@@ -166,3 +166,22 @@ def test_a_dict_batch_uses_the_models_own_loss() -> None:
     engine.backward(loss)
     assert engine.step() is not None
     engine.close()
+
+
+def _pipelines(families: list[str]) -> dict[str, list[float]]:
+    """pp = 2 (and tp 2 x pp 2 on four ranks) with the shipped split: embedding / decoder layers / norm + head."""
+    torch.set_num_threads(1)
+    from capstan import comm
+
+    tp = 2 if comm.world().size == 4 else 1
+    pipe = {"micro_batch_size": 2, "grad_accum_steps": 2}  # the plain loop's 4 sequences as 2 micro-batches
+    return {f: capstan_losses(f, train=pipe, parallel={"pp": 2, "tp": tp, "dp": 1}) for f in families}
+
+
+def test_shipped_pipeline_split_for_gpt2_and_llama() -> None:
+    wants = {f: plain_losses(f) for f in ("gpt2", "llama")}
+    for result in run_ranks(_pipelines, 2, ["gpt2", "llama"], timeout=300):
+        for family, got in result.items():
+            assert_trajectories_close(got, wants[family]), family
+    for result in run_ranks(_pipelines, 4, ["llama"], timeout=300):  # tp 2 x pp 2
+        assert_trajectories_close(result["llama"], wants["llama"])

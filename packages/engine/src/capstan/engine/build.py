@@ -231,15 +231,20 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
         else:
             if callable(model) and not isinstance(model, nn.Module):
                 model = model(cfg, groups)
-            if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):
+            from capstan.pipeline import HF_DECODERS, hf_layer_specs
+
+            if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential) and hf_layer_specs(model) is None:
                 raise TypeError(f"parallel.pp = {cfg.parallel.pp} needs the model as a sequence of layers to split "
-                                f"into stages: an nn.Sequential or a list of capstan.pipeline.LayerSpec, not "
-                                f"{type(model).__name__}")
+                                f"into stages: an nn.Sequential, a list of capstan.pipeline.LayerSpec, or a "
+                                f"transformers decoder ({', '.join(HF_DECODERS)}), not {type(model).__name__}")
             if isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters()):
                 raise ValueError(f"parallel.pp = {cfg.parallel.pp} with a model on the meta device: a pipeline "
                                  "of your own is built for real (give LayerSpecs, and each stage builds only "
                                  "its layers)")
-            stage = PipelineStage(cfg, groups, user_layer_specs(model), loss_fn, device=device)
+            sliced = False
+            if isinstance(model, nn.Module) and groups.tp.size > 1 and hf_layer_specs(model) is not None:
+                model, sliced = slice_for_tp(model, groups), True  # a transformers decoder: its family's plan
+            stage = PipelineStage(cfg, groups, user_layer_specs(model), loss_fn, device=device, sliced=sliced)
         return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
                       pipeline=stage, reference_model=model is None, init_fn=stage.init_fn, device=device)
     if cfg.parallel.sequence_parallel and model is not None:

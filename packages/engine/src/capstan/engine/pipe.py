@@ -125,9 +125,15 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
 
 
 def user_layer_specs(model: nn.Sequential | Sequence) -> list:
-    """The user's pipeline model as LayerSpecs: a list of them as given, or one per child of an
-    ``nn.Sequential`` (whose factory returns that child: it is already built)."""
-    from capstan.pipeline import LayerSpec
+    """The user's pipeline model as LayerSpecs: a list of them as given, one per child of an
+    ``nn.Sequential`` (whose factory returns that child: it is already built), or a transformers
+    decoder split into embedding / decoder layers / norm + head (capstan.pipeline.hf_layer_specs)."""
+    from capstan.pipeline import LayerSpec, hf_layer_specs
+
+    if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):
+        specs = hf_layer_specs(model)
+        if specs is not None:
+            return specs
 
     if isinstance(model, nn.Sequential):
         seen: dict[int, str] = {}
@@ -152,9 +158,11 @@ class PipelineStage:
 
     def __init__(self, cfg: Config, groups: comm.Groups, specs: list | None = None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, sliced: bool = False) -> None:
         """specs None: the reference GPT of [model]; else the user's layers (`user_layer_specs`)
-        trained with `loss_fn` (outputs, targets) -> mean loss. `device`: where the stage computes."""
+        trained with `loss_fn` (outputs, targets) -> mean loss. `device`: where the stage computes.
+        sliced: the user's layers are tensor-parallel already (a transformers decoder sliced by its
+        family's plan), so tp > 1 is allowed."""
         from capstan.pipeline import LayerSpec, Partition, PipelineExecutor, make_schedule
 
         p = cfg.parallel
@@ -174,7 +182,7 @@ class PipelineStage:
             self.plan = Partition(tuple(specs), balanced_bounds(cfg, groups.pp.size * v, groups.world), p.partition)
             self._loss_fn = gpt_loss(gpt, groups.tp)
         else:
-            if groups.tp.size > 1:
+            if groups.tp.size > 1 and not sliced:
                 raise ValueError(f"parallel.tp = {groups.tp.size} with a pipeline of your own layers: only the "
                                  "reference GPT is sliced for tensor parallelism under pp > 1; use tp = 1")
             self.plan = user_partition(cfg, specs, groups.pp.size, groups.world)

@@ -1,0 +1,123 @@
+"""A Hugging Face decoder model as a list of pipeline layers, with no adapter code from the user.
+
+    specs = hf_layer_specs(model)        # None for a model that is not a known transformers decoder
+    partition(specs, parts=4, method="parameters")
+
+The layers are [embedding, decoder layer 0 ... n-1, final norm + LM head],
+each a thin module around the model's own submodules (the same parameter
+objects, so nothing is copied and a checkpoint holds the model's values):
+
+* GPT-2: token + position embeddings (and their dropout); each `GPT2Block`;
+  `ln_f` and `lm_head`;
+* Llama, Mistral, Qwen2: the token embedding; each decoder layer, which gets
+  its rotary position embeddings from the model's own `rotary_emb` (they are
+  computed per layer from the sequence length: buffers, no parameters); the
+  final norm and `lm_head`.
+
+Between stages only the hidden states travel. The causal mask is left to
+the attention kernel (``is_causal``, as `transformers` itself does for the
+"sdpa" and flash implementations); for the "eager" implementation an
+explicit additive causal mask is passed. A head tied to the embedding (GPT-2,
+or ``tie_word_embeddings``) is tied across stages through `LayerSpec.tied`.
+`transformers` is never imported here: the model is read by its structure.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .partition import LayerSpec
+
+__all__ = ["hf_layer_specs", "HF_DECODERS"]
+
+HF_DECODERS = ("gpt2", "llama", "mistral", "qwen2")
+
+
+def _first(out: object) -> torch.Tensor:
+    """A decoder layer's hidden states (older transformers return a tuple)."""
+    return out[0] if isinstance(out, tuple) else out  # type: ignore[return-value]
+
+
+def _causal_mask(config: object, h: torch.Tensor) -> torch.Tensor | None:
+    if getattr(config, "_attn_implementation", "sdpa") != "eager":
+        return None  # the kernel's is_causal, as transformers does without padding
+    t = h.shape[1]
+    mask = torch.full((t, t), torch.finfo(h.dtype).min, device=h.device, dtype=h.dtype).triu(1)
+    return mask[None, None]
+
+
+class GPT2Embedding(nn.Module):
+    def __init__(self, wte: nn.Module, wpe: nn.Embedding, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+        self.weight = wte.weight  # the same parameter, named for `LayerSpec.tied_attr` (tied with the head)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.drop(self.wte(ids) + self.wpe(pos)[None])
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer of the model; `rotary` (Llama family) gives its position embeddings."""
+
+    def __init__(self, layer: nn.Module, config: object, rotary: nn.Module | None = None) -> None:
+        super().__init__()
+        self.layer, self.config = layer, config
+        self.rotary = rotary  # the model's one rotary module, shared by every layer (buffers, no parameters)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        mask = _causal_mask(self.config, h)
+        if self.rotary is None:
+            return _first(self.layer(h, attention_mask=mask))
+        position_ids = torch.arange(h.shape[1], device=h.device)[None]
+        cos_sin = self.rotary(h, position_ids=position_ids)
+        return _first(self.layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin))
+
+
+class Embedding(nn.Module):
+    def __init__(self, embed: nn.Module) -> None:
+        super().__init__()
+        self.embed = embed
+        self.weight = embed.weight  # named for `LayerSpec.tied_attr` where the head is tied to it
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids)
+
+
+class Head(nn.Module):
+    """The final norm and the LM head (a tensor-parallel one after `parallelize`: its own forward)."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.head = norm, head
+        self.weight = head.weight  # named for `LayerSpec.tied_attr`
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(h))
+
+
+def hf_layer_specs(model: nn.Module) -> list[LayerSpec] | None:
+    """The model as pipeline layers (see the module docstring), or None if it is not a known decoder."""
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in HF_DECODERS or not hasattr(model, "lm_head"):
+        return None
+    head = model.lm_head
+    if family == "gpt2":
+        body = model.transformer
+        first = GPT2Embedding(body.wte, body.wpe, body.drop)
+        blocks = [DecoderLayer(block, config) for block in body.h]
+        last = Head(body.ln_f, head)
+        tied = head.weight is body.wte.weight
+    else:
+        body = model.model
+        first = Embedding(body.embed_tokens)
+        blocks = [DecoderLayer(layer, config, body.rotary_emb) for layer in body.layers]
+        last = Head(body.norm, head)
+        tied = head.weight is body.embed_tokens.weight
+    key = "embedding" if tied else None
+    layers = [first, *blocks, last]
+    names = ["embedding", *(f"layer{i}" for i in range(len(blocks))), "head"]
+    return [LayerSpec(lambda m=m: m, name, tied=key if i in (0, len(layers) - 1) else None)
+            for i, (m, name) in enumerate(zip(layers, names))]
