@@ -185,3 +185,27 @@ def test_shipped_pipeline_split_for_gpt2_and_llama() -> None:
             assert_trajectories_close(got, wants[family]), family
     for result in run_ranks(_pipelines, 4, ["llama"], timeout=300):  # tp 2 x pp 2
         assert_trajectories_close(result["llama"], wants["llama"])
+
+
+def test_a_transformers_model_built_on_meta_goes_straight_into_chunks(tmp_path) -> None:
+    """`with torch.device("meta"): LlamaForCausalLM(config)`: no values exist until chunked memory
+    materializes each module into its chunks with the model's own `_init_weights`; it then trains."""
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   initializer_range=0.02)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    seen = []
+    real = model._init_weights
+    model._init_weights = lambda m: (seen.append(type(m).__name__), real(m))  # type: ignore[method-assign]
+    engine = initialize(model=model, config=_config(memory={"offload": "disk", "cpu_budget": "1MiB",
+                                                            "chunk_size": 16384, "disk_dir": str(tmp_path)}))
+    assert "Linear" in seen and "LlamaRMSNorm" in seen and "Embedding" in seen
+    weights = engine.parameters_snapshot()
+    std = weights["model.layers.0.mlp.up_proj.weight"].std().item()
+    assert abs(std - 0.02) < 0.003  # the model's initializer_range, not PyTorch's default init
+    assert torch.equal(weights["model.norm.weight"], torch.ones(64))
+    it = train_batches(open_data(engine.config), engine.config, 1, 0)
+    losses = [engine.train_batch(it).loss for _ in range(STEPS)]
+    assert losses[-1] < losses[0] and engine.memory_stats()["mem.moved_bytes"] > 0  # streamed through disk
+    engine.close()

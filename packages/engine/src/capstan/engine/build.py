@@ -100,6 +100,40 @@ class LayerwiseInit:
             trim_heap()  # else glibc keeps the freed pages, and RSS grows layer after layer
 
 
+def hf_init(model: nn.Module) -> Callable[[nn.Module], None]:
+    """`ChunkedModel(init_fn=...)` for a transformers model built on the meta device (``with
+    torch.device("meta"): LlamaForCausalLM(config)``): each module, materialized on its own into its
+    chunks, gets the model's own initialization (`_init_weights`: normal(0, initializer_range) for
+    linear and embedding weights, ones for norms), so a model larger than RAM never exists whole."""
+    def init(module: nn.Module) -> None:
+        with torch.no_grad():
+            model._init_weights(module)  # type: ignore[operator]
+
+    return init
+
+
+def hf_buffers(model: nn.Module) -> None:
+    """Give the buffers of a transformers model built on the meta device their values (chunked memory
+    materializes parameters only): each module holding meta buffers (rotary frequencies, position
+    ids) is built once more for real from its config and its buffers are taken; such modules hold no
+    large parameters. A meta buffer nothing can compute is an error naming it."""
+    for name, module in model.named_modules():
+        meta = [b for b, buf in module.named_buffers(recurse=False) if buf is not None and buf.is_meta]
+        if not meta:
+            continue
+        config = getattr(module, "config", None)
+        try:
+            with torch.device("cpu"):
+                real = type(module)(config=config) if config is not None else None
+        except Exception:  # another constructor: no way to recompute it here
+            real = None
+        if real is None:
+            raise ValueError(f"module {name or type(module).__name__} of the meta-device model holds buffers "
+                             f"{meta} with no values: build it for real, or give it a `config` to rebuild from")
+        for b in meta:
+            module._buffers[b] = real._buffers[b]
+
+
 def slice_for_tp(model: nn.Module, groups: comm.Groups) -> nn.Module:
     """A model of one's own at tp > 1: a Hugging Face model of a family with a shipped plan
     (capstan.tensorpar.hf_plan) is sliced with it, after every rank of the tp group takes rank 0's
@@ -110,6 +144,9 @@ def slice_for_tp(model: nn.Module, groups: comm.Groups) -> nn.Module:
     tp = groups.tp.size
     if any(getattr(p, "tp_dim", None) is not None for p in model.parameters()):
         return model  # sliced already (capstan.tensorpar layers)
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"parallel.tp = {tp} with a model on the meta device: slicing needs its values; build it "
+                         "for real, or at tp = 1 (chunked memory materializes it into chunks)")
     plan = hf_plan(model, tp)
     if plan is None:
         raise ValueError(f"parallel.tp = {tp} with {type(model).__name__}: capstan ships tensor-parallel plans for "
@@ -286,9 +323,13 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
             raise TypeError(f"the model builder returned {type(module).__name__}, not an nn.Module")
     else:
         raise TypeError(f"model must be None, an nn.Module or a builder function, got {type(model).__name__}")
-    if not uses_chunks(cfg) and any(p.is_meta for p in module.parameters()):
+    on_meta = any(p.is_meta for p in module.parameters())
+    if not uses_chunks(cfg) and on_meta:
         raise ValueError("the model's parameters are on the meta device (no values): only chunked memory "
                          "materializes them, module by module with reset_parameters(); set memory.offload = "
                          "\"cpu\" or \"disk\" (or parallel.zero_stage = 3), or build the model for real")
+    if on_meta and init_fn is None and callable(getattr(module, "_init_weights", None)):
+        init_fn = hf_init(module)
+        hf_buffers(module)
     return Engine(config=cfg, model=module, groups=groups, loss_fn=loss_fn or _default_loss(module),
                   reference_model=model is None, init_fn=init_fn, device=device)
