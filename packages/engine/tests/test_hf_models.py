@@ -209,3 +209,66 @@ def test_a_transformers_model_built_on_meta_goes_straight_into_chunks(tmp_path) 
     losses = [engine.train_batch(it).loss for _ in range(STEPS)]
     assert losses[-1] < losses[0] and engine.memory_stats()["mem.moved_bytes"] > 0  # streamed through disk
     engine.close()
+
+
+def _save_pp2(family: str, ckpt: str) -> None:
+    torch.set_num_threads(1)
+    engine = initialize(model=hf_model(family), config=_config(train={"micro_batch_size": 2, "grad_accum_steps": 2},
+                                                              parallel={"pp": 2, "dp": 1}))
+    it = train_batches(open_data(engine.config), engine.config, 1, 0)
+    for _ in range(3):
+        engine.train_batch(it)
+    engine.save(ckpt)
+    engine.close()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_export_hf_loads_in_transformers_with_the_same_logits(tmp_path, family: str) -> None:
+    """A checkpoint saved at pp = 2 (the split model's names) exports to a directory transformers'
+    from_pretrained loads, whose logits equal those of the checkpoint's values put into the model."""
+    from capstan.engine.checkpoint.tools import export
+
+    ckpt = tmp_path / "ckpt"
+    run_ranks(_save_pp2, 2, family, str(ckpt), timeout=300)
+    out = export(ckpt, tmp_path / "hf", "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    # the reference: the same checkpoint loaded by capstan into the one-process model
+    engine = initialize(model=hf_model(family), config=_config())
+    engine.load(ckpt)
+    values = engine.parameters_snapshot()
+    engine.close()
+    want = hf_model(family)
+    want.load_state_dict(values, strict=False)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, want(x).logits)
+    assert not torch.equal(want(x).logits, hf_model(family)(x).logits)  # it did train
+    with pytest.raises(Exception, match="not of a transformers model"):
+        engine2 = initialize(config=_config())
+        engine2.save(tmp_path / "gpt")
+        engine2.close()
+        export(tmp_path / "gpt", tmp_path / "nope", "hf")
+
+
+def _load_at_pp2(ckpt: str) -> list[float]:
+    torch.set_num_threads(1)
+    engine = initialize(model=hf_model("gpt2"), config=_config(train={"micro_batch_size": 2, "grad_accum_steps": 2},
+                                                              parallel={"pp": 2, "dp": 1}))
+    step = engine.load(ckpt)
+    it = train_batches(open_data(engine.config), engine.config, 1, 0, start_step=step)
+    losses = [engine.train_batch(it).loss for _ in range(step, STEPS)]
+    engine.close()
+    return losses
+
+
+def test_a_one_process_checkpoint_of_a_tied_model_resumes_pipelined(tmp_path) -> None:
+    """GPT-2 ties lm_head to wte: one process lists it once, so the head's stage takes the embedding's."""
+    engine = initialize(model=hf_model("gpt2"), config=_config())
+    it = train_batches(open_data(engine.config), engine.config, 1, 0)
+    for _ in range(4):
+        engine.train_batch(it)
+    engine.save(tmp_path / "ck")
+    engine.close()
+    want = plain_losses("gpt2")
+    for got in run_ranks(_load_at_pp2, 2, str(tmp_path / "ck"), timeout=300):
+        assert_trajectories_close(got, want[4:])

@@ -100,6 +100,19 @@ class LayerwiseInit:
             trim_heap()  # else glibc keeps the freed pages, and RSS grows layer after layer
 
 
+def hf_source(model: object) -> dict | None:
+    """What a checkpoint of a transformers model records for `capstan checkpoint export --format hf`:
+    its config (as its config.json holds it) and class; None for any other model."""
+    config = getattr(model, "config", None)
+    if not isinstance(model, nn.Module) or not callable(getattr(config, "to_json_string", None)):
+        return None
+    import json
+
+    n_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    return {"config": json.loads(config.to_json_string(use_diff=False)), "architecture": type(model).__name__,
+            "model_type": getattr(config, "model_type", None), "n_layers": n_layers}
+
+
 def hf_init(model: nn.Module) -> Callable[[nn.Module], None]:
     """`ChunkedModel(init_fn=...)` for a transformers model built on the meta device (``with
     torch.device("meta"): LlamaForCausalLM(config)``): each module, materialized on its own into its
@@ -282,8 +295,10 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
             if isinstance(model, nn.Module) and groups.tp.size > 1 and hf_layer_specs(model) is not None:
                 model, sliced = slice_for_tp(model, groups), True  # a transformers decoder: its family's plan
             stage = PipelineStage(cfg, groups, user_layer_specs(model), loss_fn, device=device, sliced=sliced)
-        return Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
-                      pipeline=stage, reference_model=model is None, init_fn=stage.init_fn, device=device)
+        engine = Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
+                        pipeline=stage, reference_model=model is None, init_fn=stage.init_fn, device=device)
+        engine.hf_source = hf_source(model)
+        return engine
     if cfg.parallel.sequence_parallel and model is not None:
         raise ValueError("parallel.sequence_parallel slices the reference GPT; a model of your own sets it on its "
                          "capstan.tensorpar layers (sequence_parallel=True) and leaves the option off")
@@ -331,5 +346,7 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
     if on_meta and init_fn is None and callable(getattr(module, "_init_weights", None)):
         init_fn = hf_init(module)
         hf_buffers(module)
-    return Engine(config=cfg, model=module, groups=groups, loss_fn=loss_fn or _default_loss(module),
-                  reference_model=model is None, init_fn=init_fn, device=device)
+    engine = Engine(config=cfg, model=module, groups=groups, loss_fn=loss_fn or _default_loss(module),
+                    reference_model=model is None, init_fn=init_fn, device=device)
+    engine.hf_source = hf_source(module)
+    return engine

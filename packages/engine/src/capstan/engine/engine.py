@@ -106,6 +106,7 @@ class Engine:
                  init_fn: Callable[[nn.Module], None] | None = None, device: torch.device | None = None) -> None:
         self.config, self.groups, self.loss_fn = config, groups, loss_fn
         self.reference_model = reference_model
+        self.hf_source: dict | None = None  # a transformers model's config and class (build.hf_source)
         # Where forward and backward run (build.resolve_device); chunks move there when they compute.
         self.device = device or torch.device("cpu")
         self.pipeline = pipeline  # with pp > 1: this rank's stage; `model` is then its chunks

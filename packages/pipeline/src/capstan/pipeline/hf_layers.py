@@ -29,7 +29,7 @@ from torch import nn
 
 from .partition import LayerSpec
 
-__all__ = ["hf_layer_specs", "HF_DECODERS"]
+__all__ = ["hf_layer_specs", "hf_param_name", "HF_DECODERS"]
 
 HF_DECODERS = ("gpt2", "llama", "mistral", "qwen2")
 
@@ -95,6 +95,29 @@ class Head(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(h))
+
+
+def hf_param_name(name: str, model_type: str, n_layers: int) -> str:
+    """A parameter's name in the split model (``<layer>.<name inside the layer module>``, as capstan's
+    checkpoints of a pipeline name it) -> its name in the transformers model."""
+    index, _, rest = name.partition(".")
+    i = int(index)
+    gpt2 = model_type == "gpt2"
+    if i == 0:  # the embedding: `weight` is the token embedding's (also reachable as wte / embed)
+        if rest in ("weight", "wte.weight", "embed.weight"):
+            return "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
+        return f"transformer.{rest}" if gpt2 else f"model.{rest}"
+    if i == n_layers + 1:  # the final norm and the head
+        if rest in ("weight", "head.weight"):
+            return "lm_head.weight"
+        if rest == "head.bias":
+            return "lm_head.bias"
+        if rest.startswith("norm."):
+            return ("transformer.ln_f." if gpt2 else "model.norm.") + rest[len("norm."):]
+        raise ValueError(f"unexpected parameter {name!r} in the head of a split {model_type} model")
+    if not rest.startswith("layer."):
+        raise ValueError(f"unexpected parameter {name!r} in decoder layer {i - 1} of a split {model_type} model")
+    return (f"transformer.h.{i - 1}." if gpt2 else f"model.layers.{i - 1}.") + rest[len("layer."):]
 
 
 def hf_layer_specs(model: nn.Module) -> list[LayerSpec] | None:

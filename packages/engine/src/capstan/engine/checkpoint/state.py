@@ -47,6 +47,7 @@ class LocalParam:
     tp_rank: int
     tp_size: int
     own: tuple[int, int]  # flat range of the local tensor this rank writes (empty: start == end)
+    alias: str | None = None  # another name holding the same values (a head tied to the embedding)
 
     @property
     def numel(self) -> int:
@@ -91,6 +92,28 @@ def canonical(name: str, pipelined: bool, prefix: str = "layers.") -> str:
 
 def _prefix(engine: Engine) -> str:
     return "layers." if engine.pipeline is None or engine.pipeline.reference else ""
+
+
+def canonical_name(engine: Engine, local_name: str) -> str:
+    """A parameter's layout-free name: `canonical`, and for a transformers decoder split into pipeline
+    layers its name in the transformers model (capstan.pipeline.hf_param_name), so its checkpoints
+    load under any layout and export under the model's own names."""
+    name = canonical(local_name, engine.pipeline is not None, _prefix(engine))
+    hf = engine.hf_source
+    if hf and engine.pipeline is not None:
+        from capstan.pipeline import hf_param_name
+
+        return hf_param_name(name, hf["model_type"], hf["n_layers"])
+    return name
+
+
+def _tied_alias(engine: Engine, name: str) -> str | None:
+    """A transformers head tied to its embedding: a checkpoint from one process has only the embedding
+    (the model lists a tied parameter once), so the head's stage loads from it."""
+    hf = engine.hf_source
+    if not hf or name != "lm_head.weight" or not hf["config"].get("tie_word_embeddings", True):
+        return None
+    return "transformer.wte.weight" if hf["model_type"] == "gpt2" else "model.embed_tokens.weight"
 
 
 def _raw_module(engine: Engine) -> nn.Module:
@@ -139,8 +162,8 @@ class FlatView(StateView):
         pos = 0
         for p in opt.params:
             local_name, owner = owners[id(p)]
-            lp = _describe(canonical(local_name, engine.pipeline is not None, _prefix(engine)), p, tuple(p.shape), owner,
-                           g.tp.rank, g.tp.size)
+            lp = _describe(canonical_name(engine, local_name), p, tuple(p.shape), owner, g.tp.rank, g.tp.size)
+            lp.alias = _tied_alias(engine, lp.name)
             n = p.numel()
             lo, hi = max(pos, opt.lo), min(pos + n, opt.hi)
             writes = (lp.tp_dim is not None or g.tp.rank == 0) and (opt.stage > 0 or g.dp.rank == 0)
@@ -192,8 +215,9 @@ class ChunkView(StateView):
         self.params, self._homes = [], {}
         for home in self.model.homes.values():
             _, owner = owners[id(home.param)]
-            lp = _describe(canonical(home.name, engine.pipeline is not None, _prefix(engine)), home.param, tuple(home.slot.shape),
-                           owner, g.tp.rank, g.tp.size)
+            lp = _describe(canonical_name(engine, home.name), home.param, tuple(home.slot.shape), owner, g.tp.rank,
+                           g.tp.size)
+            lp.alias = _tied_alias(engine, lp.name)
             if id(home.param) in mine and (lp.tp_dim is not None or g.tp.rank == 0):
                 lp.own = (0, lp.numel)
             self.params.append(lp)

@@ -188,6 +188,8 @@ def _manifest(engine: Engine, directory: Path) -> dict[str, object]:
     return {
         "format": FORMAT, "version": VERSION, "step": engine.global_step,
         "layout": _layout(engine), "config": cfg.as_dict(),
+        # A transformers model: what `capstan checkpoint export --format hf` writes its config.json from.
+        "hf": {**engine.hf_source, "pipelined": engine.pipeline is not None} if engine.hf_source else None,
         "train_state": {
             "global_step": engine.global_step,
             "consumed_samples": engine.global_step * derived["global_batch"],
@@ -331,14 +333,15 @@ def _load(engine: Engine, path: Path) -> int:
     index = piece_index(manifest)
     view = state_view(engine)
     for lp in view.params:
-        desc = manifest["params"].get(lp.name)
+        source = lp.name if lp.name in manifest["params"] or lp.alias is None else lp.alias
+        desc = manifest["params"].get(source)
         if desc is None:
             raise CheckpointError(f"checkpoint {directory} has no parameter {lp.name} "
                                   f"(it has {len(manifest['params'])} parameters)")
         if tuple(desc["shape"]) != lp.full_shape:
             raise CheckpointError(f"checkpoint {directory}: {lp.name} has shape {tuple(desc['shape'])}, "
                                   f"this model's is {lp.full_shape}")
-        _load_param(directory, manifest, index, view, lp)
+        _load_param(directory, manifest, index, view, lp, source)
     view.finish_load()
     state = manifest["train_state"]
     view.optimizer_step = int(state["optimizer_step"])
@@ -350,12 +353,12 @@ def _load(engine: Engine, path: Path) -> int:
     return engine.global_step
 
 
-def _load_param(directory: Path, manifest: dict, index: dict, view: object, lp: LocalParam) -> None:
+def _load_param(directory: Path, manifest: dict, index: dict, view: object, lp: LocalParam, source: str) -> None:
     for field in FIELDS:
-        pieces = index.get((lp.name, field))
+        pieces = index.get((source, field))
         if not pieces:
             raise CheckpointError(f"checkpoint {directory} has no {field} for {lp.name}")
-        full = assemble(directory, manifest, pieces, lp.name)
+        full = assemble(directory, manifest, pieces, source)
         view.write(lp, field, slice_tp(full, lp))  # type: ignore[attr-defined]
 
 

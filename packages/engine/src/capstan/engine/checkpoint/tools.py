@@ -71,13 +71,9 @@ def format_inspect(info: dict) -> str:
     return "\n".join(lines)
 
 
-def export(path: str | Path, out: str | Path) -> Path:
-    """Write the consolidated parameters of the checkpoint at `path` to `out` (safetensors)."""
-    directory = _find(path)
-    manifest = read_manifest(directory)
+def _entries(directory: Path, manifest: dict) -> list[Entry]:
+    """One streamed entry per parameter (assembled from its pieces when written)."""
     index = piece_index(manifest)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     entries = []
     for name, desc in manifest["params"].items():
         pieces = index.get((name, "param"))
@@ -85,8 +81,37 @@ def export(path: str | Path, out: str | Path) -> Path:
             raise CheckpointError(f"checkpoint {directory} has no values for {name}")
         entries.append(Entry(name, tuple(desc["shape"]), torch.float32,
                              lambda n=name, p=pieces: assemble(directory, manifest, p, n)))
-    write_safetensors(out, entries, {"format": "capstan-export", "step": str(manifest["step"])})
+    return entries
+
+
+def export(path: str | Path, out: str | Path, fmt: str = "safetensors") -> Path:
+    """Write the consolidated parameters of the checkpoint at `path` to `out`: one safetensors file, or
+    with ``fmt="hf"`` a directory that transformers' ``from_pretrained`` loads (config.json and
+    model.safetensors under the model's own names) for a checkpoint of a transformers model."""
+    directory = _find(path)
+    manifest = read_manifest(directory)
+    if fmt == "hf":
+        return _export_hf(directory, manifest, Path(out))
+    if fmt != "safetensors":
+        raise CheckpointError(f"export format {fmt!r}: expected \"safetensors\" or \"hf\"")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out, _entries(directory, manifest), {"format": "capstan-export", "step": str(manifest["step"])})
     config = {"step": manifest["step"], "model": manifest["config"].get("model"), "layout": manifest["layout"],
               "source": str(directory)}
     (out.parent / (out.stem + ".config.json")).write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+def _export_hf(directory: Path, manifest: dict, out: Path) -> Path:
+    """config.json (the model's config and class) and model.safetensors (its own parameter names)."""
+    hf = manifest.get("hf")
+    if not hf:
+        raise CheckpointError(f"checkpoint {directory} is not of a transformers model (its manifest has no \"hf\" "
+                              "section): export --format hf needs a model passed to initialize() from transformers")
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**hf["config"], "architectures": [hf["architecture"]], "torch_dtype": "float32"}
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    # The checkpoint names parameters as the transformers model does under any layout (checkpoint/state.py).
+    write_safetensors(out / "model.safetensors", _entries(directory, manifest), {"format": "pt", "step": str(manifest["step"])})
     return out

@@ -201,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_cmd_checkpoint_inspect)
     export = ckpt_sub.add_parser("export", help="one consolidated safetensors file (+ config JSON), streamed")
     export.add_argument("dir", help="a step_* directory, or a directory of them (the newest)")
-    export.add_argument("out", help="the .safetensors file to write")
+    export.add_argument("out", help="the .safetensors file to write (with --format hf: a directory)")
+    export.add_argument("--format", default="safetensors", choices=("safetensors", "hf"),
+                        help="hf: a directory transformers' from_pretrained loads (a transformers model's checkpoint)")
     export.set_defaults(func=_cmd_checkpoint_export)
     bench = sub.add_parser("bench-disk", help="disk and CPU rates for offload, and the step time they allow "
                                               "(docs/chunkmem.md)")
@@ -230,8 +232,11 @@ def _cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
 def _cmd_checkpoint_export(args: argparse.Namespace) -> int:
     from ..checkpoint.tools import export
 
-    out = export(args.dir, args.out)
-    print(f"wrote {out} and {out.parent / (out.stem + '.config.json')}")
+    out = export(args.dir, args.out, args.format)
+    if args.format == "hf":
+        print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
+    else:
+        print(f"wrote {out} and {out.parent / (out.stem + '.config.json')}")
     return 0
 
 
