@@ -12,7 +12,7 @@ from typing import Any
 
 from capstan import comm
 
-__all__ = ["MetricsSink", "progress_line", "human_bytes", "plot_losses"]
+__all__ = ["MetricsSink", "progress_line", "human_bytes", "plot_losses", "plot_memory", "memory_summary"]
 
 log = comm.get_logger(__name__)
 
@@ -99,6 +99,59 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> bool:
     ax.set_ylabel("loss (nats / token)")
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def memory_summary(records: list[dict[str, Any]], state_bytes: int | None, budget: int | None) -> str:
+    """The run's memory in one phrase: where the model states lived, the peak of each tier, bytes moved."""
+    last = records[-1]
+    peaks = {k.split(".")[1]: v for k, v in last.items() if k.startswith("mem.") and k.endswith(".peak_bytes")}
+    if state_bytes is None:  # plain tensors
+        return "peak memory " + ", ".join(f"{tier} {human_bytes(v)}" for tier, v in peaks.items())
+    parts = [f"model states {human_bytes(state_bytes)} in chunks"]
+    ram = peaks.get("cpu", 0)
+    parts.append(f"RAM peak {human_bytes(ram)}" + (f" of a {human_bytes(budget)} budget" if budget else ""))
+    parts += [f"{tier} peak {human_bytes(v)}" for tier, v in peaks.items() if tier != "cpu"]
+    moved = last.get("mem.moved_bytes", 0)
+    if moved:
+        parts.append(f"{human_bytes(moved)} moved ({human_bytes(moved / max(1, len(records)))} per step)")
+    return ", ".join(parts)
+
+
+def plot_memory(records: list[dict[str, Any]], timeline: list[int], budget: int | None, path: Path) -> bool:
+    """memory.png beside loss.png: each tier's peak per step, and RAM at every chunk access (moment) of
+    the last step against its budget (the chunk system's own accounting). False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    mib = 2**20
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    steps = [r["step"] for r in records]
+    tiers = sorted({k.split(".")[1] for r in records for k in r if k.startswith("mem.") and k.endswith(".peak_bytes")})
+    for tier in tiers:
+        left.plot(steps, [r.get(f"mem.{tier}.peak_bytes", 0) / mib for r in records], label=f"{tier} peak")
+    if budget:
+        left.axhline(budget / mib, color="tab:red", linestyle="--", label="RAM budget")
+    left.set_xlabel("step")
+    left.set_ylabel("MiB")
+    left.set_ylim(bottom=0)
+    left.set_title("memory per tier")
+    left.legend()
+    if timeline:
+        right.plot([b / mib for b in timeline], color="tab:blue", label="RAM held by chunks")
+        if budget:
+            right.axhline(budget / mib, color="tab:red", linestyle="--", label="RAM budget")
+        right.set_xlabel("chunk access (moment) in the last step")
+        right.set_ylim(bottom=0)
+        right.set_title(f"moved {records[-1].get('mem.moved_bytes', 0) / 2**30:.1f} GiB in {len(records)} steps")
+        right.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

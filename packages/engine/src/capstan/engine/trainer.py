@@ -20,7 +20,7 @@ from .build import initialize, resolve_groups
 from .config.load import Sources, to_toml
 from .config.schema import Config
 from .data.sources import TokenData, train_batches, val_batches
-from .metrics import MetricsSink, human_bytes, plot_losses, progress_line
+from .metrics import MetricsSink, memory_summary, plot_losses, plot_memory, progress_line
 from .rundir import check_resume, lock_run
 
 __all__ = ["run"]
@@ -95,16 +95,23 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups) -> list[dict]:
         with contextlib.suppress(Exception):
             engine.close()
         raise
+    states = timeline = None
+    if engine.chunked:  # the last step's RAM at every chunk access, and all the chunks' bytes
+        timeline = list(engine.manager.cpu.stats.timeline)
+        states = sum(e.chunk.nbytes for e in engine.manager.entries.values())
     sink.close()
     engine.close()
     if rank0 and sink.records:
+        wrote = [run_dir / "metrics.jsonl", run_dir / "config.resolved.toml"]
         if plot_losses(sink.records, run_dir / "loss.png"):
-            log.info("wrote %s, %s and %s", run_dir / "metrics.jsonl", run_dir / "config.resolved.toml",
-                     run_dir / "loss.png")
+            wrote.append(run_dir / "loss.png")
+        if states is not None and plot_memory(sink.records, timeline or [], cfg.memory.cpu_budget,
+                                              run_dir / "memory.png"):
+            wrote.append(run_dir / "memory.png")
+        log.info("wrote %s", ", ".join(map(str, wrote)))
         last_rec = sink.records[-1]
-        peaks = ", ".join(f"{k.split('.')[1]} {human_bytes(v)}" for k, v in last_rec.items()
-                          if k.startswith("mem.") and k.endswith(".peak_bytes"))
-        log.info("done: %d steps, final loss %.4f, peak memory %s", last_rec["step"], last_rec["loss"], peaks)
+        log.info("done: %d steps, final loss %.4f, %s", last_rec["step"], last_rec["loss"],
+                 memory_summary(sink.records, states, cfg.memory.cpu_budget))
     return sink.records
 
 
