@@ -119,3 +119,20 @@ def test_pipeline_under_mpirun_matches_one_process(tmp_path: Path) -> None:
     val = {k: [json.loads(x)["val_loss"] for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()
                if "val_loss" in json.loads(x)] for k in ("pp", "one")}
     assert len(val["pp"]) == 2 and val["pp"] == pytest.approx(val["one"], rel=1e-5)  # eval through the stages
+
+
+def test_the_main_job_config_streams_through_disk_and_reports_it(tmp_path: Path) -> None:
+    """examples/offload.toml (README command 1), shortened: states several times the RAM budget, a disk
+    tier, the summary of memory per tier and bytes moved, and memory.png beside loss.png."""
+    run = tmp_path / "run"
+    cmd = _capstan() + ["train", "--config", str(REPO / "examples" / "offload.toml"), "--set", "train.steps=3",
+                        "--set", "train.warmup_steps=1", "--set", "train.eval_every=0",
+                        "--set", f'log.run_dir="{run}"', "--set", f'memory.disk_dir="{tmp_path / "chunks"}"']
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env({"OMP_NUM_THREADS": "1"}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    done = [ln for ln in out.stderr.splitlines() if "done: 3 steps" in ln]
+    assert len(done) == 1, out.stderr[-2000:]
+    m = re.search(r"model states ([\d.]+) MiB in chunks, RAM peak ([\d.]+) MiB of a 12.0 MiB budget, disk peak "
+                  r"[\d.]+ MiB, [\d.]+ [MG]iB moved", done[0])
+    assert m and float(m.group(1)) > 4 * 12 and float(m.group(2)) <= 12.0, done[0]
+    assert (run / "memory.png").stat().st_size > 0 and (run / "loss.png").stat().st_size > 0
