@@ -10,6 +10,7 @@ ZeRO-2 and ZeRO-3 through disk. A batch that is a dict with labels uses the loss
 
 from __future__ import annotations
 
+import json
 import tempfile
 
 import pytest
@@ -272,3 +273,24 @@ def test_a_one_process_checkpoint_of_a_tied_model_resumes_pipelined(tmp_path) ->
     want = plain_losses("gpt2")
     for got in run_ranks(_load_at_pp2, 2, str(tmp_path / "ck"), timeout=300):
         assert_trajectories_close(got, want[4:])
+
+
+def test_capstan_train_with_model_hf_and_export_round_trip(tmp_path) -> None:
+    """[model] hf = a transformers config: `capstan train` builds it (into chunks, on meta), trains it,
+    exports --format hf; model.hf = that export then fine-tunes from its weights."""
+    from capstan.engine import cli
+
+    hf_model("llama").config.save_pretrained(tmp_path / "cfg")
+    run = tmp_path / "run"
+    base = ["train", "--config", str(tmp_path / "c.json"), "--set", f'log.run_dir="{run}"']
+    (tmp_path / "c.json").write_text(json.dumps({**_config(memory={"offload": "cpu"}), "checkpoint": {"every": 5},
+                                                 "model": {"seq_len": 16, "hf": str(tmp_path / "cfg")}}))
+    assert cli.main(base) == 0
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == STEPS and records[-1]["loss"] < records[0]["loss"]
+    assert cli.main(["checkpoint", "export", str(run / "checkpoints"), str(tmp_path / "out"), "--format", "hf"]) == 0
+    tuned = tmp_path / "run2"
+    assert cli.main(base[:3] + ["--set", f'log.run_dir="{tuned}"', "--set", f'model.hf="{tmp_path / "out"}"',
+                                "--set", "train.steps=1"]) == 0
+    first = json.loads((tuned / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] < records[0]["loss"] - 0.5  # it started from the trained weights

@@ -100,6 +100,41 @@ class LayerwiseInit:
             trim_heap()  # else glibc keeps the freed pages, and RSS grows layer after layer
 
 
+def build_hf_model(cfg: Config) -> nn.Module:
+    """The transformers causal LM of ``model.hf``: from_pretrained where the directory holds weights,
+    else from its config (on the meta device with chunked memory, so it goes straight into chunks)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model.hf needs the transformers package: pip install 'capstan-engine[hf]'") from None
+    path = Path(cfg.model.hf)
+    directory = path.parent if path.is_file() else path
+    if not (directory / "config.json").is_file() and not path.is_file():
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: no config.json there (a transformers model directory, "
+                          "or its config.json)")
+    try:
+        hf_cfg = transformers.AutoConfig.from_pretrained(str(path if path.is_file() else directory))
+        vocab = getattr(hf_cfg, "vocab_size", 0)
+        positions = getattr(hf_cfg, "max_position_embeddings", None) or getattr(hf_cfg, "n_positions", None)
+        if cfg.data.tokenizer == "byte" and not cfg.data.source.endswith(".bin") and vocab < 256:
+            raise ConfigError(f"model.hf: the model's vocab_size {vocab} is below the byte tokenizer's 256 ids")
+        if positions is not None and cfg.model.seq_len > positions:
+            raise ConfigError(f"model.seq_len = {cfg.model.seq_len} exceeds model.hf's {positions} positions")
+        weights = any((directory / f).exists() for f in ("model.safetensors", "model.safetensors.index.json",
+                                                         "pytorch_model.bin", "pytorch_model.bin.index.json"))
+        if weights:
+            return transformers.AutoModelForCausalLM.from_pretrained(str(directory), config=hf_cfg,
+                                                                     dtype=torch.float32)
+        torch.manual_seed(cfg.train.seed)
+        if uses_chunks(cfg) and cfg.parallel.tp == 1 and cfg.parallel.pp == 1:
+            with torch.device("meta"):
+                return transformers.AutoModelForCausalLM.from_config(hf_cfg)
+        return transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: transformers could not build it: "
+                          f"{' '.join(str(exc).split())[:300]}") from None
+
+
 def hf_source(model: object) -> dict | None:
     """What a checkpoint of a transformers model records for `capstan checkpoint export --format hf`:
     its config (as its config.json holds it) and class; None for any other model."""
@@ -262,6 +297,8 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
             comm.log_rank0(comm.get_logger(__name__), "deepspeed: %s", note)
         layers.append((sections, "the DeepSpeed config"))
     cfg, sources = resolve(config, overrides, reference_model=model is None, layers=layers)
+    if model is None and cfg.model.hf is not None:
+        model = build_hf_model(cfg)
     if groups is None:
         groups = resolve_groups(cfg, sources)
     else:

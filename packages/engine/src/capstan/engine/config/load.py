@@ -261,10 +261,11 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
     """Rules between fields that need no processes; raises the first violation, returns the config with
     conflicting defaults fitted (`_clamp_defaults`)."""
     cfg = _clamp_defaults(cfg, sources)
+    reference_model = reference_model and cfg.model.hf is None  # model.hf: a transformers model's own sizes
     m, p, t, mem, d = cfg.model, cfg.parallel, cfg.train, cfg.memory, cfg.data
-    if m.d_model % m.n_heads:
+    if reference_model and m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model = {m.d_model} must be divisible by model.n_heads = {m.n_heads}")
-    if m.n_heads % p.tp:
+    if reference_model and m.n_heads % p.tp:
         raise ConfigError(f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} "
                           f"(tp from {_src(sources, 'parallel.tp')})")
     if d.tokenizer == "byte" and not d.source.endswith(".bin") and m.vocab_size < 256:

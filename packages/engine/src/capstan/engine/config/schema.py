@@ -49,6 +49,8 @@ class ModelConfig:
     """Token ids; at least the tokenizer's vocabulary (256 for "byte"; for "bpe", the vocabulary it trains), need not divide by tp."""
     dropout: float = constraint(0.0, ge=0.0, lt=1.0)
     """Dropout on embeddings, attention probabilities and residual branches."""
+    hf: str | None = constraint(None, nullable=True)
+    """Train a Hugging Face transformers causal LM instead of the reference GPT: a directory holding its config.json (and, to fine-tune, its weights, loaded with from_pretrained; without weights it starts from the model's own random initialization) or a config.json file. The layer/size keys above are then the model's; seq_len still sets the training sequences. Needs the transformers package (capstan-engine[hf]); tp, pp, offload and export --format hf work as for a model passed to initialize (docs/engine.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)
