@@ -8,6 +8,7 @@ several processes, and returns when the run is done.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -15,11 +16,12 @@ import torch
 from capstan import comm
 from capstan.comm import faults
 
-from . import checkpoint
+from . import checkpoint, stop
 from .build import initialize, resolve_groups
 from .config.load import Sources, to_toml
 from .config.schema import Config
 from .data.sources import TokenData, train_batches, val_batches
+from .engine import Engine
 from .metrics import MetricsSink, memory_summary, plot_losses, plot_memory, progress_line
 from .rundir import check_resume, lock_run
 
@@ -67,26 +69,9 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups) -> list[dict]:
                    ", ".join(f"{k} {v}" for k, v in derived.items()))
     batches = train_batches(data, cfg, dp, dp_rank, start_step=start)
     vals = val_batches(data, cfg, dp, dp_rank) if t.eval_every else []
-    elapsed: list[float] = []
     try:
-        for step in range(start, t.steps):
-            info = engine.train_batch(batches)
-            faults.crash_point("train.step", step=info.step)
-            elapsed.append(info.seconds)
-            record = {"step": info.step, "loss": info.loss, "lr": info.lr,
-                      "tokens_per_s": derived["tokens_per_step"] / max(info.seconds, 1e-9),
-                      "grad_norm": info.grad_norm, "loss_scale": info.loss_scale, "skipped": info.skipped,
-                      "step_s": info.seconds, **info.mem}
-            last = step + 1 == t.steps
-            if t.eval_every and (info.step % t.eval_every == 0 or last):
-                record["val_loss"] = engine.eval_batch(vals)
-            sink.write(record)
-            if info.step == 1 or info.step % cfg.log.every == 0 or last or record.get("val_loss"):
-                recent = elapsed[-20:]  # the first step (warm-up trace, allocation) is slower
-                eta = (t.steps - info.step) * sum(recent) / len(recent)
-                comm.log_rank0(log, "%s", progress_line(record, t.steps, eta))
-            if cfg.checkpoint.every and (info.step % cfg.checkpoint.every == 0 or last):
-                engine.save(ckpt_root)
+        with stop.at_step_boundaries():  # SIGTERM: every rank stops after the same step (stop.py)
+            _train_steps(cfg, engine, groups, batches, vals, sink, ckpt_root, start, derived)
     except BaseException:
         # Closing after a failure must not replace its error with another (a second failed write of
         # a full disk, a peer already gone): the first one is what the rank reports.
@@ -113,6 +98,33 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups) -> list[dict]:
         log.info("done: %d steps, final loss %.4f, %s", last_rec["step"], last_rec["loss"],
                  memory_summary(sink.records, states, cfg.memory.cpu_budget))
     return sink.records
+
+
+def _train_steps(cfg: Config, engine: Engine, groups: comm.Groups, batches: Iterator, vals: list,
+                 sink: MetricsSink, ckpt_root: Path, start: int, derived: dict) -> None:
+    """The training loop: a step, its record and progress line, evaluation and checkpoint, and the
+    ranks' agreement on a stop signal at its end."""
+    t = cfg.train
+    elapsed: list[float] = []
+    for step in range(start, t.steps):
+        info = engine.train_batch(batches)
+        faults.crash_point("train.step", step=info.step)
+        elapsed.append(info.seconds)
+        record = {"step": info.step, "loss": info.loss, "lr": info.lr,
+                  "tokens_per_s": derived["tokens_per_step"] / max(info.seconds, 1e-9),
+                  "grad_norm": info.grad_norm, "loss_scale": info.loss_scale, "skipped": info.skipped,
+                  "step_s": info.seconds, **info.mem}
+        last = step + 1 == t.steps
+        if t.eval_every and (info.step % t.eval_every == 0 or last):
+            record["val_loss"] = engine.eval_batch(vals)
+        sink.write(record)
+        if info.step == 1 or info.step % cfg.log.every == 0 or last or record.get("val_loss"):
+            recent = elapsed[-20:]  # the first step (warm-up trace, allocation) is slower
+            eta = (t.steps - info.step) * sum(recent) / len(recent)
+            comm.log_rank0(log, "%s", progress_line(record, t.steps, eta))
+        if cfg.checkpoint.every and (info.step % cfg.checkpoint.every == 0 or last):
+            engine.save(ckpt_root)
+        stop.agree_to_stop(groups.world)
 
 
 def _layout(cfg: Config, groups: comm.Groups, device: torch.device) -> str:

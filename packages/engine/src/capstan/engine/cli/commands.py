@@ -17,11 +17,11 @@ skips interpreter teardown).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+
+from ..stop import Stopped, stop_on_signals
 
 __all__ = ["main", "entry", "build_parser", "EXIT_BAD_INPUT"]
 
@@ -30,46 +30,6 @@ EXIT_BAD_INPUT = 2
 
 class _UsageError(Exception):
     pass
-
-
-class Stopped(BaseException):
-    """SIGTERM or SIGHUP reached a training rank: a scheduler (SLURM, Kubernetes, systemd) or
-    `capstan launch` is stopping the job. A BaseException, like KeyboardInterrupt, so no `except
-    Exception` on the way out swallows it; the run's `finally` blocks still close files."""
-
-    def __init__(self, signum: int) -> None:
-        import signal
-
-        self.signum = signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """Inside: SIGTERM and SIGHUP stop this rank cleanly (`Stopped`, exit 128 + signal); a second one
-    kills at once, as without the handler. A checkpoint being saved is left as `.partial`, never
-    half-renamed. The previous handlers come back on the way out (tests call `main` in-process)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
-        yield
-        return
-    sigs = (signal.SIGTERM, signal.SIGHUP)
-    before = {s: signal.getsignal(s) for s in sigs}
-
-    def stop(signum: int, frame: object) -> None:
-        for s in sigs:
-            signal.signal(s, signal.SIG_DFL)
-        raise Stopped(signum)
-
-    for s in sigs:
-        signal.signal(s, stop)
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -106,14 +66,14 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    with _stop_on_signals():
+    with stop_on_signals():
         return _train(args)
 
 
 def _train(args: argparse.Namespace) -> int:
     from importlib.util import find_spec
 
-    from ..config.load import ConfigError, check_world, resolve
+    from ..config.load import ConfigError, check_world
 
     # The config first: this needs no torch, so the commonest mistakes fail in a fraction of a second.
     cfg, sources = _resolve_train_config(args)
