@@ -18,8 +18,11 @@ never touches the next. Sections:
 * ``deepspeed``: DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, DeepSpeedCPUAdam) on the same
   model and batch, when deepspeed imports (carry its wheel in; its CPU Adam builds at first use).
   Target: capstan offload >= 1.5x.
+* ``fsdp``: FSDP2 (`fully_shard` per block) with `CPUOffloadPolicy` and bf16 `MixedPrecisionPolicy`, the
+  optimizer stepping on the CPU: PyTorch's own offload, on the same model and batch.
 * ``scale`` (--scale): the largest GPT (d_model fixed, layers doubled then bisected) that trains
-  one step: plain PyTorch (all on the GPU) and capstan with offload cpu (and disk with --disk DIR).
+  one step: plain PyTorch (all on the GPU), FSDP2 with CPU offload, DeepSpeed ZeRO-Offload (when it
+  imports) and capstan with offload cpu (and disk with --disk DIR); capstan's over each peer's.
 """
 
 from __future__ import annotations
@@ -107,6 +110,46 @@ def run_plain(cfg: dict) -> dict:
             "peak_gpu": torch.cuda.max_memory_allocated()}
 
 
+def run_fsdp(cfg: dict) -> dict:
+    """FSDP2 (`fully_shard` per block and at the root) with `CPUOffloadPolicy`: parameters, gradients
+    and optimizer states in pinned RAM, each block's parameters copied to the GPU for its compute,
+    the optimizer (torch AdamW) stepping on the CPU; bf16 compute through `MixedPrecisionPolicy`."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from capstan import comm
+    from capstan.engine.build import build_reference_model
+    from capstan.engine.config import resolve
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29518"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", 0))
+    c, _ = resolve(cfg)
+    model = build_reference_model(c, comm.single_process_groups())
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=True),
+              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    for layer in model.layers:
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    params = sum(p.numel() for p in model.parameters())
+    times = []
+    for b in _tokens(cfg, cfg["train"]["steps"]):
+        x, y = b[:, :-1].cuda(non_blocking=True), b[:, 1:].cuda(non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model.loss(model(x).float(), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    return {"params": params, "step_s": _median(times[2:]), "peak_gpu": torch.cuda.max_memory_allocated()}
+
+
 def run_deepspeed(cfg: dict) -> dict:
     import deepspeed
     import torch
@@ -188,6 +231,7 @@ def speed(args: argparse.Namespace, report: dict) -> None:
     rows = {"plain PyTorch": _child("run_plain", cfg, args.timeout),
             "capstan": _child("run_capstan", cfg, args.timeout),
             "capstan offload cpu": _child("run_capstan", {**cfg, "memory": {"offload": "cpu"}}, args.timeout)}
+    rows["FSDP2 CPUOffloadPolicy"] = _child("run_fsdp", cfg, args.timeout)
     if _has_deepspeed():
         rows["DeepSpeed ZeRO-Offload"] = _child("run_deepspeed", cfg, args.timeout)
     for name, r in rows.items():
@@ -212,13 +256,18 @@ def speed(args: argparse.Namespace, report: dict) -> None:
     report["ratios"] = {"capstan / plain (target >= 0.95)": ratio("capstan", "plain PyTorch"),
                         "capstan offload / capstan (target >= 0.5)": ratio("capstan offload cpu", "capstan"),
                         "capstan offload / DeepSpeed ZeRO-Offload (target >= 1.5)":
-                            ratio("capstan offload cpu", "DeepSpeed ZeRO-Offload")}
+                            ratio("capstan offload cpu", "DeepSpeed ZeRO-Offload"),
+                        "capstan offload / FSDP2 CPUOffloadPolicy": ratio("capstan offload cpu",
+                                                                          "FSDP2 CPUOffloadPolicy")}
     for name, value in report["ratios"].items():
         print(f"  {name}: {'n/a' if value is None else f'{value:.2f}x'}")
 
 
 def scale(args: argparse.Namespace, report: dict) -> None:
-    systems = {"plain PyTorch": ("run_plain", {}), "capstan offload cpu": ("run_capstan", {"offload": "cpu"})}
+    systems = {"plain PyTorch": ("run_plain", {}), "FSDP2 CPUOffloadPolicy": ("run_fsdp", {}),
+               "capstan offload cpu": ("run_capstan", {"offload": "cpu"})}
+    if _has_deepspeed():
+        systems["DeepSpeed ZeRO-Offload"] = ("run_deepspeed", {})
     if args.disk:
         systems["capstan offload disk"] = ("run_capstan", {"offload": "disk", "disk_dir": args.disk,
                                                            "cpu_budget": args.cpu_budget})
@@ -240,6 +289,12 @@ def scale(args: argparse.Namespace, report: dict) -> None:
         out[name] = {"layers": lo, "params": lo * 12 * d * d + 2 * 50304 * d}
         print(f"  {name:24s} {lo} layers of d {d}: {out[name]['params'] / 1e9:.2f}B parameters")
     report["scale"] = out
+    best = max((r["params"] for n, r in out.items() if n.startswith("capstan")), default=0)
+    for peer, target in (("plain PyTorch", 3.0), ("DeepSpeed ZeRO-Offload", 1.2), ("FSDP2 CPUOffloadPolicy", None)):
+        if out.get(peer, {}).get("params"):
+            ratio = best / out[peer]["params"]
+            report.setdefault("scale_ratios", {})[f"capstan / {peer}"] = ratio
+            print(f"  capstan / {peer}: {ratio:.2f}x" + (f" (target >= {target})" if target else ""))
 
 
 def _has_deepspeed() -> bool:
