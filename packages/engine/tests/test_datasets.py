@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from capstan.engine import DataError, dataset_batches, initialize, open_data
-from capstan.engine.config import resolve
+from capstan.engine.config import ConfigError, resolve
 
 SEQ = 16
 
@@ -116,3 +117,73 @@ def test_jsonl_source(tmp_path: Path) -> None:
     bad.write_text('{"text": "fine"}\nnot json\n')
     with pytest.raises(DataError, match=r"bad.jsonl line 2 is not JSON"):
         open_data(resolve({"data": {"source": str(bad)}, "model": {"seq_len": SEQ}})[0])
+
+
+def _documents() -> list[dict]:
+    return [{"id": i, "body": f"document {i} says {'abc'[i % 3]} " * (20 + i % 7)} for i in range(60)]
+
+
+def _tokens(tmp_path: Path, source: Path, **data: object) -> object:
+    cfg, _ = resolve({"data": {"source": str(source), "text_field": "body", **data},
+                      "model": {"seq_len": SEQ, "vocab_size": 320}, "log": {"run_dir": str(tmp_path / "run")}})
+    return open_data(cfg).tokens
+
+
+def test_parquet_and_saved_datasets_sources_read_the_same_text_as_jsonl(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets", reason="the datasets extra (capstan-engine[hf]) is not installed")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = _documents()
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    table = pa.Table.from_pylist(docs)
+    pq.write_table(table, tmp_path / "docs.parquet", row_group_size=7)  # several record batches
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for k in range(3):  # read in file-name order
+        pq.write_table(table.slice(20 * k, 20), shards / f"part-{k:02d}.parquet")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(docs)}).save_to_disk(str(tmp_path / "saved"))
+
+    want = _tokens(tmp_path, tmp_path / "docs.jsonl")
+    for source in ("docs.parquet", "shards", "saved"):
+        assert np.array_equal(_tokens(tmp_path, tmp_path / source), want), source
+    with pytest.raises(DataError, match=r"docs.parquet has no column 'text' \(data.text_field\); its columns: id, body"):
+        open_data(resolve({"data": {"source": str(tmp_path / "docs.parquet")}, "model": {"seq_len": SEQ}})[0])
+    with pytest.raises(DataError, match=r"record 0 of a batch has a int in column 'id', not a string"):
+        _tokens(tmp_path, tmp_path / "docs.parquet", text_field="id")
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=r"broken.parquet is not a readable Parquet file"):
+        _tokens(tmp_path, tmp_path / "broken.parquet")
+
+
+def test_a_transformers_tokenizer_folder_tokenizes_a_parquet_source_and_trains(tmp_path: Path) -> None:
+    """data.tokenizer_file = a save_pretrained folder: its tokenizer.json gives the ids, packed into
+    seq_len sequences; `capstan train` runs on them."""
+    pytest.importorskip("datasets", reason="the datasets extra (capstan-engine[hf]) is not installed")
+    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from capstan.engine import cli
+    from capstan.engine.data import bpe
+
+    docs = _documents()
+    pq.write_table(pa.Table.from_pylist(docs), tmp_path / "docs.parquet")
+    text = "\n\n".join(d["body"] for d in docs)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe.train_bpe(text.encode(), 300))
+    tok.save_pretrained(tmp_path / "tok")
+    ids = _tokens(tmp_path, tmp_path / "docs.parquet", tokenizer="bpe", tokenizer_file=str(tmp_path / "tok"))
+    assert ids.tolist() == tok(text)["input_ids"] and len(ids) < len(text) // 2  # merges were used
+    with pytest.raises(ConfigError, match=r"data.tokenizer_file = .* is a folder without a tokenizer.json"):
+        _tokens(tmp_path, tmp_path / "docs.parquet", tokenizer="bpe", tokenizer_file=str(tmp_path))
+
+    run = tmp_path / "train"
+    (tmp_path / "c.json").write_text(json.dumps({
+        "model": {"n_layers": 1, "d_model": 32, "n_heads": 4, "seq_len": SEQ, "vocab_size": 320},
+        "data": {"source": str(tmp_path / "docs.parquet"), "text_field": "body", "tokenizer": "bpe",
+                 "tokenizer_file": str(tmp_path / "tok")},
+        "train": {"steps": 8, "micro_batch_size": 4, "lr": 3e-3}, "log": {"run_dir": str(run)}}))
+    assert cli.main(["train", "--config", str(tmp_path / "c.json")]) == 0
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and records[-1]["loss"] < records[0]["loss"]
+    assert (run / "tokenizer.json").read_text() == (tmp_path / "tok" / "tokenizer.json").read_text()

@@ -1,11 +1,12 @@
 """Hugging Face `transformers` models train through `initialize(model=...)` as they are: no wrapper.
 
-A GPT-2 and a Llama (grouped-query attention) built from tiny configs with random weights (nothing
-downloaded) return `ModelOutput`s; the engine takes their logits, and trains them with the same
-losses as a plain PyTorch loop (torch AdamW with decay on matrices only, clip_grad_norm_, constant
-learning rate) within 1e-5 relative over 10 steps in fp32: one process, cpu offload (a budget
-written with a unit and checked against this model, not the reference GPT), and at dp = 2 with
-ZeRO-2 and ZeRO-3 through disk. A batch that is a dict with labels uses the loss the model returns.
+A GPT-2, a Llama (grouped-query attention) and a BERT masked LM built from tiny configs with random
+weights (nothing downloaded) return `ModelOutput`s; the engine takes their logits, and trains them
+with the same losses as a plain PyTorch loop (torch AdamW with decay on matrices only,
+clip_grad_norm_, constant learning rate) within 1e-5 relative over 10 steps in fp32: one process,
+cpu offload (a budget written with a unit and checked against this model, not the reference GPT),
+dp = 2 with ZeRO-3 through disk, tp = 2 with the shipped plans, pp = 2 and tp 2 x pp 2 with the
+shipped split; export --format hf loads back with identical logits. A batch that is a dict with labels uses the loss the model returns.
 """
 
 from __future__ import annotations
@@ -100,20 +101,24 @@ def test_hf_model_trains_as_a_plain_loop(family: str) -> None:
         capstan_losses(family, memory={"offload": "cpu", "cpu_budget": "64KiB"})
 
 
-def _two_ranks(family: str) -> dict[str, list[float]]:
+def _two_ranks(families: list[str]) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     half = {"micro_batch_size": 2}  # the same global batch of 4 sequences as the plain loop
-    with tempfile.TemporaryDirectory() as tmp:
-        return {"zero2": capstan_losses(family, train=half, parallel={"zero_stage": 2}),
-                "zero3-disk": capstan_losses(family, train=half, parallel={"zero_stage": 3},
-                                             memory={"offload": "disk", "cpu_budget": "2MiB", "disk_dir": tmp})}
+    out = {"llama zero2": capstan_losses("llama", train=half, parallel={"zero_stage": 2})}
+    for family in families:
+        with tempfile.TemporaryDirectory() as tmp:
+            out[family] = capstan_losses(family, train=half, parallel={"zero_stage": 3},
+                                         memory={"offload": "disk", "cpu_budget": "2MiB", "disk_dir": tmp})
+    return out
 
 
-def test_hf_llama_at_dp2_zero2_and_zero3_through_disk() -> None:
-    want = plain_losses("llama")
-    for result in run_ranks(_two_ranks, 2, "llama", timeout=300):
-        for name, got in result.items():
-            assert_trajectories_close(got, want), name
+def test_hf_models_at_dp2_zero3_through_disk_and_zero2() -> None:
+    families = ["gpt2", "llama", "bert"]
+    wants = {f: plain_losses(f) for f in families}
+    for result in run_ranks(_two_ranks, 2, families, timeout=300):
+        assert_trajectories_close(result.pop("llama zero2"), wants["llama"])
+        for family, got in result.items():
+            assert_trajectories_close(got, wants[family]), family
 
 
 def _tp2(families: list[str]) -> dict[str, list[float]]:
@@ -179,13 +184,13 @@ def _pipelines(families: list[str]) -> dict[str, list[float]]:
     return {f: capstan_losses(f, train=pipe, parallel={"pp": 2, "tp": tp, "dp": 1}) for f in families}
 
 
-def test_shipped_pipeline_split_for_gpt2_and_llama() -> None:
-    wants = {f: plain_losses(f) for f in ("gpt2", "llama")}
-    for result in run_ranks(_pipelines, 2, ["gpt2", "llama"], timeout=300):
-        for family, got in result.items():
-            assert_trajectories_close(got, wants[family]), family
-    for result in run_ranks(_pipelines, 4, ["llama"], timeout=300):  # tp 2 x pp 2
-        assert_trajectories_close(result["llama"], wants["llama"])
+def test_shipped_pipeline_split_for_gpt2_llama_and_bert() -> None:
+    families = ["gpt2", "llama", "bert"]
+    wants = {f: plain_losses(f) for f in families}
+    for ranks in (2, 4):  # pp 2, then tp 2 x pp 2
+        for result in run_ranks(_pipelines, ranks, families, timeout=300):
+            for family, got in result.items():
+                assert_trajectories_close(got, wants[family]), (ranks, family)
 
 
 def test_a_transformers_model_built_on_meta_goes_straight_into_chunks(tmp_path) -> None:
@@ -223,7 +228,7 @@ def _save_pp2(family: str, ckpt: str) -> None:
     engine.close()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 def test_export_hf_loads_in_transformers_with_the_same_logits(tmp_path, family: str) -> None:
     """A checkpoint saved at pp = 2 (the split model's names) exports to a directory transformers'
     from_pretrained loads, whose logits equal those of the checkpoint's values put into the model."""
@@ -232,7 +237,8 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(tmp_path, family: 
     ckpt = tmp_path / "ckpt"
     run_ranks(_save_pp2, 2, family, str(ckpt), timeout=300)
     out = export(ckpt, tmp_path / "hf", "hf")
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    auto = transformers.AutoModelForMaskedLM if family == "bert" else transformers.AutoModelForCausalLM
+    loaded = auto.from_pretrained(out)
     # the reference: the same checkpoint loaded by capstan into the one-process model
     engine = initialize(model=hf_model(family), config=_config())
     engine.load(ckpt)

@@ -318,12 +318,12 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
         else:
             if callable(model) and not isinstance(model, nn.Module):
                 model = model(cfg, groups)
-            from capstan.pipeline import HF_DECODERS, hf_layer_specs
+            from capstan.pipeline import HF_PIPELINE_FAMILIES, hf_layer_specs
 
             if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential) and hf_layer_specs(model) is None:
                 raise TypeError(f"parallel.pp = {cfg.parallel.pp} needs the model as a sequence of layers to split "
                                 f"into stages: an nn.Sequential, a list of capstan.pipeline.LayerSpec, or a "
-                                f"transformers decoder ({', '.join(HF_DECODERS)}), not {type(model).__name__}")
+                                f"transformers language model ({', '.join(HF_PIPELINE_FAMILIES)}), not {type(model).__name__}")
             if isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters()):
                 raise ValueError(f"parallel.pp = {cfg.parallel.pp} with a model on the meta device: a pipeline "
                                  "of your own is built for real (give LayerSpecs, and each stage builds only "

@@ -8,7 +8,7 @@ docs/pipeline.md.
 """
 
 from .executor import PipelineError, PipelineExecutor
-from .hf_layers import HF_DECODERS, hf_layer_specs, hf_param_name
+from .hf_layers import HF_PIPELINE_FAMILIES, HF_TIED_HEADS, hf_layer_specs, hf_param_name
 from .instructions import (
     Backward,
     CommInstruction,
@@ -38,7 +38,7 @@ from .simulate import Deadlock, SimResult, SimulationError, batches, simulate
 from .timeline import render_timeline
 
 __all__ = [
-    "HF_DECODERS", "hf_layer_specs", "hf_param_name",
+    "HF_PIPELINE_FAMILIES", "HF_TIED_HEADS", "hf_layer_specs", "hf_param_name",
     "Backward",
     "CommInstruction",
     "ComputeInstruction",

@@ -1,24 +1,29 @@
-"""A Hugging Face decoder model as a list of pipeline layers, with no adapter code from the user.
+"""A Hugging Face transformers model as a list of pipeline layers, with no adapter code from the user.
 
-    specs = hf_layer_specs(model)        # None for a model that is not a known transformers decoder
+    specs = hf_layer_specs(model)        # None for a model that is not of a known family
     partition(specs, parts=4, method="parameters")
 
-The layers are [embedding, decoder layer 0 ... n-1, final norm + LM head],
-each a thin module around the model's own submodules (the same parameter
-objects, so nothing is copied and a checkpoint holds the model's values):
+The layers are [embedding, layer 0 ... n-1, final norm + LM head], each a
+thin module around the model's own submodules (the same parameter objects,
+so nothing is copied and a checkpoint holds the model's values):
 
 * GPT-2: token + position embeddings (and their dropout); each `GPT2Block`;
   `ln_f` and `lm_head`;
 * Llama, Mistral, Qwen2: the token embedding; each decoder layer, which gets
   its rotary position embeddings from the model's own `rotary_emb` (they are
   computed per layer from the sequence length: buffers, no parameters); the
-  final norm and `lm_head`.
+  final norm and `lm_head`;
+* BERT (`BertForMaskedLM`): the embeddings (word, position, token type,
+  LayerNorm); each encoder `BertLayer`, bidirectional (no mask: the whole
+  sequence attends to itself, as the unsplit model does without padding);
+  the masked-LM head (`cls`: transform + decoder tied to the word embedding).
 
 Between stages only the hidden states travel. The causal mask is left to
 the attention kernel (``is_causal``, as `transformers` itself does for the
 "sdpa" and flash implementations); for the "eager" implementation an
-explicit additive causal mask is passed. A head tied to the embedding (GPT-2,
-or ``tie_word_embeddings``) is tied across stages through `LayerSpec.tied`.
+explicit additive causal mask is passed for decoders. A head tied to the
+embedding (GPT-2, BERT, or ``tie_word_embeddings``) is tied across stages
+through `LayerSpec.tied`; `HF_TIED_HEADS` names the pair in the model.
 `transformers` is never imported here: the model is read by its structure.
 """
 
@@ -29,9 +34,15 @@ from torch import nn
 
 from .partition import LayerSpec
 
-__all__ = ["hf_layer_specs", "hf_param_name", "HF_DECODERS"]
+__all__ = ["hf_layer_specs", "hf_param_name", "HF_PIPELINE_FAMILIES", "HF_TIED_HEADS"]
 
-HF_DECODERS = ("gpt2", "llama", "mistral", "qwen2")
+HF_PIPELINE_FAMILIES = ("bert", "gpt2", "llama", "mistral", "qwen2")
+
+_LLAMA_TIED = ("lm_head.weight", "model.embed_tokens.weight")
+HF_TIED_HEADS = {"gpt2": ("lm_head.weight", "transformer.wte.weight"), "llama": _LLAMA_TIED,
+                 "mistral": _LLAMA_TIED, "qwen2": _LLAMA_TIED,
+                 "bert": ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight")}
+"""family -> (the head's weight, the embedding it is tied to), as the transformers model names them."""
 
 
 def _first(out: object) -> torch.Tensor:
@@ -75,6 +86,39 @@ class DecoderLayer(nn.Module):
         return _first(self.layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin))
 
 
+class EncoderLayer(nn.Module):
+    """One bidirectional encoder layer (BERT): no attention mask, as the unsplit model without padding."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _first(self.layer(h))
+
+
+class BertEmbedding(nn.Module):
+    def __init__(self, embeddings: nn.Module) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+        self.weight = embeddings.word_embeddings.weight  # named for `LayerSpec.tied_attr`
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embeddings(input_ids=ids)
+
+
+class MaskedLMHead(nn.Module):
+    """BERT's `cls` head (transform, then the decoder tied to the word embedding, and its bias)."""
+
+    def __init__(self, cls: nn.Module) -> None:
+        super().__init__()
+        self.cls = cls
+        self.weight = cls.predictions.decoder.weight  # named for `LayerSpec.tied_attr`
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.cls(h)
+
+
 class Embedding(nn.Module):
     def __init__(self, embed: nn.Module) -> None:
         super().__init__()
@@ -97,11 +141,25 @@ class Head(nn.Module):
         return self.head(self.norm(h))
 
 
+def _bert_param_name(i: int, rest: str, n_layers: int) -> str:
+    if i == 0:
+        return "bert.embeddings.word_embeddings.weight" if rest == "weight" else f"bert.{rest}"
+    if i == n_layers + 1:
+        if rest in ("weight", "cls.predictions.decoder.weight"):
+            return "cls.predictions.decoder.weight"
+        return "cls.predictions.bias" if rest == "cls.predictions.decoder.bias" else rest
+    return f"bert.encoder.layer.{i - 1}.{rest[len('layer.'):]}"
+
+
 def hf_param_name(name: str, model_type: str, n_layers: int) -> str:
     """A parameter's name in the split model (``<layer>.<name inside the layer module>``, as capstan's
     checkpoints of a pipeline name it) -> its name in the transformers model."""
     index, _, rest = name.partition(".")
     i = int(index)
+    if 0 < i <= n_layers and not rest.startswith("layer."):
+        raise ValueError(f"unexpected parameter {name!r} in layer {i - 1} of a split {model_type} model")
+    if model_type == "bert":
+        return _bert_param_name(i, rest, n_layers)
     gpt2 = model_type == "gpt2"
     if i == 0:  # the embedding: `weight` is the token embedding's (also reachable as wte / embed)
         if rest in ("weight", "wte.weight", "embed.weight"):
@@ -115,16 +173,22 @@ def hf_param_name(name: str, model_type: str, n_layers: int) -> str:
         if rest.startswith("norm."):
             return ("transformer.ln_f." if gpt2 else "model.norm.") + rest[len("norm."):]
         raise ValueError(f"unexpected parameter {name!r} in the head of a split {model_type} model")
-    if not rest.startswith("layer."):
-        raise ValueError(f"unexpected parameter {name!r} in decoder layer {i - 1} of a split {model_type} model")
     return (f"transformer.h.{i - 1}." if gpt2 else f"model.layers.{i - 1}.") + rest[len("layer."):]
 
 
 def hf_layer_specs(model: nn.Module) -> list[LayerSpec] | None:
-    """The model as pipeline layers (see the module docstring), or None if it is not a known decoder."""
+    """The model as pipeline layers (see the module docstring), or None if it is not of a known family
+    (or not its language-model class: a BERT without the masked-LM head has no logits to train)."""
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
-    if family not in HF_DECODERS or not hasattr(model, "lm_head"):
+    if family == "bert" and hasattr(model, "cls") and hasattr(getattr(model, "bert", None), "encoder"):
+        body = model.bert
+        first = BertEmbedding(body.embeddings)
+        blocks = [EncoderLayer(layer) for layer in body.encoder.layer]
+        last = MaskedLMHead(model.cls)
+        tied = model.cls.predictions.decoder.weight is body.embeddings.word_embeddings.weight
+        return _specs(first, blocks, last, tied)
+    if family not in HF_PIPELINE_FAMILIES or family == "bert" or not hasattr(model, "lm_head"):
         return None
     head = model.lm_head
     if family == "gpt2":
@@ -139,6 +203,10 @@ def hf_layer_specs(model: nn.Module) -> list[LayerSpec] | None:
         blocks = [DecoderLayer(layer, config, body.rotary_emb) for layer in body.layers]
         last = Head(body.norm, head)
         tied = head.weight is body.embed_tokens.weight
+    return _specs(first, blocks, last, tied)
+
+
+def _specs(first: nn.Module, blocks: list[nn.Module], last: nn.Module, tied: bool) -> list[LayerSpec]:
     key = "embedding" if tied else None
     layers = [first, *blocks, last]
     names = ["embedding", *(f"layer{i}" for i in range(len(blocks))), "head"]

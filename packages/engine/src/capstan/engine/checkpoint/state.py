@@ -110,10 +110,13 @@ def canonical_name(engine: Engine, local_name: str) -> str:
 def _tied_alias(engine: Engine, name: str) -> str | None:
     """A transformers head tied to its embedding: a checkpoint from one process has only the embedding
     (the model lists a tied parameter once), so the head's stage loads from it."""
+    from capstan.pipeline import HF_TIED_HEADS
+
     hf = engine.hf_source
-    if not hf or name != "lm_head.weight" or not hf["config"].get("tie_word_embeddings", True):
+    head, embedding = HF_TIED_HEADS.get(hf["model_type"] if hf else None, (None, None))
+    if name != head or not hf["config"].get("tie_word_embeddings", True):
         return None
-    return "transformer.wte.weight" if hf["model_type"] == "gpt2" else "model.embed_tokens.weight"
+    return embedding
 
 
 def _raw_module(engine: Engine) -> nn.Module:

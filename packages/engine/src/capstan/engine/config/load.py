@@ -322,8 +322,13 @@ def _check_bpe(cfg: Config) -> None:
         raise ConfigError("data.tokenizer = \"bpe\" needs the tokenizers package: pip install tokenizers "
                           "(or capstan-engine[bpe])")
     if d.tokenizer_file is not None:
-        if not Path(d.tokenizer_file).is_file():
-            raise ConfigError(f"data.tokenizer_file = {d.tokenizer_file!r} does not exist (expected a tokenizer.json)")
+        path = Path(d.tokenizer_file)
+        if path.is_dir() and not (path / "tokenizer.json").is_file():
+            raise ConfigError(f"data.tokenizer_file = {d.tokenizer_file!r} is a folder without a tokenizer.json "
+                              "(a fast tokenizer's save_pretrained writes one)")
+        if not path.exists():
+            raise ConfigError(f"data.tokenizer_file = {d.tokenizer_file!r} does not exist (expected a tokenizer.json "
+                              "or a folder holding one)")
     elif v <= 256:
         raise ConfigError(f"model.vocab_size = {v} leaves data.tokenizer = \"bpe\" no merges: a byte-level BPE "
                           "needs more than its 256 byte ids (e.g. 512 or more)")

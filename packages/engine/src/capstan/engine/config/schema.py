@@ -58,13 +58,13 @@ class DataConfig:
     """Where training text comes from and how it becomes token ids."""
 
     source: str = "stdlib"
-    """"stdlib" (the running Python's standard library source, on every machine), a text file, a folder of text files, a JSON Lines file (`.jsonl`: the text_field of each record, documents packed into one stream), or a pre-tokenized `.bin` file. Your own torch Dataset or iterable goes through `capstan.engine.dataset_batches` (docs/engine.md)."""
+    """"stdlib" (the running Python's standard library source, on every machine), a text file, a folder of text files, a JSON Lines file (`.jsonl`: the text_field of each record, documents packed into one stream), Parquet (a `.parquet` file or a folder of them) or a folder written by the datasets library's save_to_disk (both: the text_field column; need capstan-engine[hf]), or a pre-tokenized `.bin` file. Your own torch Dataset or iterable goes through `capstan.engine.dataset_batches` (docs/engine.md)."""
     text_field: str = "text"
-    """The field of each `.jsonl` record that holds its text."""
+    """The field of each `.jsonl` record (the column of a Parquet or datasets source) that holds its text."""
     tokenizer: str = constraint("byte", choices=("byte", "bpe"))
     """Text to ids: "byte" maps each UTF-8 byte to its value (vocabulary 256); "bpe" is a byte-level BPE with model.vocab_size ids (more than 256), trained deterministically on the training split and saved as log.run_dir/tokenizer.json (needs the tokenizers package: capstan-engine[bpe]). Not used for `.bin`."""
     tokenizer_file: str | None = constraint(None, nullable=True)
-    """With tokenizer = "bpe": load this tokenizer.json (a previous run's, or a pretrained byte-level BPE) instead of training one; it is copied to log.run_dir. Unset: on checkpoint.resume, reuse log.run_dir/tokenizer.json if present, else train."""
+    """With tokenizer = "bpe": load this tokenizer.json (a previous run's, or a pretrained tokenizer's), or the tokenizer.json in this folder (a transformers model or tokenizer saved with save_pretrained), instead of training one; it is copied to log.run_dir. Unset: on checkpoint.resume, reuse log.run_dir/tokenizer.json if present, else train."""
     bin_dtype: str = constraint("uint16", choices=("uint16", "uint32"))
     """Element type of a pre-tokenized `.bin` file (a flat array of token ids)."""
     max_bytes: int = constraint(4_000_000, ge=1024)

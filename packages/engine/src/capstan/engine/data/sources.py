@@ -7,6 +7,11 @@ Sources (``[data] source``):
 * a text file, or a folder of them (sorted recursively, hidden files skipped);
 * a JSON Lines file (``.jsonl``): the ``data.text_field`` of every record, documents separated by
   a blank line;
+* Parquet (a ``.parquet`` file or a folder of them, read a record batch at a time with pyarrow)
+  or a folder written by the `datasets` library's ``save_to_disk`` (memory-mapped Arrow, read
+  with ``datasets.load_from_disk``): the ``data.text_field`` column, packed the same way. Both
+  need the `datasets` package (capstan-engine[hf]); neither writes a cache, so every rank can
+  read the same files at once;
 * a pre-tokenized ``.bin`` file: a flat uint16/uint32 array of ids (nanoGPT's format), memory-mapped.
 
 Text goes through the byte tokenizer (id = byte value, vocabulary 256), or,
@@ -80,12 +85,33 @@ def _concat(files: list[Path], max_bytes: int, what: str) -> bytes:
     return text
 
 
+class _Packer:
+    """Documents joined by blank lines into one byte stream, stopping at `max_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.parts: list[bytes] = []
+        self.total, self.max_bytes = 0, max_bytes
+
+    def add(self, text: str) -> bool:
+        """Add one document; False once the stream is full."""
+        blob = text.encode()
+        self.parts.append(blob)
+        self.total += len(blob) + 2
+        return self.total < self.max_bytes
+
+    def text(self, what: str) -> bytes:
+        out = b"\n\n".join(self.parts)[: self.max_bytes]
+        if not out:
+            raise DataError(f"{what} holds no text")
+        return out
+
+
 def _jsonl_text(path: Path, field: str, max_bytes: int) -> bytes:
     """The `field` of every line of a JSON Lines file, in order, separated by blank lines (documents
     packed into one stream, which the batches cut into fixed-length sequences)."""
     import json
 
-    parts, total = [], 0
+    packer = _Packer(max_bytes)
     try:
         with open(path, "rb") as f:
             for lineno, line in enumerate(f, 1):
@@ -98,17 +124,76 @@ def _jsonl_text(path: Path, field: str, max_bytes: int) -> bytes:
                 if not isinstance(record, dict) or not isinstance(record.get(field), str):
                     raise DataError(f"data.source {path} line {lineno} has no string field {field!r} "
                                     "(data.text_field)")
-                blob = record[field].encode()
-                parts.append(blob)
-                total += len(blob) + 2
-                if total >= max_bytes:
+                if not packer.add(record[field]):
                     break
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror}") from None
-    text = b"\n\n".join(parts)[:max_bytes]
-    if not text:
-        raise DataError(f"data.source {path} holds no text")
-    return text
+    return packer.text(f"data.source {path}")
+
+
+_DATASETS_HINT = "pip install datasets (or capstan-engine[hf])"
+
+
+def _need_datasets(what: str) -> None:
+    from importlib.util import find_spec
+
+    if find_spec("pyarrow") is None or find_spec("datasets") is None:
+        raise DataError(f"data.source {what} needs the datasets package: {_DATASETS_HINT}")
+
+
+def _column_texts(values: list, field: str, where: str) -> list[str]:
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise DataError(f"data.source {where}: record {i} of a batch has a {type(v).__name__} in column "
+                            f"{field!r}, not a string (data.text_field)")
+    return values
+
+
+def _parquet_text(files: list[Path], field: str, max_bytes: int, what: str) -> bytes:
+    """The `field` column of Parquet files in order, read one record batch at a time (bounded RAM)."""
+    _need_datasets(what)
+    import pyarrow.parquet as pq
+
+    packer = _Packer(max_bytes)
+    for path in files:
+        try:
+            pf = pq.ParquetFile(path)
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            raise DataError(f"data.source {path} is not a readable Parquet file: {exc}") from None
+        names = pf.schema_arrow.names
+        if field not in names:
+            raise DataError(f"data.source {path} has no column {field!r} (data.text_field); its columns: "
+                            f"{', '.join(names)}")
+        for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+            for text in _column_texts(batch.column(0).to_pylist(), field, str(path)):
+                if not packer.add(text):
+                    return packer.text(what)
+    return packer.text(what)
+
+
+def _saved_dataset_text(path: Path, field: str, max_bytes: int) -> bytes:
+    """The `field` column of a `datasets` ``save_to_disk`` folder (its "train" split for a DatasetDict)."""
+    what = f"{path} (a datasets save_to_disk folder)"
+    _need_datasets(what)
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"data.source {what} cannot be loaded: {exc}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"data.source {what} has splits {', '.join(ds)} but no \"train\" split")
+        ds = ds["train"]
+    if field not in ds.column_names:
+        raise DataError(f"data.source {what} has no column {field!r} (data.text_field); its columns: "
+                        f"{', '.join(ds.column_names)}")
+    packer = _Packer(max_bytes)
+    for start in range(0, len(ds), 1024):
+        for text in _column_texts(ds[start : start + 1024][field], field, str(path)):
+            if not packer.add(text):
+                return packer.text(f"data.source {what}")
+    return packer.text(f"data.source {what}")
 
 
 def read_text_source(source: str, max_bytes: int, text_field: str = "text") -> bytes:
@@ -117,6 +202,12 @@ def read_text_source(source: str, max_bytes: int, text_field: str = "text") -> b
     path = Path(source)
     if path.is_file() and path.suffix == ".jsonl":
         return _jsonl_text(path, text_field, max_bytes)
+    if path.is_file() and path.suffix == ".parquet":
+        return _parquet_text([path], text_field, max_bytes, f"data.source {path}")
+    if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+        return _saved_dataset_text(path, text_field, max_bytes)
+    if path.is_dir() and (parquet := sorted(path.rglob("*.parquet"))):
+        return _parquet_text(parquet, text_field, max_bytes, f"data.source folder {path}")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file()
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
@@ -143,6 +234,8 @@ def bpe_tokenizer(cfg: Config, train_text: bytes) -> Any:
     d, vocab = cfg.data, cfg.model.vocab_size
     saved = Path(cfg.log.run_dir) / "tokenizer.json"
     path = Path(d.tokenizer_file) if d.tokenizer_file else saved if cfg.checkpoint.resume and saved.is_file() else None
+    if path is not None and path.is_dir():  # a transformers model or tokenizer folder (save_pretrained)
+        path = path / "tokenizer.json"
     if path is None:
         tok = bpe.train_bpe(train_text, vocab)
     else:
