@@ -92,12 +92,22 @@ def run_plain(cfg: dict) -> dict:
     c, _ = resolve(cfg)
     model = build_reference_model(c, comm.single_process_groups()).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    return _torch_loop(cfg, model, opt, autocast=True)
+
+
+def _torch_loop(cfg: dict, model: object, opt: object, autocast: bool) -> dict:
+    """Time a plain torch training loop (bf16 autocast or the model's own precision policy)."""
+    import contextlib
+
+    import torch
+
+    params = sum(p.numel() for p in model.parameters())
     times = []
     for b in _tokens(cfg, cfg["train"]["steps"]):
         x, y = b[:, :-1].cuda(non_blocking=True), b[:, 1:].cuda(non_blocking=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             out = model(x)
         loss = model.loss(out.float(), y)
         loss.backward()
@@ -106,8 +116,7 @@ def run_plain(cfg: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return {"params": sum(p.numel() for p in model.parameters()), "step_s": _median(times[2:]),
-            "peak_gpu": torch.cuda.max_memory_allocated()}
+    return {"params": params, "step_s": _median(times[2:]), "peak_gpu": torch.cuda.max_memory_allocated()}
 
 
 def run_fsdp(cfg: dict) -> dict:
@@ -133,21 +142,9 @@ def run_fsdp(cfg: dict) -> dict:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    params = sum(p.numel() for p in model.parameters())
-    times = []
-    for b in _tokens(cfg, cfg["train"]["steps"]):
-        x, y = b[:, :-1].cuda(non_blocking=True), b[:, 1:].cuda(non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = model.loss(model(x).float(), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    result = _torch_loop(cfg, model, opt, autocast=False)  # bf16 through the MixedPrecisionPolicy
     dist.destroy_process_group()
-    return {"params": params, "step_s": _median(times[2:]), "peak_gpu": torch.cuda.max_memory_allocated()}
+    return result
 
 
 def run_deepspeed(cfg: dict) -> dict:
