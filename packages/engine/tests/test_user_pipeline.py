@@ -139,7 +139,7 @@ def test_user_pipeline_errors() -> None:
 
     cfg = resolve(_cfg(dp=1, pp=2), reference_model=False)[0]
     groups = _FakeGroups(comm.single_process_groups())
-    with pytest.raises(TypeError, match="an nn.Sequential, a list of capstan.pipeline.LayerSpec, or a transformers decoder .*, not Linear"):
+    with pytest.raises(TypeError, match="an nn.Sequential, a list of capstan.pipeline.LayerSpec, or a transformers language model .*, not Linear"):
         initialize(model=nn.Linear(2, 2), config=cfg, groups=groups)
     with pytest.raises(ValueError, match="brings its own"):
         initialize(config=cfg, groups=groups, loss_fn=lambda out, y: out.sum())
