@@ -61,8 +61,10 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from ..rundir import RunDirError
     from .disk_bench import DiskBenchError
 
+    from ..plan import PlanError
+
     return (ConfigError, DataError, LaunchError, BudgetError, LayoutError, DiskTierError, CheckpointError,
-            DiskBenchError, RunDirError)
+            DiskBenchError, RunDirError, PlanError)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -176,8 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print as JSON")
     bench.set_defaults(func=_cmd_bench_disk)
     from .launch import add_parser as add_launch_parser  # `capstan launch` lives in launch.py
+    from .plan import add_parser as add_plan_parser  # `capstan plan` lives in plan.py
 
     add_launch_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

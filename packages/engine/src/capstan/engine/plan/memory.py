@@ -1,0 +1,226 @@
+"""Memory per rank and per tier (device, RAM, disk) for a model x machine x layout.
+
+    plan = memory_plan(MODELS["mt-nlg-530b"], machine_preset("dgx-a100-80gb", nodes=35),
+                       Layout(tp=8, pp=35, accum=280, recompute=True, precision="bf16", zero_stage=1))
+    plan.fits, plan.total("device"), print(plan.table())
+
+What it counts, for the pipeline stage whose compute tier holds the most (a rank's worst case):
+
+* **Model states** as the engine keeps them (docs/parallelism.md, "Model-state memory per rank"):
+  the flat ZeRO 0-2 buffer (16, 8 + 8/dp or 8 + 12/dp bytes per parameter), or chunks
+  (chunkmem: 16 bytes per parameter in fp32; 14 in bf16/fp16 where the gradient reuses the
+  parameter's slot (dp = 1, no accumulation), else 18), sharded over dp at ZeRO-3. Where they live:
+  on the compute tier (the GPU, or RAM on a CPU machine) without offload; with offload "cpu" all
+  chunks in RAM and, on a GPU, the parameter chunks of the layer in use and the next one on the
+  device (the engine caches more there when memory allows); with offload "disk", `cpu_budget`
+  bytes of chunks in RAM and the rest on disk.
+* **Activations** saved for backward per transformer block and micro-batch, after Korthikanti et
+  al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4): 34 s b h
+  bytes in 16-bit plus 5 a s^2 b for the attention scores, of which capstan keeps 32 s b h without
+  dropout (no masks) and no s^2 term with the fused attention kernel (used when dropout is 0); the
+  tensor-parallel part divided by tp, all of it with sequence parallelism; twice the bytes in fp32.
+  With recompute a block keeps its input (2 or 4 bytes per element) and one block is rebuilt at a
+  time. Micro-batches in flight per stage: 1 without a pipeline, all of a step's with GPipe,
+  min(pp - stage, accum) with 1F1B, times 1 + (pp - 1) / (pp v) interleaved (Narayanan et al. 2021).
+* **Transients**: the last stage's logits and their softmax in fp32; ZeRO 0-2 gradient buckets (two
+  in flight); ZeRO-3's gathered communication unit (dp chunks of parameters and of gradients).
+* **Overhead** per rank: the CUDA context and allocator reserve on a device, the interpreter and
+  torch in RAM (`Machine.device_overhead`, `host_overhead`).
+
+Capacities per rank: the device's memory; the node's RAM and disk shared by its ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .spec import Device, Layout, Machine, ModelShape
+
+__all__ = ["Item", "MemoryPlan", "memory_plan", "min_devices_for_states", "TIERS"]
+
+TIERS = ("device", "ram", "disk")
+
+
+@dataclass(frozen=True)
+class Item:
+    what: str
+    tier: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    shape: ModelShape
+    machine: Machine
+    layout: Layout  # resolved (dp filled in)
+    stage: int  # the pipeline stage (of the first pipeline) counted: the one holding most
+    params_per_rank: int
+    items: tuple[Item, ...]
+    capacity: dict[str, int | None]  # per rank; None: not bounded / unknown
+
+    def total(self, tier: str) -> int:
+        return sum(i.bytes for i in self.items if i.tier == tier)
+
+    def shortfall(self) -> dict[str, int]:
+        """Bytes missing per tier (only tiers that do not fit)."""
+        out = {}
+        for tier in TIERS:
+            cap = self.capacity.get(tier)
+            if cap is not None and self.total(tier) > cap:
+                out[tier] = self.total(tier) - cap
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.shortfall()
+
+    def table(self) -> str:
+        """The breakdown, a line per item, and each tier's total against its capacity."""
+        lines = [f"{i.tier:6s} {_fmt(i.bytes):>10s}  {i.what}" for i in self.items if i.bytes]
+        for tier in TIERS:
+            used, cap = self.total(tier), self.capacity.get(tier)
+            if used:
+                verdict = "" if cap is None else (" ok" if used <= cap else f" SHORT by {_fmt(used - cap)}")
+                lines.append(f"{tier:6s} {_fmt(used):>10s}  total per rank" +
+                             ("" if cap is None else f" of {_fmt(cap)}") + verdict)
+        return "\n".join(lines)
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def min_devices_for_states(shape: ModelShape, device: Device, bytes_per_param: int = 16) -> int:
+    """Devices whose whole memory holds the model states alone, fully sharded (ZeRO-3, no offload)."""
+    return math.ceil(bytes_per_param * shape.params / device.memory)
+
+
+def _stage_parts(shape: ModelShape, layout: Layout) -> list[list[int]]:
+    """Layer indices of each pipeline stage (interleaved: its v parts), split by parameter count as
+    the engine's default `parallel.partition = "parameters"` does."""
+    weights = shape.layer_params(layout.tp)
+    parts = layout.pp * layout.virtual_stages
+    if parts == 1:
+        return [list(range(len(weights)))]
+    from capstan.pipeline.partition import balanced_bounds
+
+    bounds = balanced_bounds(weights, parts)  # [0, ..., len(weights)]: part i is bounds[i]:bounds[i + 1]
+    chunks = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return [sum((chunks[k] for k in range(s, parts, layout.pp)), []) for s in range(layout.pp)]
+
+
+def _block_activations(shape: ModelShape, layout: Layout, micro: int) -> tuple[int, int]:
+    """(bytes one block keeps for backward, bytes while it is rebuilt under recompute) per micro-batch."""
+    s, h, a, t = shape.seq, shape.hidden, shape.heads // layout.tp, layout.tp
+    sbh = s * micro * h
+    e = 2 if layout.precision in ("bf16", "fp16") else 4
+    replicated = 8 * sbh * e // 2  # norm inputs, the first linears' inputs (16-bit: 8 s b h)
+    sliced = 24 * sbh * e // 2  # q, k, v, attention output, MLP hidden (16-bit: 24 s b h in all)
+    if layout.dropout:
+        replicated += 2 * sbh  # two residual dropout masks, a byte each
+        sliced += (2 * e + 1) * a * s * s * micro  # explicit attention: scores, probabilities, mask
+    full = (replicated + sliced) // t if layout.sequence_parallel else replicated + sliced // t
+    if not layout.recompute:
+        return full, 0
+    kept = sbh * e // (t if layout.sequence_parallel else 1)
+    return kept, full
+
+
+def _in_flight(layout: Layout, stage: int) -> float:
+    if layout.pp == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return layout.accum
+    n = min(layout.pp - stage, layout.accum)
+    if layout.schedule == "interleaved":
+        n *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual_stages)
+    return n
+
+
+def memory_plan(shape: ModelShape, machine: Machine, layout: Layout) -> MemoryPlan:
+    """The memory each rank needs per tier (module docstring), for the stage that needs most."""
+    layout = layout.resolved(shape, machine)
+    gpu = machine.device is not None
+    compute = "device" if gpu else "ram"
+    stages = _stage_parts(shape, layout)
+    weights = shape.layer_params(layout.tp)
+    last = len(weights) - 1
+    best: MemoryPlan | None = None
+    for stage, layers in enumerate(stages):
+        plan = _stage_plan(shape, machine, layout, stage, layers, weights, last, compute)
+        if best is None or plan.total(compute) > best.total(compute):
+            best = plan
+    assert best is not None
+    return best
+
+
+def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int, layers: list[int],
+                weights: list[int], last: int, compute: str) -> MemoryPlan:
+    dp, gpu = layout.dp, machine.device is not None
+    params = sum(weights[i] for i in layers)
+    largest_layer = max(weights[i] for i in layers)
+    items: list[Item] = []
+    e16 = layout.precision in ("bf16", "fp16")
+    pbytes = 2 if e16 else 4
+    chunked = layout.zero_stage == 3 or layout.offload != "none"
+    shard = dp if layout.zero_stage == 3 else 1
+    if not chunked:  # the flat fp32 buffer of ZeroOptimizer (ZeRO 0-2)
+        moments = 8 * params // (dp if layout.zero_stage >= 1 else 1)
+        grads = 4 * params + (4 * params // dp if layout.zero_stage == 2 else 0)
+        items += [Item("parameters (fp32 flat buffer)", compute, 4 * params),
+                  Item("gradients (fp32 flat buffer" + (" + shard accumulator)" if layout.zero_stage == 2 else ")"),
+                       compute, grads),
+                  Item(f"Adam moments (fp32{', sharded over dp' if layout.zero_stage >= 1 else ''})", compute, moments),
+                  Item("gradient buckets in flight (2)", compute, 2 * layout.bucket_bytes)]
+    else:
+        per_param = 16 if not e16 else (14 if dp == 1 and layout.accum == 1 else 18)
+        states = per_param * params // shard
+        where = f"chunks, {per_param} B/param" + (f", 1/{dp} per rank" if shard > 1 else "")
+        if layout.offload == "none":
+            items.append(Item(f"model states ({where})", compute, states))
+        elif layout.offload == "cpu":
+            items.append(Item(f"model states ({where})", "ram", states))
+            if gpu:
+                items.append(Item("parameter chunks in use and prefetched (2 layers, 16-bit)" if e16 else
+                                  "parameter chunks in use and prefetched (2 layers)", "device",
+                                  2 * pbytes * largest_layer // shard))
+        else:
+            in_ram = min(states, layout.cpu_budget or 0)
+            items.append(Item(f"model states in RAM (cpu_budget; {where})", "ram", in_ram))
+            items.append(Item("model states on disk", "disk", states - in_ram))
+            if gpu:
+                items.append(Item("parameter chunks in use and prefetched (2 layers)", "device",
+                                  2 * pbytes * largest_layer // shard))
+        if shard > 1:
+            # the engine's chunk holds at least the largest tensor: the vocabulary or an MLP matrix slice
+            vocab = -(-shape.vocab // layout.tp) * shape.hidden
+            chunk = max(vocab, shape.ffn_mult * shape.hidden * shape.hidden // layout.tp)
+            unit = dp * chunk * (pbytes + 4)
+            tier = compute if layout.offload == "none" or gpu else "ram"
+            items.append(Item("ZeRO-3 gathered unit (dp chunks of parameters and gradients)", tier, unit))
+    blocks = sum(1 for i in layers if 0 < i < last - 1)
+    kept, rebuilt = _block_activations(shape, layout, layout.micro)
+    inflight = _in_flight(layout, stage)
+    act_tier = compute
+    items.append(Item(f"activations ({blocks} blocks x {inflight:g} micro-batches in flight"
+                      + (", recomputed" if layout.recompute else "") + ")", act_tier, int(blocks * kept * inflight)))
+    if rebuilt and blocks:
+        items.append(Item("one block's activations while it is recomputed", act_tier, rebuilt))
+    if last in layers:
+        vocab = -(-shape.vocab // layout.tp) * layout.tp // layout.tp
+        items.append(Item("logits and their softmax (fp32, one micro-batch)", act_tier,
+                          2 * 4 * shape.seq * layout.micro * vocab))
+    if gpu:
+        items.append(Item("CUDA context and allocator reserve", "device", machine.device_overhead))
+    items.append(Item("interpreter, torch and libraries", "ram", machine.host_overhead))
+    capacity: dict[str, int | None] = {
+        "device": machine.device.memory if machine.device is not None else None,
+        "ram": machine.host_ram // machine.per_node,
+        "disk": machine.disk // machine.per_node if machine.disk else None,
+    }
+    return MemoryPlan(shape=shape, machine=machine, layout=layout, stage=stage, params_per_rank=params,
+                      items=tuple(items), capacity=capacity)

@@ -1,0 +1,264 @@
+"""What the planner is given: a model's shape, a machine, and a layout.
+
+    shape = MODELS["mt-nlg-530b"]                         # or ModelShape(layers=..., hidden=..., ...)
+    machine = machine_preset("dgx-a100-80gb", nodes=35)   # or Machine(...)
+    layout = Layout(tp=8, pp=35, micro=1, accum=280, recompute=True, precision="bf16")
+
+Every size is in bytes, every rate in bytes (or FLOP) per second. Presets name their source in
+`source`; device memory is the nominal capacity in decimal GB as the vendor states it ("40 GB" =
+40e9 bytes), which is close to what is usable once the CUDA context and the allocator have taken
+theirs. Bad input raises `PlanError` with one line naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+__all__ = ["PlanError", "ModelShape", "Device", "Machine", "Layout", "MODELS", "DEVICES", "NODES",
+           "machine_preset", "local_machine", "GB"]
+
+GB = 10**9
+
+
+class PlanError(ValueError):
+    """An impossible model, machine or layout; the message is one line naming it."""
+
+
+def _positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise PlanError(f"{owner}.{name} = {value!r}: must be a positive number")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT-shaped transformer: capstan's reference GPT (tensorpar.gpt) with these sizes. A model of
+    your own with the same layer, hidden, head, vocabulary and sequence sizes has the same
+    parameter count to within its norms and biases."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    ffn_mult: int = 4
+    name: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _positive("model", layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
+                  seq=self.seq, ffn_mult=self.ffn_mult)
+        for key in ("layers", "hidden", "heads", "vocab", "seq", "ffn_mult"):
+            if not isinstance(getattr(self, key), int):
+                raise PlanError(f"model.{key} = {getattr(self, key)!r}: must be a whole number")
+        if self.hidden % self.heads:
+            raise PlanError(f"model.hidden = {self.hidden} is not divisible by model.heads = {self.heads}")
+
+    def layer_params(self, tp: int = 1) -> list[int]:
+        """Parameters of each layer of [embedding, block x layers, final norm, head] on one rank of a
+        tensor-parallel group of `tp` (matrices and column biases sliced, norms and row biases not)."""
+        h, f = self.hidden, self.ffn_mult * self.hidden
+        vocab = -(-self.vocab // tp) * tp  # padded to a multiple of tp (VocabParallelEmbedding)
+        block = (3 * h * h + 3 * h + h * h + h * f + f + f * h) // tp + 4 * h + 2 * h
+        return [vocab * h // tp + self.seq * h, *([block] * self.layers), 2 * h, vocab * h // tp]
+
+    @property
+    def params(self) -> int:
+        return sum(self.layer_params(1))
+
+
+@dataclass(frozen=True)
+class Device:
+    """An accelerator: its memory and dense 16-bit matmul rate."""
+
+    name: str
+    memory: int
+    flops: float
+    memory_bandwidth: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Nodes of `devices_per_node` accelerators (none: CPU ranks, `ranks_per_node` of them) with host
+    RAM, disk and links. `overhead_per_rank`: memory every rank spends outside the model (the CUDA
+    context and allocator reserve on a device; the interpreter and torch in RAM)."""
+
+    name: str
+    nodes: int = 1
+    device: Device | None = None
+    devices_per_node: int = 0
+    ranks_per_node: int = 1
+    host_ram: int = 0
+    disk: int = 0
+    disk_read: float = 0.0
+    disk_write: float = 0.0
+    intra_bandwidth: float = 0.0
+    inter_bandwidth: float = 0.0
+    device_overhead: int = GB
+    host_overhead: int = 400 * 10**6  # 400 MB: interpreter, torch and the native library per process
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _positive("machine", nodes=self.nodes, host_ram=self.host_ram)
+        if self.device is not None:
+            _positive("machine", devices_per_node=self.devices_per_node)
+        else:
+            _positive("machine", ranks_per_node=self.ranks_per_node)
+
+    @property
+    def per_node(self) -> int:
+        """Ranks per node: one per device, or `ranks_per_node` on a CPU machine."""
+        return self.devices_per_node if self.device is not None else self.ranks_per_node
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is laid out (the same names as capstan's config: docs/config.md). dp = 0: the rest
+    of the machine's ranks after tp x pp."""
+
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    offload: str = "none"
+    micro: int = 1
+    accum: int = 1
+    recompute: bool = False
+    precision: str = "fp32"
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    dropout: bool = False
+    cpu_budget: int | None = None
+    gpu_budget: int | None = None
+    bucket_bytes: int = 25 * 10**6
+
+    def __post_init__(self) -> None:
+        _positive("layout", tp=self.tp, pp=self.pp, micro=self.micro, accum=self.accum,
+                  virtual_stages=self.virtual_stages)
+        if self.dp < 0:
+            raise PlanError(f"layout.dp = {self.dp}: must be 0 (the rest of the ranks) or positive")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"layout.zero_stage = {self.zero_stage}: expected 0, 1, 2 or 3")
+        for key, allowed in (("offload", ("none", "cpu", "disk")), ("precision", ("fp32", "bf16", "fp16")),
+                             ("schedule", ("gpipe", "1f1b", "interleaved"))):
+            if getattr(self, key) not in allowed:
+                raise PlanError(f"layout.{key} = {getattr(self, key)!r}: expected one of {', '.join(allowed)}")
+        for key in ("cpu_budget", "gpu_budget"):
+            if getattr(self, key) is not None:
+                _positive("layout", **{key: getattr(self, key)})
+        if self.offload == "disk" and self.cpu_budget is None:
+            raise PlanError("layout.offload = \"disk\" needs layout.cpu_budget (the bytes of chunks kept in RAM)")
+
+    def resolved(self, shape: ModelShape, machine: Machine) -> Layout:
+        """This layout with dp filled in, checked against the model and the machine."""
+        world = machine.world
+        if world % (self.tp * self.pp):
+            raise PlanError(f"layout tp x pp = {self.tp} x {self.pp} does not divide the machine's {world} ranks")
+        dp = self.dp or world // (self.tp * self.pp)
+        if dp * self.tp * self.pp != world:
+            raise PlanError(f"layout dp x tp x pp = {dp} x {self.tp} x {self.pp} = {dp * self.tp * self.pp} ranks, "
+                            f"but the machine has {world}")
+        if shape.heads % self.tp:
+            raise PlanError(f"model.heads = {shape.heads} is not divisible by layout.tp = {self.tp}")
+        if self.tp > machine.per_node:
+            raise PlanError(f"layout.tp = {self.tp} spans more than one node ({machine.per_node} ranks per node): "
+                            "tensor-parallel groups stay on one node")
+        parts = self.pp * self.virtual_stages
+        if parts > shape.layers + 3:
+            raise PlanError(f"layout pp x virtual_stages = {parts} parts, more than the model's {shape.layers + 3} "
+                            "layers (embedding, blocks, norm, head)")
+        if self.sequence_parallel and (self.tp == 1 or shape.seq % self.tp):
+            raise PlanError(f"layout.sequence_parallel needs tp > 1 dividing model.seq = {shape.seq}")
+        return replace(self, dp=dp)
+
+
+def _model(layers: int, hidden: int, heads: int, vocab: int, seq: int, name: str, source: str) -> ModelShape:
+    return ModelShape(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, name=name, source=source)
+
+
+MODELS = {m.name: m for m in (
+    _model(24, 2048, 32, 51200, 2048, "gpt3-1.3b", "Brown et al. 2020, GPT-3 paper, table 2.1 (GPT-3 XL)"),
+    _model(40, 5120, 40, 51200, 1024, "zero-offload-13b",
+           "Ren et al. 2021, ZeRO-Offload (USENIX ATC), 13B trained on one 32 GB V100; the 40 x 5120 GPT "
+           "of Megatron's 13B configuration"),
+    _model(60, 4096, 16, 30522, 1024, "patrickstar-12b",
+           "Fang et al. 2022, PatrickStar (IEEE TPDS), 12B on 8 x V100 with 240 GB host RAM; 60 x 4096 "
+           "(Tencent/PatrickStar examples/model_builder.py, GPT3_12B)"),
+    _model(96, 12288, 96, 51200, 2048, "gpt3-175b", "Brown et al. 2020, GPT-3 paper, table 2.1"),
+    _model(105, 20480, 128, 51200, 2048, "mt-nlg-530b",
+           "Smith et al. 2022, Megatron-Turing NLG 530B: 105 layers, hidden 20480, 128 heads; 8-way tensor "
+           "x 35-way pipeline = 280 A100-80GB per replica"),
+    _model(128, 25600, 160, 51200, 2048, "gpt-1t",
+           "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters, table 1 "
+           "(1008B: 128 layers, hidden 25600, 160 heads)"),
+)}
+
+DEVICES = {d.name: d for d in (
+    Device("v100-32gb", 32 * GB, 125e12, 900e9, "NVIDIA V100 datasheet (SXM2): 32 GB HBM2, 900 GB/s, 125 TFLOPS tensor"),
+    Device("a100-40gb", 40 * GB, 312e12, 1555e9, "NVIDIA A100 datasheet: 40 GB HBM2, 1555 GB/s, 312 TFLOPS BF16 dense"),
+    Device("a100-80gb", 80 * GB, 312e12, 2039e9, "NVIDIA A100 datasheet (SXM): 80 GB HBM2e, 2039 GB/s, 312 TFLOPS BF16 dense"),
+    Device("h100-80gb", 80 * GB, 989e12, 3350e9, "NVIDIA H100 datasheet (SXM): 80 GB HBM3, 3.35 TB/s, 989 TFLOPS BF16 dense"),
+    Device("h200-141gb", 141 * GB, 989e12, 4800e9, "NVIDIA H200 datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS BF16 dense"),
+)}
+
+
+@dataclass(frozen=True)
+class _Node:
+    device: str
+    devices: int
+    host_ram: int
+    disk: int
+    intra: float
+    inter: float
+    source: str = field(default="")
+
+
+NODES = {
+    "dgx-2": _Node("v100-32gb", 16, 1500 * GB, 30_000 * GB, 300e9, 100e9,
+                   "NVIDIA DGX-2 datasheet: 16 x V100-32GB, 1.5 TB RAM, 30 TB NVMe, NVSwitch 300 GB/s per GPU, "
+                   "8 x 100 Gb/s InfiniBand"),
+    "dgx-a100-40gb": _Node("a100-40gb", 8, 1000 * GB, 15_000 * GB, 600e9, 200e9,
+                           "NVIDIA DGX A100 datasheet (320 GB system): 8 x A100-40GB, 1 TB RAM, 15 TB NVMe, NVLink "
+                           "600 GB/s, 8 x 200 Gb/s InfiniBand"),
+    "dgx-a100-80gb": _Node("a100-80gb", 8, 2000 * GB, 30_000 * GB, 600e9, 200e9,
+                           "NVIDIA DGX A100 datasheet (640 GB system): 8 x A100-80GB, 2 TB RAM, 30 TB NVMe, NVLink "
+                           "600 GB/s, 8 x 200 Gb/s InfiniBand"),
+    "dgx-h100": _Node("h100-80gb", 8, 2000 * GB, 30_000 * GB, 900e9, 400e9,
+                      "NVIDIA DGX H100 datasheet: 8 x H100-80GB, 2 TB RAM, 30 TB NVMe, NVLink 900 GB/s, "
+                      "8 x 400 Gb/s InfiniBand"),
+}
+
+
+def machine_preset(name: str, nodes: int = 1, **overrides: object) -> Machine:
+    """A preset node (NODES) or one node of a preset device (DEVICES, host RAM from `overrides`)."""
+    if name in NODES:
+        n = NODES[name]
+        base = Machine(name=name, nodes=nodes, device=DEVICES[n.device], devices_per_node=n.devices,
+                       host_ram=n.host_ram, disk=n.disk, intra_bandwidth=n.intra, inter_bandwidth=n.inter,
+                       source=n.source)
+    elif name in DEVICES:
+        d = DEVICES[name]
+        base = Machine(name=name, nodes=nodes, device=d, devices_per_node=int(overrides.pop("devices_per_node", 1)),
+                       host_ram=int(overrides.pop("host_ram", 0)) or 256 * GB, source=d.source)
+    elif name in ("local", "this"):
+        base = local_machine(nodes=nodes)
+    else:
+        raise PlanError(f"unknown machine preset {name!r}: expected one of {', '.join([*NODES, *DEVICES, 'local'])}")
+    try:
+        return replace(base, **overrides)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise PlanError(f"machine preset {name!r}: {exc}") from None
+
+
+def local_machine(nodes: int = 1, ranks_per_node: int | None = None) -> Machine:
+    """This machine as a CPU machine: its RAM and core count (`capstan plan --calibrate` measures rates)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Machine(name="local", nodes=nodes, ranks_per_node=ranks_per_node or 1, host_ram=ram,
+                   source="this machine (os.sysconf)")

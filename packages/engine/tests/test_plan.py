@@ -1,0 +1,118 @@
+"""capstan plan (engine/plan): parameter counts, memory per rank and tier, published arithmetic, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from capstan.engine import cli
+from capstan.engine.plan import (DEVICES, MODELS, GB, Layout, ModelShape, PlanError, machine_preset, memory_plan,
+                                 min_devices_for_states)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_parameter_counts_equal_the_reference_gpt_per_layer(tp: int) -> None:
+    from capstan.comm.groups import Group
+    from capstan.tensorpar import GPTConfig, build_gpt
+
+    with torch.device("meta"):
+        model = build_gpt(GPTConfig(vocab_size=101, seq_len=16, d_model=32, n_heads=4, n_layers=3, dropout=0.0),
+                          Group("tp", tuple(range(tp)), 0), seed=0)
+    built = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    assert ModelShape(layers=3, hidden=32, heads=4, vocab=101, seq=16).layer_params(tp) == built
+
+
+def test_a_trillion_parameters_need_16_TB_of_states_so_400_A100_40GB() -> None:
+    """ZeRO-Infinity (Rajbhandari et al. 2021): 1T parameters -> ~16 TB of mixed-precision Adam states,
+    at least 400 A100-40GB for the states alone (here the 1008B GPT of Narayanan et al. 2021)."""
+    model = MODELS["gpt-1t"]
+    assert 16.0e12 <= 16 * model.params <= 16.3e12
+    assert 400 <= min_devices_for_states(model, DEVICES["a100-40gb"]) <= 410
+
+
+def test_mt_nlg_530b_spans_280_a100_80gb_per_replica() -> None:
+    """Smith et al. 2022: 8-way tensor x 35-way pipeline slicing, 280 A100-80GB per replica (bf16,
+    recompute); on 40 GB devices the same layout does not fit."""
+    model = MODELS["mt-nlg-530b"]
+    layout = Layout(tp=8, pp=35, precision="bf16", recompute=True, accum=64)
+    plan = memory_plan(model, machine_preset("dgx-a100-80gb", nodes=35), layout)
+    assert plan.layout.dp == 1 and plan.machine.world == 280 and plan.fits, plan.table()
+    assert 16 * plan.params_per_rank < 40 * GB  # its states alone would fit a 40 GB device...
+    small = memory_plan(model, machine_preset("dgx-a100-40gb", nodes=35), layout)
+    assert not small.fits and set(small.shortfall()) == {"device"}  # ...but not with the activations
+
+
+def test_13b_on_one_v100_fits_only_with_the_optimizer_on_the_host() -> None:
+    """ZeRO-Offload (Ren et al. 2021): 13B parameters train on one 32 GB V100 only with gradients and
+    optimizer states on the host."""
+    model, v100 = MODELS["zero-offload-13b"], machine_preset("dgx-2", devices_per_node=1)
+    base = {"precision": "fp16", "recompute": True, "micro": 4}
+    for layout in (Layout(**base), Layout(zero_stage=3, **base)):
+        assert memory_plan(model, v100, layout).shortfall().keys() == {"device"}
+    offload = memory_plan(model, v100, Layout(offload="cpu", **base))
+    assert offload.fits, offload.table()
+    assert offload.total("ram") > 150 * GB and offload.total("device") < 32 * GB
+
+
+def test_model_states_follow_the_zero_formulas_of_docs_parallelism() -> None:
+    """Flat ZeRO 0-2 buffers: 16, 8 + 8/dp and 8 + 12/dp bytes per parameter; ZeRO-3 chunks 16/dp (fp32)."""
+    model = ModelShape(layers=4, hidden=64, heads=4, vocab=256, seq=32)
+    machine = machine_preset("local", ranks_per_node=4)
+    psi = model.params
+    want = {0: 16 * psi, 1: 8 * psi + 8 * psi // 4, 2: 8 * psi + 12 * psi // 4, 3: 16 * psi // 4}
+    for stage, expected in want.items():
+        plan = memory_plan(model, machine, Layout(zero_stage=stage))
+        states = sum(i.bytes for i in plan.items if i.what.startswith(("parameters", "gradients", "Adam", "model states")))
+        assert states == expected, (stage, plan.table())
+
+
+def test_recompute_and_sequence_parallel_cut_activations() -> None:
+    model = ModelShape(layers=8, hidden=256, heads=8, vocab=512, seq=256)
+    machine = machine_preset("local", ranks_per_node=2)
+
+    def acts(**kw: object) -> int:
+        plan = memory_plan(model, machine, Layout(tp=2, micro=4, **kw))
+        return sum(i.bytes for i in plan.items if i.what.startswith("activations"))
+
+    plain, sp, recompute = acts(), acts(sequence_parallel=True), acts(recompute=True)
+    assert recompute < sp < plain
+    assert sp == pytest.approx(plain * 32 / 2 / (8 + 24 / 2), rel=1e-6)  # 32/t against 8 + 24/t (s b h units)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ModelShape(layers=0, hidden=64, heads=4, vocab=256, seq=32), "model.layers = 0: must be a positive number"),
+    (lambda: ModelShape(layers=2, hidden=66, heads=4, vocab=256, seq=32), "model.hidden = 66 is not divisible by model.heads = 4"),
+    (lambda: memory_plan(MODELS["gpt3-1.3b"], machine_preset("dgx-h100"), Layout(tp=3)),
+     "layout tp x pp = 3 x 1 does not divide the machine's 8 ranks"),
+    (lambda: memory_plan(MODELS["gpt3-1.3b"], machine_preset("dgx-h100"), Layout(tp=8, pp=1, dp=2)),
+     "layout dp x tp x pp = 2 x 8 x 1 = 16 ranks, but the machine has 8"),
+    (lambda: memory_plan(MODELS["gpt3-1.3b"], machine_preset("dgx-h100", nodes=4), Layout(pp=32)),
+     "layout pp x virtual_stages = 32 parts, more than the model's 27 layers"),
+    (lambda: memory_plan(ModelShape(layers=2, hidden=60, heads=6, vocab=256, seq=32), machine_preset("dgx-h100"),
+                         Layout(tp=4, dp=2)), "model.heads = 6 is not divisible by layout.tp = 4"),
+    (lambda: machine_preset("tpu-v9"), "unknown machine preset 'tpu-v9'"),
+    (lambda: Layout(offload="disk"), "layout.offload = \"disk\" needs layout.cpu_budget"),
+    (lambda: Layout(micro=-1), "layout.micro = -1: must be a positive number"),
+])
+def test_impossible_specs_are_one_clear_error(make: object, message: str) -> None:
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make()
+
+
+def test_capstan_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--config", "examples/offload.toml", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["layout"]["offload"] == "disk" and out["total"]["disk"] > 0
+    assert out["total"]["ram"] >= 12 * 2**20  # the main job's 12 MiB chunk budget, plus the rest
+    assert cli.main(["plan", "--model", "zero-offload-13b", "--machine", "v100-32gb", "--precision", "fp16",
+                     "--recompute"]) == 1
+    assert "does not fit: device short by" in capsys.readouterr().out
+    assert cli.main(["plan", "--model", "zero-offload-13b", "--machine", "v100-32gb", "--precision", "fp16",
+                     "--recompute", "--offload", "cpu"]) == 0
+    assert cli.main(["plan", "--model", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["capstan: error: unknown model preset 'nope': expected one of " + ", ".join(MODELS)]
+    assert cli.main(["plan", "--layers", "2"]) == 2
+    assert "(missing --hidden, --heads, --vocab, --seq)" in capsys.readouterr().err
