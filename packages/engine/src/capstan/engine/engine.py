@@ -37,6 +37,7 @@ from torch import nn
 
 from .config.load import check_states_fit, uses_chunks
 from .outputs import loss_of
+from .metrics import vm_hwm
 from .config.schema import Config
 from .pipe import PipelineStage
 from .precision import autocast, loss_scaler
@@ -404,19 +405,26 @@ class Engine:
         if not self.chunked:
             held = self.optimizer.state_bytes()  # fixed-size buffers: held is also the peak
             tier = self.device.type  # the model states live where the model computes
-            out = {f"mem.{tier}.peak_bytes": held, f"mem.{tier}.resident_bytes": held, "mem.moved_bytes": 0}
+            out = {f"mem.{tier}.peak_bytes": held, f"mem.{tier}.resident_bytes": held, "mem.moved_bytes": 0,
+                   "mem.process.rss_peak_bytes": vm_hwm()}
             return {**out, **self._cuda_allocator_stats()}
         s = self.manager.stats()
         disk = s["disk"]["resident_bytes"]  # type: ignore[index]
         self._disk_peak = max(self._disk_peak, disk)
+        rss = {"mem.process.rss_peak_bytes": vm_hwm()}
         out = {"mem.cpu.peak_bytes": s["cpu"]["peak_bytes"],  # type: ignore[index]
                "mem.cpu.resident_bytes": s["cpu"]["resident_bytes"],  # type: ignore[index]
                "mem.disk.peak_bytes": self._disk_peak, "mem.disk.resident_bytes": disk,
-               "mem.moved_bytes": s["moved_bytes"], "mem.stall_s": s["stall_s"]}  # type: ignore[dict-item]
+               "mem.moved_bytes": s["moved_bytes"], "mem.stall_s": s["stall_s"], **rss}  # type: ignore[dict-item]
         if "cuda" in s:  # chunks on the GPU (their bytes, within memory.gpu_budget)
             out["mem.cuda.peak_bytes"] = s["cuda"]["peak_bytes"]  # type: ignore[index]
             out["mem.cuda.resident_bytes"] = s["cuda"]["resident_bytes"]  # type: ignore[index]
         return {**out, **self._cuda_allocator_stats()}
+
+    @property
+    def disk_peak(self) -> int:
+        """The most bytes this rank's disk tier held at a step's end (0 without one)."""
+        return self._disk_peak
 
     def _cuda_allocator_stats(self) -> dict[str, float]:
         """Everything torch allocated on this rank's GPU (activations included), peak since the last call."""

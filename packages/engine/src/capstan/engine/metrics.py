@@ -12,7 +12,7 @@ from typing import Any
 
 from capstan import comm
 
-__all__ = ["MetricsSink", "progress_line", "human_bytes", "plot_losses", "plot_memory", "memory_summary"]
+__all__ = ["MetricsSink", "progress_line", "human_bytes", "plot_losses", "plot_memory", "memory_summary", "vm_hwm"]
 
 log = comm.get_logger(__name__)
 
@@ -23,6 +23,19 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def vm_hwm() -> int:
+    """This process's peak resident memory (VmHWM, bytes; 0 where /proc is not there). Unlike ru_maxrss it
+    starts afresh at exec, so a rank launched from a big parent reads its own peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _eta(seconds: float) -> str:

@@ -30,21 +30,28 @@ __all__ = ["run"]
 log = comm.get_logger(__name__)
 
 
-def run(cfg: Config, sources: Sources, data: TokenData) -> list[dict]:
-    """Train as configured; returns rank 0's metric records (empty on other ranks)."""
+def run(cfg: Config, sources: Sources, data: TokenData, plan: str | None = None) -> list[dict]:
+    """Train as configured; returns rank 0's metric records (empty on other ranks). plan: not None for
+    `capstan train --plan [MACHINE_FILE]` (plan/run.py: the prediction, then predicted vs measured)."""
     groups = resolve_groups(cfg, sources)
     faults.limit_file_size()  # CAPSTAN_FILE_SIZE_LIMIT: a full disk for the fault tests (after MPI's own files)
     locks = lock_run(cfg, groups)  # before anything reads or writes the run directory
     try:
         if cfg.checkpoint.resume:
             check_resume(cfg, groups)
-        return _run(cfg, data, groups)
+        return _run(cfg, data, groups, plan)
     finally:
         for lock in locks:
             lock.release()
 
 
-def _run(cfg: Config, data: TokenData, groups: comm.Groups) -> list[dict]:
+def _run(cfg: Config, data: TokenData, groups: comm.Groups, plan: str | None = None) -> list[dict]:
+    watch = None
+    if plan is not None:  # before the model exists: the prediction does not depend on the run
+        from .plan.run import RunPlan
+
+        watch = RunPlan(cfg, groups.world.size, groups.world.rank, plan)
+        comm.log_rank0(log, "%s", watch.describe())
     engine = initialize(config=cfg, groups=groups)
     rank0 = groups.world.rank == 0
     dp, dp_rank = groups.dp.size, groups.dp.rank
@@ -71,7 +78,8 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups) -> list[dict]:
     vals = val_batches(data, cfg, dp, dp_rank) if t.eval_every else []
     try:
         with stop.at_step_boundaries():  # SIGTERM: every rank stops after the same step (stop.py)
-            _train_steps(cfg, engine, groups, batches, vals, sink, ckpt_root, start, derived)
+            _train_steps(cfg, engine, groups, batches, vals, sink, ckpt_root, start, derived,
+                         watch.record() if watch is not None else {})
     except BaseException:
         # Closing after a failure must not replace its error with another (a second failed write of
         # a full disk, a peer already gone): the first one is what the rank reports.
@@ -84,8 +92,11 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups) -> list[dict]:
     if engine.chunked:  # the last step's RAM at every chunk access, and all the chunks' bytes
         timeline = list(engine.manager.cpu.stats.timeline)
         states = sum(e.chunk.nbytes for e in engine.manager.entries.values())
+    summary = watch.finish(sink.records, engine.disk_peak, groups.world, run_dir) if watch is not None else ""
     sink.close()
     engine.close()
+    if summary:
+        log.info("%s", summary)
     if rank0 and sink.records:
         wrote = [run_dir / "metrics.jsonl", run_dir / "config.resolved.toml"]
         if plot_losses(sink.records, run_dir / "loss.png"):
@@ -101,9 +112,9 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups) -> list[dict]:
 
 
 def _train_steps(cfg: Config, engine: Engine, groups: comm.Groups, batches: Iterator, vals: list,
-                 sink: MetricsSink, ckpt_root: Path, start: int, derived: dict) -> None:
+                 sink: MetricsSink, ckpt_root: Path, start: int, derived: dict, planned: dict) -> None:
     """The training loop: a step, its record and progress line, evaluation and checkpoint, and the
-    ranks' agreement on a stop signal at its end."""
+    ranks' agreement on a stop signal at its end. planned: the `plan.*` keys put in every record."""
     t = cfg.train
     elapsed: list[float] = []
     for step in range(start, t.steps):
@@ -113,7 +124,7 @@ def _train_steps(cfg: Config, engine: Engine, groups: comm.Groups, batches: Iter
         record = {"step": info.step, "loss": info.loss, "lr": info.lr,
                   "tokens_per_s": derived["tokens_per_step"] / max(info.seconds, 1e-9),
                   "grad_norm": info.grad_norm, "loss_scale": info.loss_scale, "skipped": info.skipped,
-                  "step_s": info.seconds, **info.mem}
+                  "step_s": info.seconds, **info.mem, **planned}
         last = step + 1 == t.steps
         if t.eval_every and (info.step % t.eval_every == 0 or last):
             record["val_loss"] = engine.eval_batch(vals)

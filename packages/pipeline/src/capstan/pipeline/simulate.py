@@ -100,8 +100,11 @@ def _peer(schedule: Schedule, stage: int, ins: CommInstruction) -> int:
     return schedule.next_stage(stage) if downstream else schedule.prev_stage(stage)
 
 
-def simulate(schedule: Schedule, cost: Callable[[Instruction], float] = default_cost) -> SimResult:
-    """Run every stage's instructions against each other; raise on deadlock or mismatch."""
+def simulate(schedule: Schedule, cost: Callable[[Instruction], float] = default_cost,
+             stage_cost: Callable[[int, Instruction], float] | None = None) -> SimResult:
+    """Run every stage's instructions against each other; raise on deadlock or mismatch.
+
+    stage_cost(stage, instruction), where given, replaces `cost` (stages that differ: capstan plan)."""
     p = schedule.stages
     programs = [batches(list(schedule.steps(s))) for s in range(p)]
     pc = [0] * p
@@ -151,7 +154,7 @@ def simulate(schedule: Schedule, cost: Callable[[Instruction], float] = default_
             clock[s] = max([clock[s]] + [op.matched for op in ops])  # type: ignore[misc]
             posted[s], pc[s] = None, pc[s] + 1
             return True
-        c = cost(item)
+        c = stage_cost(s, item) if stage_cost is not None else cost(item)
         if c:
             busy[s].append((clock[s], clock[s] + c, item))
             clock[s] += c

@@ -97,7 +97,7 @@ def _train(args: argparse.Namespace) -> int:
         read_manifest(found)
     from ..trainer import run
 
-    run(cfg, sources, data)
+    run(cfg, sources, data, plan=args.plan)
     if comm.is_initialized():
         # Leave together and tear the process group down: a rank exiting with the group alive can
         # make gloo abort the slower peer at interpreter exit. (Not on errors: a peer may be gone.)
@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                        help="override one value (a TOML literal or a bare string); repeatable")
     train.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
+    train.add_argument("--plan", nargs="?", const="", default=None, metavar="MACHINE_FILE",
+                       help="print capstan plan's prediction before the first step and record predicted vs "
+                            "measured (metrics plan.*, plan.json); rates from MACHINE_FILE or this machine's "
+                            "`capstan plan --calibrate` file (docs/plan.md)")
     train.set_defaults(func=_cmd_train)
     ckpt = sub.add_parser("checkpoint", help="inspect or export a checkpoint (docs/checkpoints.md)")
     ckpt_sub = ckpt.add_subparsers(dest="action", required=True, parser_class=_Parser)

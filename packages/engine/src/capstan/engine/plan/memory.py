@@ -35,7 +35,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .spec import Device, Layout, Machine, ModelShape
+from .chunks import chunk_lists, disk_traffic
+from .spec import Device, Layout, Machine, ModelShape, virtual_parts
 
 __all__ = ["Item", "MemoryPlan", "memory_plan", "min_devices_for_states", "TIERS"]
 
@@ -100,17 +101,9 @@ def min_devices_for_states(shape: ModelShape, device: Device, bytes_per_param: i
 
 
 def _stage_parts(shape: ModelShape, layout: Layout) -> list[list[int]]:
-    """Layer indices of each pipeline stage (interleaved: its v parts), split by parameter count as
-    the engine's default `parallel.partition = "parameters"` does."""
-    weights = shape.layer_params(layout.tp)
-    parts = layout.pp * layout.virtual_stages
-    if parts == 1:
-        return [list(range(len(weights)))]
-    from capstan.pipeline.partition import balanced_bounds
-
-    bounds = balanced_bounds(weights, parts)  # [0, ..., len(weights)]: part i is bounds[i]:bounds[i + 1]
-    chunks = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
-    return [sum((chunks[k] for k in range(s, parts, layout.pp)), []) for s in range(layout.pp)]
+    """Layer indices of each pipeline stage (interleaved: its v parts together)."""
+    parts = virtual_parts(shape, layout)
+    return [sum((parts[k] for k in range(s, len(parts), layout.pp)), []) for s in range(layout.pp)]
 
 
 def _block_activations(shape: ModelShape, layout: Layout, micro: int) -> tuple[int, int]:
@@ -128,6 +121,22 @@ def _block_activations(shape: ModelShape, layout: Layout, micro: int) -> tuple[i
         return full, 0
     kept = sbh * e // (t if layout.sequence_parallel else 1)
     return kept, full
+
+
+def _runtime(machine: Machine, layout: Layout, chunked: bool) -> list[Item]:
+    """What a rank holds besides tensors: measured by `capstan plan --calibrate` (overhead.py) where the
+    machine was calibrated, else `Machine.host_overhead`."""
+    rates = machine.rates
+    if rates is None or not rates.host_overhead or not rates.runtime:
+        return [Item("interpreter, torch and libraries", "ram", machine.host_overhead)]
+    r = rates.runtime
+    items = [Item("interpreter, torch, MPI and capstan (measured)", "ram", rates.host_overhead),
+             Item("compute kernels' first use (measured)", "ram", r.get("first_compute", 0))]
+    if layout.precision in ("bf16", "fp16"):
+        items.append(Item("16-bit kernels (measured)", "ram", r.get("bf16", 0)))
+    if chunked or layout.recompute:
+        items.append(Item("torch modules that chunked memory or recompute load (measured)", "ram", r.get("heavy", 0)))
+    return items
 
 
 def _in_flight(layout: Layout, stage: int) -> float:
@@ -167,19 +176,23 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
     e16 = layout.precision in ("bf16", "fp16")
     pbytes = 2 if e16 else 4
     chunked = layout.zero_stage == 3 or layout.offload != "none"
-    shard = dp if layout.zero_stage == 3 else 1
     if not chunked:  # the flat fp32 buffer of ZeroOptimizer (ZeRO 0-2)
         moments = 8 * params // (dp if layout.zero_stage >= 1 else 1)
-        grads = 4 * params + (4 * params // dp if layout.zero_stage == 2 else 0)
+        # ZeRO 2 keeps a shard accumulator only where gradients outlive a backward (accumulation over
+        # several backwards; one pipeline schedule is one): zero/optimizer.py; all-reduce buckets are
+        # views of the flat gradient (buckets.py)
+        backwards = 1 if layout.pp > 1 else layout.accum
+        accumulator = layout.zero_stage == 2 and not (dp > 1 and layout.bucket_bytes > 0 and backwards == 1)
+        grads = 4 * params + (4 * params // dp if accumulator else 0)
         items += [Item("parameters (fp32 flat buffer)", compute, 4 * params),
-                  Item("gradients (fp32 flat buffer" + (" + shard accumulator)" if layout.zero_stage == 2 else ")"),
+                  Item("gradients (fp32 flat buffer" + (" + shard accumulator)" if accumulator else ")"),
                        compute, grads),
-                  Item(f"Adam moments (fp32{', sharded over dp' if layout.zero_stage >= 1 else ''})", compute, moments),
-                  Item("gradient buckets in flight (2)", compute, 2 * layout.bucket_bytes)]
+                  Item(f"Adam moments (fp32{', sharded over dp' if layout.zero_stage >= 1 else ''})", compute, moments)]
     else:
-        per_param = 16 if not e16 else (14 if dp == 1 and layout.accum == 1 else 18)
-        states = per_param * params // shard
-        where = f"chunks, {per_param} B/param" + (f", 1/{dp} per rank" if shard > 1 else "")
+        lists = chunk_lists(shape, layout, layers)  # exactly as the engine packs them, padding included
+        states = lists.state_bytes()
+        shard = lists.shard
+        where = f"chunks, {lists.bytes_per_element()} B per chunk element" + (f", 1/{dp} per rank" if shard > 1 else "")
         if layout.offload == "none":
             items.append(Item(f"model states ({where})", compute, states))
         elif layout.offload == "cpu":
@@ -190,18 +203,21 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
                                   2 * pbytes * largest_layer // shard))
         else:
             in_ram = min(states, layout.cpu_budget or 0)
+            traffic = disk_traffic(lists, layout.cpu_budget or 0, micro=layout.accum, recompute=layout.recompute,
+                                   clip=layout.grad_clip, eviction=layout.eviction)
             items.append(Item(f"model states in RAM (cpu_budget; {where})", "ram", in_ram))
-            items.append(Item("model states on disk", "disk", states - in_ram))
+            items.append(Item("model states on disk (current copies at a step's end)", "disk", traffic.disk_bytes))
             if gpu:
                 items.append(Item("parameter chunks in use and prefetched (2 layers)", "device",
                                   2 * pbytes * largest_layer // shard))
-        if shard > 1:
-            # the engine's chunk holds at least the largest tensor: the vocabulary or an MLP matrix slice
-            vocab = -(-shape.vocab // layout.tp) * shape.hidden
-            chunk = max(vocab, shape.ffn_mult * shape.hidden * shape.hidden // layout.tp)
-            unit = dp * chunk * (pbytes + 4)
+        if shard > 1 and layout.cpu_budget is None:
+            # RAM unbounded: every unit gathered stays until the end of backward (sharding.py), and one
+            # gradient buffer per parameter group is open; under a budget both come out of the budget.
             tier = compute if layout.offload == "none" or gpu else "ram"
-            items.append(Item("ZeRO-3 gathered unit (dp chunks of parameters and gradients)", tier, unit))
+            items.append(Item("ZeRO-3 gathered units (all of the stage's, kept through backward)", tier,
+                              lists.elements * pbytes))
+            items.append(Item("ZeRO-3 gradient buffers (one unit per parameter group)", tier,
+                              sum(shard * c * 4 for c in lists.capacities)))
     blocks = sum(1 for i in layers if 0 < i < last - 1)
     kept, rebuilt = _block_activations(shape, layout, layout.micro)
     inflight = _in_flight(layout, stage)
@@ -210,13 +226,15 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
                       + (", recomputed" if layout.recompute else "") + ")", act_tier, int(blocks * kept * inflight)))
     if rebuilt and blocks:
         items.append(Item("one block's activations while it is recomputed", act_tier, rebuilt))
+    if blocks:  # backward allocates the gradients of a block's activations while they are still kept
+        items.append(Item("backward: one block's activation gradients", act_tier, rebuilt or kept))
     if last in layers:
         vocab = -(-shape.vocab // layout.tp) * layout.tp // layout.tp
         items.append(Item("logits and their softmax (fp32, one micro-batch)", act_tier,
                           2 * 4 * shape.seq * layout.micro * vocab))
     if gpu:
         items.append(Item("CUDA context and allocator reserve", "device", machine.device_overhead))
-    items.append(Item("interpreter, torch and libraries", "ram", machine.host_overhead))
+    items += _runtime(machine, layout, chunked)
     capacity: dict[str, int | None] = {
         "device": machine.device.memory if machine.device is not None else None,
         "ram": machine.host_ram // machine.per_node,

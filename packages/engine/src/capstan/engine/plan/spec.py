@@ -12,11 +12,15 @@ theirs. Bad input raises `PlanError` with one line naming what is wrong.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from .rates import Rates, gpu_rates
 
 __all__ = ["PlanError", "ModelShape", "Device", "Machine", "Layout", "MODELS", "DEVICES", "NODES",
-           "machine_preset", "local_machine", "GB"]
+           "machine_preset", "local_machine", "load_machine", "save_machine", "virtual_parts", "GB"]
 
 GB = 10**9
 
@@ -99,6 +103,7 @@ class Machine:
     device_overhead: int = GB
     host_overhead: int = 400 * 10**6  # 400 MB: interpreter, torch and the native library per process
     source: str = ""
+    rates: Rates | None = field(default=None, compare=False)  # how fast (rates.py); None: memory only
 
     def __post_init__(self) -> None:
         _positive("machine", nodes=self.nodes, host_ram=self.host_ram)
@@ -138,6 +143,9 @@ class Layout:
     cpu_budget: int | None = None
     gpu_budget: int | None = None
     bucket_bytes: int = 25 * 10**6
+    chunk_size: int | None = None  # elements per chunk (None: chosen per model, as the engine does)
+    eviction: str = "belady"
+    grad_clip: bool = True
 
     def __post_init__(self) -> None:
         _positive("layout", tp=self.tp, pp=self.pp, micro=self.micro, accum=self.accum,
@@ -177,6 +185,19 @@ class Layout:
         if self.sequence_parallel and (self.tp == 1 or shape.seq % self.tp):
             raise PlanError(f"layout.sequence_parallel needs tp > 1 dividing model.seq = {shape.seq}")
         return replace(self, dp=dp)
+
+
+def virtual_parts(shape: ModelShape, layout: Layout) -> list[list[int]]:
+    """Layer indices (into [embedding, blocks, norm, head]) of each of the pp x v virtual pipeline stages,
+    split by parameter count as the engine's default `parallel.partition = "parameters"` does; stage s
+    holds parts s, s + pp, s + 2 pp, ... (interleaved)."""
+    n, parts = shape.layers + 3, layout.pp * layout.virtual_stages
+    if parts == 1:
+        return [list(range(n))]
+    from capstan.pipeline.partition import balanced_bounds
+
+    bounds = balanced_bounds(shape.layer_params(layout.tp), parts)  # part i is bounds[i]:bounds[i + 1]
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
 def _model(layers: int, hidden: int, heads: int, vocab: int, seq: int, name: str, source: str) -> ModelShape:
@@ -237,20 +258,27 @@ NODES = {
 
 
 def machine_preset(name: str, nodes: int = 1, **overrides: object) -> Machine:
-    """A preset node (NODES) or one node of a preset device (DEVICES, host RAM from `overrides`)."""
+    """A preset node (NODES), one node of a preset device (DEVICES, host RAM from `overrides`), `local`
+    (this machine, memory only), or a machine file written by `capstan plan --calibrate` (a path)."""
     if name in NODES:
         n = NODES[name]
-        base = Machine(name=name, nodes=nodes, device=DEVICES[n.device], devices_per_node=n.devices,
+        d = DEVICES[n.device]
+        base = Machine(name=name, nodes=nodes, device=d, devices_per_node=n.devices,
                        host_ram=n.host_ram, disk=n.disk, intra_bandwidth=n.intra, inter_bandwidth=n.inter,
-                       source=n.source)
+                       source=n.source, rates=gpu_rates(d.flops, d.memory_bandwidth, n.intra, n.inter, n.devices))
     elif name in DEVICES:
         d = DEVICES[name]
-        base = Machine(name=name, nodes=nodes, device=d, devices_per_node=int(overrides.pop("devices_per_node", 1)),
-                       host_ram=int(overrides.pop("host_ram", 0)) or 256 * GB, source=d.source)
+        per = int(overrides.pop("devices_per_node", 1))
+        base = Machine(name=name, nodes=nodes, device=d, devices_per_node=per,
+                       host_ram=int(overrides.pop("host_ram", 0)) or 256 * GB, source=d.source,
+                       rates=gpu_rates(d.flops, d.memory_bandwidth, 0.0, 0.0, per))
     elif name in ("local", "this"):
         base = local_machine(nodes=nodes)
+    elif name.endswith(".json") or os.sep in name:
+        base = replace(load_machine(name), nodes=nodes)
     else:
-        raise PlanError(f"unknown machine preset {name!r}: expected one of {', '.join([*NODES, *DEVICES, 'local'])}")
+        raise PlanError(f"unknown machine preset {name!r}: expected one of {', '.join([*NODES, *DEVICES, 'local'])}, "
+                        "or a machine file from `capstan plan --calibrate`")
     try:
         return replace(base, **overrides)  # type: ignore[arg-type]
     except TypeError as exc:
@@ -262,3 +290,28 @@ def local_machine(nodes: int = 1, ranks_per_node: int | None = None) -> Machine:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Machine(name="local", nodes=nodes, ranks_per_node=ranks_per_node or 1, host_ram=ram,
                    source="this machine (os.sysconf)")
+
+
+def save_machine(machine: Machine, path: str | os.PathLike) -> None:
+    """Write a machine (a calibrated one: its rates and layer profiles too) as JSON."""
+    data = {k: v for k, v in asdict(machine).items() if k not in ("rates", "device")}
+    data["device"] = asdict(machine.device) if machine.device is not None else None
+    data["rates"] = machine.rates.to_json() if machine.rates is not None else None
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(path) + ".partial")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def load_machine(path: str | os.PathLike) -> Machine:
+    """A machine file written by `save_machine` (`capstan plan --calibrate`); one line naming what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+        data["device"] = Device(**data["device"]) if data.get("device") else None
+        data["rates"] = Rates.from_json(data["rates"]) if data.get("rates") else None
+        return Machine(**data)
+    except FileNotFoundError:
+        raise PlanError(f"machine file {path} does not exist: write it with `capstan plan --calibrate --out {path}`") \
+            from None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise PlanError(f"machine file {path} is not a capstan machine file: {exc}") from None

@@ -1,0 +1,216 @@
+"""`capstan plan --calibrate`: measure this machine's rates and save them as a machine file.
+
+    machine = calibrate(disk_dir="runs/calibrate", shapes=[(shape, layout)])   # about a minute
+    save_machine(machine, default_machine_path())
+
+What it measures, each with the threads a rank gets under the launcher (`probe.py` reports them):
+
+* under `mpirun -np 2` and `-np 4` (probe.py): capstan.comm's all-reduce and all-gather from 4 KiB
+  to 16 MiB (latency from the smallest, bus bandwidth from the largest), point-to-point, the
+  threads and resident memory of a launched rank before its model, and a block's compute with
+  every core busy (over the same alone: `Rates.contention`);
+* in this process: a 512-wide block's forward and backward (its FLOP/s, for shapes not profiled),
+  memory copy bandwidth, the native AdamW step (fp32; fused with the 16-bit cast; the squared-norm
+  pass for clipping) in parameters per second, chunkmem's access + release of a resident chunk,
+  and direct-I/O write and read of 256 MiB in requests of 1 MiB (the disk tier's: one chunk at a
+  time) in `disk_dir`;
+* the layer profiles of the models given (costs.measure_layers), so the planner's prediction for a
+  configuration needs no measurement later.
+
+Every figure is a median of several runs; the machine file records them with the date.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from .costs import block_flops, layer_costs
+from .probe import block_seconds
+from .rates import LayerCost, Link, Rates
+from .spec import Layout, Machine, ModelShape, PlanError, local_machine
+
+__all__ = ["calibrate", "default_machine_path", "cached_machine"]
+
+DISK_BYTES = 256 << 20
+DISK_BLOCK = 1 << 20
+
+
+def default_machine_path() -> Path:
+    """Where `capstan plan --calibrate` keeps this machine's file unless told otherwise."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "capstan" / "machine.json"
+
+
+def cached_machine() -> Machine | None:
+    """This machine as last calibrated, if it was (the default path), else None."""
+    from .spec import load_machine
+
+    path = default_machine_path()
+    return load_machine(path) if path.exists() else None
+
+
+def _fit(times: dict, factor: float) -> Link:
+    """latency + wire / bandwidth through the smallest and the largest size (wire = size x factor)."""
+    points = sorted((int(size), t) for size, t in times.items())
+    (small, t_small), (large, t_large) = points[0], points[-1]
+    bandwidth = (large - small) * factor / max(t_large - t_small, 1e-9)
+    return Link(latency=max(t_small - small * factor / bandwidth, 1e-7), bandwidth=bandwidth)
+
+
+def _launch_probe(ranks: int, shapes: list[tuple[ModelShape, Layout]] = ()) -> dict:
+    from ..cli.launch import build_command, find_mpirun
+
+    if find_mpirun() is None:
+        raise PlanError("capstan plan --calibrate needs mpirun to measure collectives (capstan info says which)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "probe.json")
+        args = [sys.executable, "-m", "capstan.engine.plan.probe", out]
+        if shapes:
+            args.append(os.path.join(tmp, "shapes.json"))
+            Path(args[-1]).write_text(json.dumps([{"shape": asdict(s), "layout": asdict(lay)} for s, lay in shapes]))
+        cmd = build_command(args, ranks)
+        env = {k: v for k, v in os.environ.items() if k != "CAPSTAN_RENDEZVOUS_FILE"}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        if done.returncode != 0 or not os.path.exists(out):
+            raise PlanError(f"the calibration probe under mpirun -np {ranks} failed (exit {done.returncode}): "
+                            + (done.stderr.strip().splitlines() or ["no output"])[-1])
+        return json.loads(Path(out).read_text())
+
+
+def _median(fn, reps: int = 7) -> float:  # noqa: ANN001
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _cpu_rates(threads: int) -> dict:
+    from capstan.native import kernels
+
+    n = 1 << 22
+    kernels.set_num_threads(threads)
+    p, g, m, v = torch.zeros(n), torch.full((n,), 1e-3), torch.zeros(n), torch.zeros(n)
+    out16 = torch.empty(n, dtype=torch.bfloat16)
+    src, dst = torch.ones(4 * n), torch.empty(4 * n)
+    step = [0]
+
+    def adam() -> None:
+        step[0] += 1
+        kernels.adam_update(p, g, m, v, step=step[0], lr=1e-3, weight_decay=0.01)
+
+    def adam_cast() -> None:
+        step[0] += 1
+        kernels.adam_update_and_cast(p, g, m, v, out16, step=step[0], lr=1e-3, weight_decay=0.01)
+
+    return {"memory_bandwidth": 2 * 4 * 4 * n / _median(lambda: kernels.copy_(dst, src)),
+            "adam": {"fp32": n / _median(adam), "mixed": n / _median(adam_cast),
+                     "sumsq": n / _median(lambda: kernels.sumsq(g))}}
+
+
+def _per_access() -> float:
+    """Seconds of one chunkmem access + release of a resident chunk (what a hook does per parameter)."""
+    from capstan.chunkmem import ChunkManager
+    from capstan.chunkmem.chunk import Chunk, ChunkKind
+
+    manager = ChunkManager(cpu_budget=1 << 30)
+    chunk = Chunk(0, ChunkKind.PARAM, torch.float32, 1024)
+    manager.add(chunk, torch.zeros(1024))
+    n = 2000
+
+    def run() -> None:
+        for _ in range(n):
+            manager.access(0)
+            manager.release(0)
+
+    try:
+        return _median(run, 5) / n
+    finally:
+        manager.close()
+
+
+def _runtime(threads: int) -> dict[str, float]:
+    """overhead.py in a fresh interpreter: first compute, 16-bit kernels, torch's heavy modules (bytes)."""
+    env = {k: v for k, v in os.environ.items() if k != "CAPSTAN_RENDEZVOUS_FILE"}
+    done = subprocess.run([sys.executable, "-m", "capstan.engine.plan.overhead", str(threads)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        raise PlanError("the calibration's memory probe failed: " + (done.stderr.strip().splitlines() or ["?"])[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _disk(disk_dir: str | os.PathLike, size: int) -> tuple[float, float]:
+    from ..cli.disk_bench import bench_disk
+
+    Path(disk_dir).mkdir(parents=True, exist_ok=True)
+    rates = bench_disk(disk_dir, size=size, block=DISK_BLOCK, inflight=1, rounds=3)
+    return rates["read_gbs"] * 1e9, rates["write_gbs"] * 1e9
+
+
+def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple[ModelShape, Layout]] = (),
+              log=print, ranks: tuple[int, ...] = (2, 4), disk_bytes: int = DISK_BYTES) -> Machine:  # noqa: ANN001
+    """Measure this machine (module docstring); `shapes`: (model, layout) pairs whose layers to profile;
+    `ranks`: the launches whose collectives are measured (2 always; every core's for the busy profiles)."""
+    cores = len(os.sched_getaffinity(0))
+    shapes = [(shape, replace(layout, dp=0)) for shape, layout in shapes]
+    log(f"calibrating: collectives under mpirun -np {' and '.join(map(str, sorted({2, *ranks, cores} - {1})))} "
+        f"({cores} cores)"
+        + (f", {len(shapes)} model layout(s) profiled with every core busy" if shapes else ""))
+    probes = {n: _launch_probe(n, shapes if n == cores else ()) for n in sorted({2, *ranks, cores} - {1})}
+    threads = probes[2]["threads"]
+    collective = {n: _fit(p["all_reduce"], 2 * (n - 1) / n) for n, p in probes.items()}
+    gather = {n: _fit(p["all_gather"], (n - 1)) for n, p in probes.items()}  # wire: (n-1) x the input
+    p2p = _fit(probes[2]["p2p"], 1.0)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        log(f"calibrating: compute, memory and optimizer at {threads} thread(s) per rank")
+        alone = block_seconds()
+        contention = probes[2].get("block_together", alone) / alone
+        ref = ModelShape(layers=1, hidden=512, heads=8, vocab=256, seq=128)
+        fp32 = 3 * block_flops(ref, 1, 8) / alone
+        bf16 = _bf16_block_rate(ref, threads)
+        cpu = _cpu_rates(threads)
+        per_access = _per_access()
+    finally:
+        torch.set_num_threads(saved)
+    log("calibrating: what a process holds besides its model (a fresh interpreter)")
+    runtime = _runtime(threads)
+    log(f"calibrating: disk in {disk_dir} (direct I/O, {disk_bytes >> 20} MiB in {DISK_BLOCK >> 20} MiB requests)")
+    read, write = _disk(disk_dir, disk_bytes)
+    busy = {k: LayerCost(**v) for p in probes.values() for k, v in p.get("layers", {}).items()}
+    rates = Rates(source=f"capstan plan --calibrate on this machine, {time.strftime('%Y-%m-%d %H:%M')}",
+                  threads=threads, cores=cores, flops={"fp32": fp32, "bf16": bf16, "fp16": bf16},
+                  memory_bandwidth=cpu["memory_bandwidth"], adam=cpu["adam"], disk_read=read, disk_write=write,
+                  collective=collective, gather=gather, p2p=p2p, contention=max(1.0, contention),
+                  host_overhead=max(p["rss"] for p in probes.values()),
+                  runtime={k: int(v) for k, v in runtime.items() if k != "step_overhead_s"},
+                  step_overhead=runtime["step_overhead_s"], per_access=per_access,
+                  layers=busy)
+    for shape, layout in shapes:
+        log(f"calibrating: profiling the layers of {shape.layers} x {shape.hidden} (tp {layout.tp}, micro "
+            f"{layout.micro}, {layout.precision}) alone")
+        layer_costs(shape, layout, rates, measure=True, threads=threads)
+    free = os.statvfs(disk_dir)
+    base = local_machine()
+    return replace(base, name="local (calibrated)", disk=free.f_bavail * free.f_frsize, host_overhead=rates.host_overhead,
+                   disk_read=read, disk_write=write, source=rates.source, rates=rates)
+
+
+def _bf16_block_rate(shape: ModelShape, threads: int) -> float:
+    from .costs import measure_layers
+
+    cost = measure_layers(shape, Layout(micro=8, precision="bf16"), threads)["block"]
+    return 3 * block_flops(shape, 1, 8) / (cost.forward + cost.backward)

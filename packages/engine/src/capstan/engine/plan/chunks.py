@@ -1,0 +1,233 @@
+"""The chunks a pipeline stage of the reference GPT gets, exactly as the engine packs them, and the bytes
+a step moves between RAM and disk under a RAM budget.
+
+    lists = chunk_lists(shape, layout, layers=[0, 1, 2, 3, 4, 5])   # the stage's layer indices
+    lists.state_bytes(), lists.chunk_size
+    traffic = disk_traffic(lists, budget=12 * 2**20, precision="fp32", clip=True)
+
+`chunk_lists` builds the stage's modules on the meta device (one block stands for all, since every
+block has the same parameters) and hands them to chunkmem's own packing (`auto_chunk_size`,
+`plan_layout`, `list_capacity`) in the engine's parameter groups (tp-sliced or replicated, decayed
+or not: engine.py `_init_chunks`), so chunk padding and the small lists' smaller chunks are counted
+as the run will allocate them.
+
+`disk_traffic` replays one steady-state step of chunk accesses (forward: each module's parameter
+chunks in order; backward: the same in reverse, each followed by its gradient chunk; the optimizer:
+the gradient pass for clipping, then master, gradient, moments and parameter per chunk) against the
+budget with chunkmem's own eviction policy (Belady from the trace, or LRU), and counts what is read
+back from disk and what dirty chunks are written out. It is a model of the manager
+(chunkmem/manager.py), not the manager: pins are one module at a time, prefetch (which moves
+nothing extra) is left out. `tests/test_plan_time.py` checks it against the bytes a real run moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from capstan.chunkmem.eviction import make_policy
+from capstan.chunkmem.layout import (
+    ModuleSpec,
+    ParamSpec,
+    auto_chunk_size,
+    list_capacity,
+    plan_layout,
+)
+
+from .spec import Layout, ModelShape
+
+__all__ = ["ChunkLists", "Traffic", "chunk_lists", "disk_traffic", "stage_modules"]
+
+
+@dataclass(frozen=True)
+class ChunkLists:
+    """One stage's chunk lists: `counts[g]` chunks of `capacities[g]` elements in parameter group g
+    (padded to a multiple of dp when dp > 1: ZeRO-3 through chunks), and which chunks each module uses,
+    in execution order. `layout.dp` must be resolved."""
+
+    chunk_size: int
+    counts: tuple[int, ...]  # chunks per list
+    capacities: tuple[int, ...]
+    params: int  # parameters (elements) of the stage
+    module_chunks: tuple[tuple[tuple[int, int], ...], ...]  # per module: (group, chunk index) pairs
+    shard: int  # ZeRO-3 data-parallel size (1: not sharded)
+    mixed: bool  # 16-bit parameters with fp32 masters
+    grad_chunks: bool  # gradients in chunks of their own (else in the 16-bit parameter's slot)
+
+    @property
+    def elements(self) -> int:
+        """Chunk elements per kind over all lists (padding included)."""
+        return sum(n * c for n, c in zip(self.counts, self.capacities))
+
+    def kinds(self) -> tuple[tuple[str, int], ...]:
+        """(kind, bytes per element) of the chunks kept per list, as ChunkedModel.kinds()."""
+        out = [("param", 2 if self.mixed else 4)]
+        if self.mixed:
+            out.append(("master", 4))
+        if self.grad_chunks:
+            out.append(("grad", 4))
+        return (*out, ("exp_avg", 4), ("exp_avg_sq", 4))
+
+    def bytes_per_element(self) -> int:
+        return sum(b for _, b in self.kinds())
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's chunks: all of them, or 1/dp under ZeRO-3 (its owned chunks)."""
+        owned = sum(-(-n // self.shard) * c for n, c in zip(self.counts, self.capacities)) if self.shard > 1 \
+            else self.elements
+        return owned * self.bytes_per_element()
+
+
+@dataclass(frozen=True)
+class Traffic:
+    read_bytes: int
+    write_bytes: int
+    disk_bytes: int  # chunks with a current copy on disk at the step's end (the engine's mem.disk.*)
+
+    @property
+    def moved(self) -> int:
+        return self.read_bytes + self.write_bytes
+
+
+def _groups(sliced: bool, decay: bool) -> int:
+    """The engine's parameter-group order (engine.py `_init_chunks`: product over sliced, decay, copy)."""
+    return [(True, True), (True, False), (False, True), (False, False)].index((sliced, decay))
+
+
+@lru_cache(maxsize=64)
+def stage_modules(shape: ModelShape, tp: int, layers: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per module with parameters, in module order: (engine group, elements) of each of its parameters."""
+    from capstan.comm.groups import Group
+    from capstan.tensorpar import GPTConfig
+    from capstan.tensorpar.gpt import gpt_layer_factories
+
+    cfg = GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, d_model=shape.hidden, n_heads=shape.heads,
+                    n_layers=1, dropout=0.0, ffn_mult=shape.ffn_mult)
+    with torch.device("meta"):
+        embed, block, norm, head = (make() for make in gpt_layer_factories(cfg, Group("tp", tuple(range(tp)), 0), 0))
+
+    def specs(layer: torch.nn.Module) -> list[tuple[tuple[int, int], ...]]:
+        out = []
+        for module in layer.modules():
+            own = [(_groups(getattr(p, "tp_dim", None) is not None, p.dim() >= 2), p.numel())
+                   for p in module.parameters(recurse=False)]
+            if own:
+                out.append(tuple(own))
+        return out
+
+    last = shape.layers + 2
+    by_kind = {"embed": specs(embed), "block": specs(block), "norm": specs(norm), "head": specs(head)}
+    modules: list[tuple[tuple[int, int], ...]] = []
+    for i in layers:
+        modules += by_kind["embed" if i == 0 else "head" if i == last else "norm" if i == last - 1 else "block"]
+    return tuple(modules)
+
+
+def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int, ...]) -> ChunkLists:
+    """The chunk lists of a stage holding `layers` (indices into [embedding, blocks, norm, head])."""
+    modules = stage_modules(shape, layout.tp, tuple(layers))
+    specs: list[list[ModuleSpec]] = [[] for _ in range(4)]
+    where: list[list[tuple[int, str]]] = []  # per module: (group, parameter name)
+    for m, params in enumerate(modules):
+        own: dict[int, list[ParamSpec]] = {}
+        for k, (g, n) in enumerate(params):
+            own.setdefault(g, []).append(ParamSpec(f"m{m}.p{k}", n))
+        for g, ps in own.items():
+            specs[g].append(ModuleSpec(f"m{m}", tuple(ps)))
+        where.append([(g, f"m{m}.p{k}") for k, (g, _) in enumerate(params)])
+    used = [g for g in range(4) if specs[g]]
+    shard = layout.dp if layout.dp > 1 else 1  # chunks are sharded whenever dp > 1 (engine: ShardedChunkedModel)
+    pad = (lambda n: -(-n // shard) * shard) if shard > 1 else (lambda n: n)
+    size = layout.chunk_size or auto_chunk_size([specs[g] for g in used], pad=pad)
+    counts, capacities, index_of = [], [], {}
+    for k, g in enumerate(used):
+        plan = plan_layout(specs[g], size)
+        capacities.append(list_capacity(plan, size))
+        counts.append(pad(len(plan)))
+        for i, members in enumerate(plan):
+            for p, _ in members:
+                index_of[p.name] = (k, i)
+    module_chunks = tuple(tuple(dict.fromkeys(index_of[name] for _, name in ws)) for ws in where)
+    mixed = layout.precision in ("bf16", "fp16")
+    grad_chunks = not mixed or layout.accum > 1 or shard > 1
+    return ChunkLists(chunk_size=size, counts=tuple(counts), capacities=tuple(capacities),
+                      params=sum(n for ms in modules for _, n in ms), module_chunks=module_chunks, shard=shard,
+                      mixed=mixed, grad_chunks=grad_chunks)
+
+
+def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool) -> list[tuple[str, int, int, bool]]:
+    """One step's chunk accesses: (kind, group, index, write)."""
+    out: list[tuple[str, int, int, bool]] = []
+    grad = "grad" if lists.grad_chunks else "param"
+    for _ in range(micro):
+        for chunks in lists.module_chunks:  # forward
+            out += [("param", g, i, False) for g, i in chunks]
+        for chunks in reversed(lists.module_chunks):  # backward: re-access, then the gradients arrive
+            if recompute:
+                out += [("param", g, i, False) for g, i in chunks]
+            out += [("param", g, i, False) for g, i in chunks]
+            out += [(grad, g, i, True) for g, i in chunks]
+    owned = [(g, i) for g, n in enumerate(lists.counts) for i in range(n) if lists.shard == 1 or i % lists.shard == 0]
+    if clip:
+        out += [(grad, g, i, False) for g, i in owned]
+    master = "master" if lists.mixed else "param"
+    for g, i in owned:
+        out += [(master, g, i, True), (grad, g, i, True), ("exp_avg", g, i, True), ("exp_avg_sq", g, i, True)]
+        if lists.mixed:
+            out.append(("param", g, i, True))
+        out.append(("free", g, i, False))  # the gradient is consumed: it next reads as zeros
+    return out
+
+
+def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: bool = False, clip: bool = True,
+                 eviction: str = "belady") -> Traffic:
+    """Bytes read from and written to disk in one steady-state step with `budget` bytes of chunks in RAM."""
+    size = dict(lists.kinds())
+    grad = "grad" if lists.grad_chunks else "param"
+    trace = _trace(lists, micro, recompute, clip)
+    ids: dict[tuple[str, int, int], int] = {}
+    for kind, g, i, _ in trace:
+        key = (grad if kind == "free" else kind, g, i)
+        ids.setdefault(key, len(ids))
+    nbytes = {cid: size[k] * lists.capacities[g] for (k, g, _), cid in ids.items()}
+    seq = [ids[(grad if k == "free" else k, g, i)] for k, g, i, _ in trace]
+    policy = make_policy(eviction)
+    policy.set_trace([cid for (k, *_), cid in zip(trace, seq) if k != "free"])  # a free is no access
+    # Every chunk starts on disk with data (the state after a first step); gradients start empty.
+    state = {cid: ("disk", True) for cid in ids.values()}  # where, disk copy current
+    for (k, g, i), cid in ids.items():
+        if k == "grad":
+            state[cid] = (None, False)
+    resident = 0
+    reads = writes = 0
+    for step in range(2):  # the first step settles the placement; the second is counted
+        count = step == 1
+        moment = -1
+        for (kind, g, i, write), cid in zip(trace, seq):
+            where, clean = state[cid]
+            if kind != "free":
+                moment += 1
+                policy.on_access(cid, moment)
+            if kind == "free":
+                if where == "ram":
+                    resident -= nbytes[cid]
+                state[cid] = (None, False)
+                continue
+            if where != "ram":
+                while resident + nbytes[cid] > budget:
+                    movable = [c for c, (w, _) in state.items() if w == "ram" and c != cid]
+                    if not movable:
+                        break
+                    victim = policy.victim(movable, moment)
+                    if not state[victim][1]:
+                        writes += nbytes[victim] if count else 0
+                    state[victim] = ("disk", True)
+                    resident -= nbytes[victim]
+                if where == "disk":
+                    reads += nbytes[cid] if count else 0
+                resident += nbytes[cid]
+                clean = where == "disk" and clean
+            state[cid] = ("ram", clean and not write)
+    on_disk = sum(nbytes[c] for c, (w, clean) in state.items() if w == "disk" or (w == "ram" and clean))
+    return Traffic(read_bytes=reads, write_bytes=writes, disk_bytes=on_disk)

@@ -1,0 +1,153 @@
+"""The planner beside a real run: a config's model and layout, the prediction, and predicted vs measured.
+
+    shape, layout = shape_layout(cfg, world=2)
+    predicted = predict(cfg, world=2, machine=cached_machine())      # memory per tier, step time
+    comparison(predicted, measured)                                  # what `capstan train --plan` writes
+
+`capstan train --plan` prints the prediction before the first step, puts `plan.*` beside each step's
+measured figures in metrics.jsonl (so TensorBoard draws both), and ends with plan.json in the run
+directory: predicted and measured step time (the median after the warm-up steps), peak resident
+memory of the largest rank (VmHWM, which includes the interpreter and torch, as the plan's RAM tier
+does) and the disk tier's peak, with the error of each.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from ..metrics import vm_hwm
+from .memory import MemoryPlan, memory_plan
+from .spec import Layout, Machine, ModelShape, PlanError
+from .time import StepTime, step_time
+
+__all__ = ["Prediction", "RunPlan", "shape_layout", "predict", "comparison", "WARMUP_STEPS", "measured_step"]
+
+WARMUP_STEPS = 2  # steps left out of the measured median: the trace, first allocations, caches
+
+
+@dataclass(frozen=True)
+class Prediction:
+    memory: MemoryPlan
+    time: StepTime | None  # None: the machine has no rates (not calibrated)
+
+    def record(self) -> dict[str, float]:
+        """The `plan.*` keys of each metrics record."""
+        out = {f"plan.{tier}_bytes": float(self.memory.total(tier)) for tier in ("device", "ram", "disk")
+               if self.memory.total(tier)}
+        if self.time is not None:
+            out["plan.step_s"] = self.time.seconds
+        return out
+
+
+def shape_layout(cfg: object, world: int | None = None) -> tuple[ModelShape, Layout]:
+    """The reference GPT's shape and the layout of a capstan `Config` (dp resolved from `world`)."""
+    m, p, mem, t = cfg.model, cfg.parallel, cfg.memory, cfg.train  # type: ignore[attr-defined]
+    if m.hf:
+        raise PlanError("model.hf: the planner models the reference GPT; give the sizes of your model with "
+                        "--layers --hidden --heads --vocab --seq")
+    shape = ModelShape(layers=m.n_layers, hidden=m.d_model, heads=m.n_heads, vocab=m.vocab_size, seq=m.seq_len)
+    dp = p.dp or (world // (p.tp * p.pp) if world else 0)
+    layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, offload=mem.offload,
+                    micro=t.micro_batch_size, accum=t.grad_accum_steps, recompute=mem.activation_checkpointing,
+                    precision=cfg.precision.dtype, sequence_parallel=p.sequence_parallel,  # type: ignore[attr-defined]
+                    schedule=p.schedule, virtual_stages=p.virtual_stages, dropout=m.dropout > 0,
+                    cpu_budget=mem.cpu_budget, gpu_budget=mem.gpu_budget, bucket_bytes=int(p.bucket_mb * 2**20),
+                    chunk_size=mem.chunk_size, eviction=mem.eviction, grad_clip=t.grad_clip > 0)
+    return shape, layout
+
+
+def predict(cfg: object, world: int, machine: Machine, threads: int | None = None,
+            measure: bool = False) -> Prediction:
+    """Memory per tier and (when the machine has rates) step time of `cfg` on `world` ranks of `machine`."""
+    from dataclasses import replace
+
+    shape, layout = shape_layout(cfg, world)
+    if machine.device is None:
+        machine = replace(machine, ranks_per_node=world // machine.nodes)
+    memory = memory_plan(shape, machine, layout)
+    time = step_time(shape, machine, layout, measure=measure, threads=threads) if machine.rates else None
+    return Prediction(memory=memory, time=time)
+
+
+def measured_step(records: list[dict]) -> float:
+    """The median step time after the warm-up steps (all steps when there are too few)."""
+    times = [r["step_s"] for r in records[WARMUP_STEPS:]] or [r["step_s"] for r in records]
+    return statistics.median(times)
+
+
+def comparison(predicted: Prediction, step_s: float | None, ram_peak: int, disk_peak: int) -> dict:
+    """Predicted against measured, with the relative error of each (what plan.json holds)."""
+    def row(pred: float, meas: float) -> dict:
+        return {"predicted": pred, "measured": meas, "error": (pred - meas) / meas if meas else None}
+
+    out = {"ram_bytes": row(predicted.memory.total("ram"), ram_peak)}
+    if predicted.memory.total("disk") or disk_peak:
+        out["disk_bytes"] = row(predicted.memory.total("disk"), disk_peak)
+    if predicted.time is not None and step_s is not None:
+        out["step_s"] = row(predicted.time.seconds, step_s)
+        out["bottleneck"] = predicted.time.bottleneck
+    return out
+
+
+class RunPlan:
+    """`capstan train --plan` (module docstring): built on every rank, predicts on rank 0."""
+
+    def __init__(self, cfg: object, world: int, rank: int, machine_file: str = "") -> None:
+        import torch
+
+        from .calibrate import cached_machine, default_machine_path
+        from .spec import load_machine, local_machine
+
+        self.rank = rank
+        self.prediction: Prediction | None = None
+        self.note = ""
+        if rank != 0:
+            return
+        machine = load_machine(machine_file) if machine_file else cached_machine()
+        if machine is None:
+            machine = local_machine()
+            self.note = (f"no step time: this machine has no rates yet (`capstan plan --calibrate --config ...` "
+                         f"writes {default_machine_path()})")
+        self.prediction = predict(cfg, world, machine, threads=torch.get_num_threads())
+
+    def describe(self) -> str:
+        """The prediction as `capstan plan` prints it (rank 0)."""
+        p = self.prediction
+        if p is None:
+            return ""
+        lay = p.memory.layout
+        lines = [f"plan: dp {lay.dp} x tp {lay.tp} x pp {lay.pp}, per rank (stage {p.memory.stage}):",
+                 p.memory.table()]
+        if p.time is not None:
+            lines += ["plan: step time (" + p.time.source + "):", p.time.table()]
+        elif self.note:
+            lines.append("plan: " + self.note)
+        return "\n".join(lines)
+
+    def record(self) -> dict[str, float]:
+        return self.prediction.record() if self.prediction is not None else {}
+
+    def finish(self, records: list[dict], disk_peak: int, world_group: object, run_dir: object) -> str:
+        """Every rank: the peaks of the largest rank; rank 0 writes plan.json and returns the summary line."""
+        import json
+        from pathlib import Path
+
+        import torch
+        from capstan import comm
+
+        peaks = torch.tensor([vm_hwm(), disk_peak], dtype=torch.float64)
+        comm.all_reduce(peaks, "max", group=world_group)
+        if self.prediction is None or not records:
+            return ""
+        step = measured_step(records)
+        out = comparison(self.prediction, step, int(peaks[0]), int(peaks[1]))
+        Path(run_dir, "plan.json").write_text(json.dumps(out, indent=1) + "\n")
+        parts = []
+        for key, label in (("step_s", "step"), ("ram_bytes", "RAM peak"), ("disk_bytes", "disk peak")):
+            if key in out and out[key]["error"] is not None:
+                row = out[key]
+                unit = (lambda v: f"{v * 1e3:.1f} ms") if key == "step_s" else (lambda v: f"{v / 2**20:.1f} MiB")
+                parts.append(f"{label} {unit(row['predicted'])} predicted vs {unit(row['measured'])} "
+                             f"({row['error'] * 100:+.1f}%)")
+        return "plan vs measured: " + "; ".join(parts)

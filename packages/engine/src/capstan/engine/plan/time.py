@@ -1,0 +1,248 @@
+"""Step time of a model x machine x layout, part by part, with the bottleneck named.
+
+    t = step_time(shape, machine, layout)      # machine.rates: calibrated (local) or stated (GPU presets)
+    t.seconds, t.tokens_per_s, t.bottleneck, print(t.table())
+
+What a step costs on the slowest pipeline stage, as the engine runs it:
+
+* **Forward and backward** of each layer per micro-batch (costs.py: profiled, or from FLOPs), plus
+  the blocks' forward again under recompute. Ranks that share a node's cores run slower: by the
+  measured `Rates.contention` when every core runs a rank, and in proportion beyond that
+  (oversubscribed ranks take turns).
+* **Tensor-parallel collectives** inside the layers (Megatron: two all-reduces per block forward and
+  two in backward, of b·s·h activations in the compute dtype; one more for the embedding and the
+  head, three of b·s for the vocab-parallel loss; with sequence parallelism an all-gather and a
+  reduce-scatter in place of each all-reduce). They block the compute stream, so they add up.
+* **The pipeline** (pp > 1): the schedule simulated with these costs per stage and instruction
+  (capstan.pipeline.simulate), activations and their gradients sent point to point; the bubble is
+  what the slowest stage spends waiting.
+* **Data-parallel collectives**, after (ZeRO 0-2: gradient all-reduce per step, per micro-batch at
+  ZeRO 2, and the parameter all-gather of ZeRO 1-2) or during (ZeRO-3 chunks: each unit gathered
+  per micro-batch, its gradients reduced per micro-batch) the pipeline. Through MPI on a CPU they
+  are blocking calls (comm.progresses_in_background): nothing overlaps them.
+* **The optimizer**: AdamW over this rank's parameters (1/dp from ZeRO 1, the owned chunks at ZeRO-3),
+  plus the gradient-norm pass when clipping, at the measured rates of the native kernels.
+* **Disk I/O** (offload disk): the bytes `chunks.disk_traffic` replays at the measured disk rates. A
+  full budget makes every read wait for room, and room waits for the write-back, so both count.
+* **Host<->device copies** on a GPU with offload (estimated, never validated: rates.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .chunks import chunk_lists, disk_traffic
+from .costs import layer_costs
+from .rates import LayerCost, Link, Rates
+from .spec import Layout, Machine, ModelShape, PlanError, virtual_parts
+
+__all__ = ["StepTime", "step_time"]
+
+_HOOK_PASSES = 4  # chunk accesses per parameter and micro-batch with hooks: forward, re-access, gradient, release
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    parts: tuple[tuple[str, float], ...]  # (what, seconds) adding up to `seconds`
+    tokens_per_s: float
+    stage: int  # the pipeline stage that sets the step
+    source: str  # where the rates came from
+
+    @property
+    def bottleneck(self) -> str:
+        return max(self.parts, key=lambda p: p[1])[0]
+
+    def part(self, name: str) -> float:
+        return sum(s for n, s in self.parts if n == name)
+
+    def table(self) -> str:
+        lines = [f"  {s * 1e3:10.2f} ms  {what}" for what, s in self.parts if s > 0]
+        lines.append(f"  {self.seconds * 1e3:10.2f} ms  per step, {self.tokens_per_s:,.0f} tokens/s "
+                     f"(bottleneck: {self.bottleneck})")
+        return "\n".join(lines)
+
+
+def _kind(shape: ModelShape, i: int) -> str:
+    last = shape.layers + 2
+    return "embed" if i == 0 else "head" if i == last else "norm" if i == last - 1 else "block"
+
+
+def _sharing(machine: Machine, rates: Rates, threads: int, profiled_busy: bool) -> float:
+    """How much slower a rank computes because the node's ranks share its cores: oversubscribed ranks
+    take turns; ranks on every core contend for memory (in the profile already where it was measured
+    with every core busy, else `Rates.contention`)."""
+    if not rates.cores or machine.device is not None:
+        return 1.0
+    busy = machine.per_node * threads
+    turns = max(1.0, busy / rates.cores)
+    if machine.per_node == 1 or profiled_busy:
+        return turns
+    return turns * rates.contention
+
+
+def _busy(machine: Machine, rates: Rates, threads: int) -> int:
+    """Ranks computing at once on a node's cores (the profile to look for): 1, or every core's."""
+    if not rates.cores or machine.device is not None or machine.per_node == 1:
+        return 1
+    return min(machine.per_node, rates.cores // max(1, threads))
+
+
+def _tp_comm(shape: ModelShape, layout: Layout, layers: list[int], link: Link) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's tensor-parallel collectives in these layers."""
+    if layout.tp == 1:
+        return 0.0, 0.0
+    n = layout.tp
+    e = 2 if layout.precision in ("bf16", "fp16") else 4
+    act = layout.micro * shape.seq * shape.hidden * e
+    wire = 2 * (n - 1) / n * act  # an all-reduce, or an all-gather plus a reduce-scatter
+    calls = 2 if layout.sequence_parallel else 1
+    kinds = [_kind(shape, i) for i in layers]
+    blocks = kinds.count("block")
+    fwd = link.seconds(2 * blocks * wire, 2 * blocks * calls)
+    bwd = link.seconds(2 * blocks * wire, 2 * blocks * calls)
+    if "embed" in kinds:
+        fwd += link.seconds(wire, calls)
+    if "head" in kinds:
+        bwd += link.seconds(wire, calls)
+        fwd += link.seconds(3 * 2 * (n - 1) / n * layout.micro * shape.seq * 4, 3)  # the loss's three
+    return fwd, bwd
+
+
+def _dp_link(machine: Machine, rates: Rates, layout: Layout, op: str = "all_reduce") -> Link:
+    spans_nodes = layout.tp * layout.dp > machine.per_node
+    return rates.link(layout.dp, nodes=2 if spans_nodes else 1, op=op)
+
+
+def step_time(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates | None = None, *,
+              measure: bool = False, threads: int | None = None) -> StepTime:
+    """The predicted step (module docstring). `measure`: profile layer costs missing from `rates` now
+    (this machine only); `threads`: torch threads per rank when not the calibrated launcher's."""
+    rates = rates or machine.rates
+    if rates is None:
+        raise PlanError(f"machine {machine.name!r} has no rates: run `capstan plan --calibrate` on it "
+                        "(or use a preset) to predict step time")
+    layout = layout.resolved(shape, machine)
+    threads = threads or rates.threads or 1
+    costs, profiled_busy = layer_costs(shape, layout, rates, measure=measure, threads=threads,
+                                       busy=_busy(machine, rates, threads))
+    slow = _sharing(machine, rates, threads, profiled_busy)
+    parts = virtual_parts(shape, layout)
+    tp_link = rates.link(layout.tp) if layout.tp > 1 else Link(0.0, 1.0)
+    compute: list[LayerCost] = []  # per virtual stage, one micro-batch, collectives excluded
+    recompute: list[float] = []
+    tp: list[tuple[float, float]] = []
+    for layers in parts:
+        kinds = [_kind(shape, i) for i in layers]
+        f = sum(costs[k].forward for k in kinds) * slow
+        b = sum(costs[k].backward for k in kinds) * slow
+        r = kinds.count("block") * costs["block"].forward * slow if layout.recompute else 0.0
+        compute.append(LayerCost(f, b))
+        recompute.append(r)
+        tp.append(_tp_comm(shape, layout, layers, tp_link))
+    pp, v, m = layout.pp, layout.virtual_stages, layout.accum
+    hidden_bytes = layout.micro * shape.seq * shape.hidden * 4  # the residual stream stays fp32 under autocast
+    p2p = (rates.p2p or tp_link).seconds(hidden_bytes) if pp > 1 else 0.0
+    if pp == 1:
+        pipe_end = [m * (compute[0].forward + compute[0].backward + recompute[0] + sum(tp[0]))]
+    else:
+        pipe_end = _simulated(layout, compute, recompute, tp, p2p)
+    # Per stage after (or around) the pipeline: data parallelism, optimizer, disk, hooks.
+    stage_parts: list[dict[str, float]] = []
+    for s in range(pp):
+        layers = sum((parts[c * pp + s] for c in range(v)), [])
+        stage_parts.append(_stage_rest(shape, machine, layout, rates, layers, slow, threads))
+    totals = [pipe_end[s] + sum(stage_parts[s].values()) for s in range(pp)]
+    worst = max(range(pp), key=lambda s: totals[s])
+    mine = [c * pp + worst for c in range(v)]
+    fb = m * sum(compute[k].forward + compute[k].backward for k in mine)
+    rc = m * sum(recompute[k] for k in mine)
+    tpc = m * sum(sum(tp[k]) for k in mine)
+    sends = m * p2p * sum((k < pp * v - 1) + (k > 0) for k in mine) if pp > 1 else 0.0
+    bubble = max(0.0, pipe_end[worst] - fb - rc - tpc - sends)
+    overhead = rates.step_overhead * slow
+    named = [("forward and backward", fb), ("recompute", rc), ("tensor-parallel collectives", tpc),
+             ("pipeline transfers", sends), ("pipeline bubble", bubble), *stage_parts[worst].items(),
+             ("engine overhead", overhead)]
+    seconds = totals[worst] + overhead
+    tokens = layout.micro * m * layout.dp * shape.seq
+    return StepTime(seconds=seconds, parts=tuple(named), tokens_per_s=tokens / seconds, stage=worst,
+                    source=rates.source)
+
+
+def _simulated(layout: Layout, compute: list[LayerCost], recompute: list[float], tp: list[tuple[float, float]],
+               p2p: float) -> list[float]:
+    """When each stage finishes its last instruction of the schedule (capstan.pipeline.simulate)."""
+    from capstan.pipeline import make_schedule, simulate
+    from capstan.pipeline.instructions import Backward, Forward
+
+    from ..pipe import SCHEDULE_NAMES
+
+    pp, v = layout.pp, layout.virtual_stages
+    last = pp * v - 1
+    schedule = make_schedule(SCHEDULE_NAMES[layout.schedule], pp, layout.accum, v)
+
+    def cost(stage: int, ins: object) -> float:
+        if isinstance(ins, Forward):
+            k = ins.chunk * pp + stage
+            return compute[k].forward + tp[k][0] + (p2p if k < last else 0.0)
+        if isinstance(ins, Backward):
+            k = ins.chunk * pp + stage
+            return compute[k].backward + recompute[k] + tp[k][1] + (p2p if k > 0 else 0.0)
+        return 0.0
+
+    result = simulate(schedule, stage_cost=cost)
+    return [max((end for _, end, _ in busy), default=0.0) for busy in result.busy]
+
+
+def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates, layers: list[int],
+                slow: float, threads: int) -> dict[str, float]:
+    """Data-parallel collectives, optimizer, disk I/O and chunk hooks of one stage's step."""
+    weights = shape.layer_params(layout.tp)
+    params = sum(weights[i] for i in layers)
+    dp, m = layout.dp, layout.accum
+    chunked = layout.zero_stage == 3 or layout.offload != "none"
+    out = {"data-parallel collectives": 0.0, "optimizer": 0.0, "disk I/O": 0.0, "chunk hooks": 0.0,
+           "host<->device copies": 0.0}
+    clip = layout.grad_clip
+    link = _dp_link(machine, rates, layout) if dp > 1 else None
+    gather = _dp_link(machine, rates, layout, "all_gather") if dp > 1 else None
+    if not chunked:
+        local = params / (dp if layout.zero_stage >= 1 else 1)
+        out["optimizer"] = (local / rates.adam["fp32"] + (local / rates.adam["sumsq"] if clip else 0.0)) * slow
+        if link is not None:
+            grads = 4 * params
+            buckets = max(1, -(-grads // layout.bucket_bytes))
+            reductions = m if layout.zero_stage == 2 and layout.pp == 1 else 1
+            comm = reductions * link.seconds(2 * (dp - 1) / dp * grads, buckets)
+            if layout.zero_stage >= 1:  # the updated shards all-gathered into the parameters
+                comm += gather.seconds((dp - 1) / dp * grads, buckets)
+            out["data-parallel collectives"] = comm
+        return out
+    lists = chunk_lists(shape, layout, layers)
+    local = lists.elements // lists.shard
+    gpu = machine.device is not None
+    key = "host" if gpu else "mixed" if lists.mixed else "fp32"  # chunks step on the host's CPU
+    norm = local / rates.adam.get("host" if gpu else "sumsq", rates.adam["sumsq"]) if clip else 0.0
+    out["optimizer"] = (local / rates.adam[key] + norm) * slow
+    if link is not None and lists.shard > 1:
+        units = -(-sum(lists.counts) // dp)
+        e = 2 if lists.mixed else 4
+        gathers = lists.elements * e * (dp - 1) / dp
+        grads = lists.elements * 4 * 2 * (dp - 1) / dp
+        again = 2 if layout.cpu_budget is not None else 1  # under a budget units are gathered again in backward
+        out["data-parallel collectives"] = m * (gather.seconds(again * gathers, again * units)
+                                                + link.seconds(grads, units))
+    moves = not (layout.cpu_budget is None and layout.offload != "disk" and lists.shard == 1 and not gpu)
+    if moves and rates.per_access:
+        out["chunk hooks"] = m * _HOOK_PASSES * len(lists.module_chunks) * rates.per_access * slow
+    if layout.offload == "disk" and layout.cpu_budget is not None:
+        budget = layout.cpu_budget
+        traffic = disk_traffic(lists, budget, micro=m, recompute=layout.recompute, clip=clip,
+                               eviction=layout.eviction)
+        out["disk I/O"] = traffic.read_bytes / rates.disk_read + traffic.write_bytes / rates.disk_write
+    if gpu and layout.offload != "none" and rates.host_device:
+        e = 2 if lists.mixed else 4
+        # gradients down to the CPU optimizer and updated parameters back, per step (module docstring)
+        out["host<->device copies"] = (lists.elements // lists.shard) * (4 + e) / rates.host_device
+    return out

@@ -1,0 +1,278 @@
+"""capstan plan's step time, chunk model, search and machine files, on machines with stated rates.
+
+The rates here are made up (round numbers), so every expected figure follows from the formulas of
+engine/plan/time.py by hand; what is checked is that each mechanism adds what it should, where it
+should. How close the model comes to real runs is tools/validate_plan.py's table (docs/plan.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from capstan.engine import cli
+from capstan.engine.plan import (
+    MODELS,
+    LayerCost,
+    Layout,
+    Link,
+    ModelShape,
+    PlanError,
+    Rates,
+    load_machine,
+    local_machine,
+    machine_preset,
+    save_machine,
+    search,
+    step_time,
+)
+from capstan.engine.plan.chunks import chunk_lists, disk_traffic
+from capstan.engine.plan.costs import KINDS, layer_key
+
+SHAPE = ModelShape(layers=4, hidden=64, heads=4, vocab=256, seq=32)
+COST = {"embed": LayerCost(0.001, 0.002), "block": LayerCost(0.010, 0.020), "norm": LayerCost(0.001, 0.001),
+        "head": LayerCost(0.004, 0.006)}
+
+
+def _rates(**kw: object) -> Rates:
+    base = dict(source="test", threads=1, cores=64, flops={"fp32": 1e10, "bf16": 2e10}, memory_bandwidth=1e10,
+                adam={"fp32": 1e8, "mixed": 1e8, "sumsq": 1e9}, disk_read=1e9, disk_write=5e8,
+                collective={2: Link(1e-4, 1e9), 4: Link(2e-4, 5e8)}, gather={2: Link(1e-4, 2e9), 4: Link(2e-4, 1e9)},
+                p2p=Link(1e-5, 4e9), contention=1.0, per_access=1e-6)
+    base.update(kw)
+    rates = Rates(**base)  # type: ignore[arg-type]
+    for tp in (1, 2, 4):
+        for micro in (1, 2, 4, 8):
+            lay = Layout(tp=tp, micro=micro)
+            for kind in KINDS:
+                c = COST[kind]
+                rates.layers[layer_key(kind, SHAPE, lay, 1)] = LayerCost(c.forward * micro / tp, c.backward * micro / tp)
+    return rates
+
+
+def _machine(ranks: int, **kw: object):  # noqa: ANN202
+    return replace(local_machine(), ranks_per_node=ranks, rates=_rates(**kw))
+
+
+def test_one_rank_is_its_layers_plus_the_optimizer() -> None:
+    t = step_time(SHAPE, _machine(1), Layout(micro=2, accum=3, grad_clip=False))
+    per_micro = sum((COST[k].forward + COST[k].backward) * 2 for k in ("embed", "norm", "head"))
+    per_micro += 4 * (COST["block"].forward + COST["block"].backward) * 2
+    assert t.part("forward and backward") == pytest.approx(3 * per_micro)
+    assert t.part("optimizer") == pytest.approx(SHAPE.params / 1e8)
+    assert t.seconds == pytest.approx(3 * per_micro + SHAPE.params / 1e8)
+    assert t.tokens_per_s == pytest.approx(2 * 3 * SHAPE.seq / t.seconds)
+    assert t.bottleneck == "forward and backward"
+    rc = step_time(SHAPE, _machine(1), Layout(micro=2, accum=3, grad_clip=False, recompute=True))
+    assert rc.part("recompute") == pytest.approx(3 * 4 * COST["block"].forward * 2)
+
+
+def test_data_parallel_adds_its_collectives_by_zero_stage() -> None:
+    one = step_time(SHAPE, _machine(1), Layout(micro=2))
+    grads = 4 * SHAPE.params
+    for zero, expect in ((0, Link(1e-4, 1e9).seconds(grads, 1)),
+                         (1, Link(1e-4, 1e9).seconds(grads, 1) + Link(1e-4, 2e9).seconds(grads / 2, 1))):
+        two = step_time(SHAPE, _machine(2), Layout(micro=2, zero_stage=zero))
+        assert two.part("data-parallel collectives") == pytest.approx(expect)
+        assert two.part("forward and backward") == pytest.approx(one.part("forward and backward"))
+    z2 = step_time(SHAPE, _machine(2), Layout(micro=2, accum=2, zero_stage=2))
+    assert z2.part("data-parallel collectives") == pytest.approx(2 * Link(1e-4, 1e9).seconds(grads, 1)
+                                                                 + Link(1e-4, 2e9).seconds(grads / 2, 1))
+
+
+def test_tensor_parallel_halves_compute_and_adds_four_all_reduces_per_block() -> None:
+    one = step_time(SHAPE, _machine(1), Layout(micro=2))
+    two = step_time(SHAPE, _machine(2), Layout(micro=2, tp=2))
+    assert two.part("forward and backward") == pytest.approx(one.part("forward and backward") / 2)
+    act = 2 * SHAPE.seq * SHAPE.hidden * 4
+    link = Link(1e-4, 1e9)
+    blocks = 4 * link.seconds(4 * act, 4)  # 2 forward + 2 backward all-reduces of b s h per block (wire = act at n = 2)
+    ends = 2 * link.seconds(act, 1) + link.seconds(3 * 2 * SHAPE.seq * 4, 3)  # embedding, head, the loss's three
+    assert two.part("tensor-parallel collectives") == pytest.approx(blocks + ends)
+
+
+def test_a_pipeline_of_one_micro_batch_runs_its_stages_one_after_another() -> None:
+    for schedule in ("gpipe", "1f1b"):
+        one = step_time(SHAPE, _machine(1), Layout(micro=2))
+        two = step_time(SHAPE, _machine(2), Layout(micro=2, pp=2, schedule=schedule))
+        sends = 2 * Link(1e-5, 4e9).seconds(2 * SHAPE.seq * SHAPE.hidden * 4)  # activation forward, its gradient back
+        compute = one.part("forward and backward")
+        assert two.seconds - two.part("optimizer") == pytest.approx(compute + sends, rel=1e-9)
+    # more micro-batches fill the pipeline: the bubble's share shrinks
+    few = step_time(SHAPE, _machine(2), Layout(micro=1, pp=2, accum=2))
+    many = step_time(SHAPE, _machine(2), Layout(micro=1, pp=2, accum=8))
+    assert many.part("pipeline bubble") / many.seconds < few.part("pipeline bubble") / few.seconds
+
+
+def test_ranks_beyond_the_cores_take_turns() -> None:
+    fit = step_time(SHAPE, _machine(2, cores=2, contention=1.25), Layout(micro=2, tp=2))
+    over = step_time(SHAPE, _machine(4, cores=2, contention=1.25), Layout(micro=2, tp=4))
+    tp4 = step_time(SHAPE, _machine(4, cores=64), Layout(micro=2, tp=4))
+    tp2 = step_time(SHAPE, _machine(2, cores=64), Layout(micro=2, tp=2))
+    assert fit.part("forward and backward") == pytest.approx(1.25 * tp2.part("forward and backward"))
+    assert over.part("forward and backward") == pytest.approx(2 * 1.25 * tp4.part("forward and backward"))
+
+
+def test_disk_offload_adds_the_replayed_traffic_at_the_disk_rates() -> None:
+    budget = 96 << 10
+    lay = Layout(micro=2, offload="disk", cpu_budget=budget, chunk_size=16384)
+    t = step_time(SHAPE, _machine(1), lay)
+    lists = chunk_lists(SHAPE, lay.resolved(SHAPE, _machine(1)), list(range(SHAPE.layers + 3)))
+    traffic = disk_traffic(lists, budget, micro=1)
+    assert traffic.read_bytes > 0 and traffic.write_bytes > 0
+    assert t.part("disk I/O") == pytest.approx(traffic.read_bytes / 1e9 + traffic.write_bytes / 5e8)
+    slow = step_time(SHAPE, _machine(1, disk_read=1e6, disk_write=1e6), lay)
+    assert slow.bottleneck == "disk I/O"
+    roomy = disk_traffic(lists, lists.state_bytes())
+    assert roomy.moved == 0  # everything fits the budget: nothing moves
+
+
+def test_the_chunk_model_packs_as_the_engine_does() -> None:
+    """chunk_lists against the chunks a real engine allocates (one process, fp32 and bf16 with accumulation)."""
+    from capstan import comm
+    from capstan.engine import initialize
+
+    for precision, accum in (("fp32", 1), ("bf16", 2)):
+        cfg = {"model": {"n_layers": 4, "d_model": 64, "n_heads": 4, "seq_len": 32},
+               "train": {"grad_accum_steps": accum, "micro_batch_size": 2, "steps": 2, "warmup_steps": 1},
+               "memory": {"offload": "cpu"}, "precision": {"dtype": precision}}
+        engine = initialize(config=cfg, groups=comm.single_process_groups())
+        allocated = sum(e.chunk.nbytes for e in engine.manager.entries.values())
+        layout = Layout(dp=1, offload="cpu", precision=precision, accum=accum)
+        lists = chunk_lists(SHAPE, layout, list(range(SHAPE.layers + 3)))
+        engine.close()
+        assert lists.chunk_size == engine.module.chunk_size
+        assert lists.state_bytes() == allocated, precision
+
+
+def _sharded_bytes() -> tuple[int, int]:
+    from capstan.engine import initialize
+    from capstan.engine.build import resolve_groups
+    from capstan.engine.config import resolve
+
+    cfg, sources = resolve(None, ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.seq_len=32",
+                                  "parallel.zero_stage=3", "train.micro_batch_size=2", "train.steps=2",
+                                  "train.warmup_steps=1"])
+    engine = initialize(config=cfg, groups=resolve_groups(cfg, sources))
+    mine = sum(e.chunk.nbytes for e in engine.manager.entries.values())
+    engine.close()
+    return mine, engine.module.chunk_size
+
+
+@pytest.mark.slow
+def test_sharded_chunks_are_what_each_rank_allocates() -> None:
+    """ZeRO-3 at dp = 2 (two processes): each rank's chunk bytes, padding included, are the plan's."""
+    from capstan.comm.testing import run_ranks
+
+    lists = chunk_lists(SHAPE, Layout(dp=2, zero_stage=3), list(range(SHAPE.layers + 3)))
+    for mine, size in run_ranks(_sharded_bytes, 2):
+        assert size == lists.chunk_size and mine == lists.state_bytes()
+
+
+def test_the_traffic_model_moves_what_a_run_moves(tmp_path: object) -> None:
+    """disk_traffic against the bytes a real run's manager moves per step under the same budget (within 10%:
+    the model pins a module at a time and leaves prefetch out)."""
+    from capstan import comm
+    from capstan.engine import initialize
+
+    shape = ModelShape(layers=4, hidden=128, heads=4, vocab=256, seq=32)
+    budget = 1 << 20
+    cfg = {"model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 32},
+           "train": {"micro_batch_size": 2, "steps": 6, "warmup_steps": 1},
+           "memory": {"offload": "disk", "cpu_budget": budget, "chunk_size": 65536, "disk_dir": str(tmp_path)}}
+    engine = initialize(config=cfg, groups=comm.single_process_groups())
+    import torch
+
+    ids = torch.randint(0, 256, (2, 33))
+    moved = []
+    for _ in range(5):
+        engine.backward(engine((ids[:, :-1], ids[:, 1:])))
+        moved.append(engine.step().mem["mem.moved_bytes"])  # type: ignore[union-attr]
+    engine.close()
+    per_step = moved[-1] - moved[-2]
+    lists = chunk_lists(shape, Layout(dp=1, offload="disk", cpu_budget=budget, chunk_size=65536), list(range(7)))
+    assert disk_traffic(lists, budget).moved == pytest.approx(per_step, rel=0.10)
+
+
+def test_gpu_presets_predict_a_step_from_their_stated_rates() -> None:
+    """MT-NLG 530B on 280 A100-80GB per replica: a finite step whose largest parts are compute and the bubble
+    (stated rates, not validated on a GPU: docs/plan.md)."""
+    machine = machine_preset("dgx-a100-80gb", nodes=35)
+    t = step_time(MODELS["mt-nlg-530b"], machine, Layout(tp=8, pp=35, accum=64, recompute=True, precision="bf16"))
+    assert 0 < t.seconds < float("inf") and t.bottleneck in ("forward and backward", "pipeline bubble")
+    flops = 6 * MODELS["mt-nlg-530b"].params * t.tokens_per_s * 4 / 3  # 4/3: the recompute forward
+    assert 0.2 < flops / machine.world / machine.device.flops < 0.6  # of the device's dense 16-bit rate
+
+
+def test_machine_files_round_trip_with_their_profiles(tmp_path: object) -> None:
+    machine = _machine(2)
+    path = f"{tmp_path}/m.json"
+    save_machine(machine, path)
+    back = load_machine(path)
+    assert back.rates == machine.rates and back.host_ram == machine.host_ram
+    assert step_time(SHAPE, back, Layout(micro=2)).seconds == step_time(SHAPE, machine, Layout(micro=2)).seconds
+    (tmp_path / "bad.json").write_text("{}")  # type: ignore[operator]
+    with pytest.raises(PlanError, match="is not a capstan machine file"):
+        load_machine(f"{tmp_path}/bad.json")
+    with pytest.raises(PlanError, match="does not exist: write it with `capstan plan --calibrate"):
+        load_machine(f"{tmp_path}/none.json")
+
+
+def test_search_ranks_what_fits_and_names_what_is_missing() -> None:
+    machine = _machine(2)
+    result = search(SHAPE, machine, global_batch=8)
+    assert result.ranked and result.tried >= len(result.ranked)
+    speeds = [c.time.tokens_per_s for c in result.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    default = step_time(SHAPE, machine, Layout(micro=4))  # the engine's default here: dp 2, ZeRO 0
+    assert speeds[0] >= default.tokens_per_s
+    assert all(c.memory.fits for c in result.ranked)
+    tiny = replace(machine, host_ram=2 * 10**8)  # 100 MB per rank: less than the interpreter alone
+    none = search(SHAPE, tiny, global_batch=8)
+    assert not none.ranked and none.missing["ram"] > 0
+    with pytest.raises(PlanError, match="global batch = 0"):
+        search(SHAPE, machine, global_batch=0)
+
+
+def test_capstan_plan_prints_time_and_searches(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    path = f"{tmp_path}/m.json"
+    save_machine(_machine(1), path)
+    args = ["plan", "--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "32",
+            "--micro", "2", "--machine", path]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "step time (test):" in out and "bottleneck: forward and backward" in out
+    assert cli.main(args + ["--json"]) == 0
+    step = json.loads(capsys.readouterr().out)["step"]
+    assert step["seconds"] > 0 and step["bottleneck"] == "forward and backward"
+    assert cli.main(args + ["--search", "--global-batch", "8", "--ranks-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts fit" in out and "  1. " in out
+    assert cli.main(args + ["--search", "--global-batch", "8", "--host-ram", "100MB"]) == 1
+    assert "no layout fits: ram short by at least" in capsys.readouterr().out
+
+
+def test_train_plan_records_predicted_beside_measured(tmp_path: object, caplog: pytest.LogCaptureFixture) -> None:
+    """`capstan train --plan FILE`: the prediction before the first step, plan.* in every record, and
+    plan.json with predicted, measured and their error at the end."""
+    path = f"{tmp_path}/m.json"
+    save_machine(_machine(1), path)
+    run = tmp_path / "run"  # type: ignore[operator]
+    code = cli.main(["train", "--config", "examples/tiny.toml", "--plan", path, "--set", "train.steps=5",
+                     "--set", "model.n_layers=4", "--set", "model.seq_len=32", "--set", "train.micro_batch_size=2",
+                     "--set", "train.eval_every=0", "--set", f'log.run_dir="{run}"', "--set", "data.max_bytes=100000"])
+    assert code == 0
+    assert "plan: step time (test):" in caplog.text and "plan vs measured: step" in caplog.text
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    import torch
+
+    # the run predicts with its own threads (not profiled here at 2: from the FLOPs rate then)
+    expected = step_time(SHAPE, _machine(1), Layout(micro=2), threads=torch.get_num_threads()).seconds
+    assert all(r["plan.step_s"] == pytest.approx(expected) and r["plan.ram_bytes"] > 0 for r in records)
+    assert all(r["mem.process.rss_peak_bytes"] > 0 for r in records)
+    out = json.loads((run / "plan.json").read_text())
+    assert out["step_s"]["predicted"] == pytest.approx(expected)
+    measured = sorted(r["step_s"] for r in records[2:])[1]  # the median of the three after the warm-up
+    assert out["step_s"]["measured"] == pytest.approx(measured)
+    assert out["ram_bytes"]["measured"] > 10**8 and out["ram_bytes"]["error"] is not None

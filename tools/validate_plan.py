@@ -1,0 +1,175 @@
+"""How far `capstan plan` is from what runs measure, on this machine: the validation table of docs/plan.md.
+
+    hatch run python tools/validate_plan.py                  # calibrate, run every row, rewrite the table
+    hatch run python tools/validate_plan.py --machine M.json # reuse a calibration (it must hold the profiles)
+    hatch run python tools/validate_plan.py --only A-dp2-z3  # some rows, table printed, docs untouched
+
+It calibrates this machine for every (model, layout) of the rows (`capstan plan --calibrate`: rates,
+collectives, and each model's layers profiled alone and with every core busy), then runs each row
+under `capstan launch -np N -- capstan train --plan MACHINE` and reads the run's plan.json: the
+predicted and measured step time (median after the warm-up steps), peak resident memory of the
+largest rank (VmHWM, the whole process) and the disk tier's peak. The targets of the planner issue:
+memory within 10%, step time within 15%, every row. The table goes between the markers in
+docs/plan.md, with the date, the machine and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "plan.md"
+CONFIG = REPO / "examples" / "tiny.toml"  # the base; every row sets its model and layout over it
+BEGIN, END = "<!-- validate_plan: begin -->", "<!-- validate_plan: end -->"
+MEMORY_TARGET, TIME_TARGET = 0.10, 0.15
+
+MODELS = {  # name -> [model] keys
+    "A": {"n_layers": 4, "d_model": 256, "n_heads": 8, "seq_len": 128},  # 3.3M parameters
+    "B": {"n_layers": 6, "d_model": 384, "n_heads": 8, "seq_len": 128},  # 10.8M
+    "C": {"n_layers": 8, "d_model": 512, "n_heads": 8, "seq_len": 256},  # 25.5M
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    model: str
+    ranks: int
+    sets: dict = field(default_factory=dict)
+    what: str = ""
+
+
+ROWS = [
+    Row("A-1", "A", 1, {}, "one rank"),
+    Row("A-dp2-z0", "A", 2, {"parallel.zero_stage": 0}, "dp 2, ZeRO 0"),
+    Row("A-dp2-z1", "A", 2, {"parallel.zero_stage": 1}, "dp 2, ZeRO 1"),
+    Row("A-dp2-z2", "A", 2, {"parallel.zero_stage": 2, "train.grad_accum_steps": 2}, "dp 2, ZeRO 2, accum 2"),
+    Row("A-dp2-z3", "A", 2, {"parallel.zero_stage": 3}, "dp 2, ZeRO 3 (chunks)"),
+    Row("A-tp2", "A", 2, {"parallel.tp": 2}, "tp 2"),
+    Row("A-pp2", "A", 2, {"parallel.pp": 2, "train.grad_accum_steps": 4}, "pp 2, 1F1B, 4 micro-batches"),
+    Row("A-cpu", "A", 1, {"memory.offload": "cpu"}, "offload cpu (chunks in RAM)"),
+    Row("A-disk", "A", 1, {"memory.offload": "disk", "memory.cpu_budget": "12MiB", "memory.chunk_size": 262144},
+        "offload disk, 12 MiB of 57 MiB in RAM"),
+    Row("A-rc", "A", 1, {"memory.activation_checkpointing": True}, "recompute"),
+    Row("A-bf16", "A", 1, {"precision.dtype": "bf16"}, "bf16"),
+    Row("B-1", "B", 1, {}, "one rank"),
+    Row("B-dp2-z2-bf16", "B", 2, {"parallel.zero_stage": 2, "precision.dtype": "bf16"}, "dp 2, ZeRO 2, bf16"),
+    Row("B-tp2-rc", "B", 2, {"parallel.tp": 2, "memory.activation_checkpointing": True}, "tp 2, recompute"),
+    Row("B-disk", "B", 1, {"memory.offload": "disk", "memory.cpu_budget": "48MiB"}, "offload disk, 48 MiB in RAM"),
+    Row("C-dp2-z3-disk", "C", 2, {"memory.offload": "disk", "memory.cpu_budget": "160MiB"},
+        "dp 2, ZeRO-3 chunks on disk, 160 MiB in RAM per rank"),
+    Row("C-pp2-rc", "C", 2, {"parallel.pp": 2, "train.grad_accum_steps": 4, "memory.activation_checkpointing": True,
+                             "train.micro_batch_size": 2}, "pp 2, 4 micro-batches of 2, recompute"),
+]
+
+BASE = {"train.micro_batch_size": 8, "train.warmup_steps": 2, "train.eval_every": 0, "data.max_bytes": 2_000_000,
+        "log.every": 100}
+
+
+def _value(v: object) -> str:
+    return json.dumps(v) if isinstance(v, (str, bool)) else str(v)
+
+
+def _sets(row: Row, steps: int, run_dir: Path) -> dict:
+    out = {**BASE, **{f"model.{k}": v for k, v in MODELS[row.model].items()}, "train.steps": steps,
+           "log.run_dir": str(run_dir), "memory.disk_dir": str(run_dir / "chunks"), **row.sets}
+    return out
+
+
+def _layouts(rows: list[Row]) -> list[tuple[object, object]]:
+    """The (shape, layout) pairs the rows need profiled."""
+    from capstan.engine.config import resolve
+    from capstan.engine.plan.run import shape_layout
+
+    seen, out = set(), []
+    for row in rows:
+        cfg, _ = resolve(str(CONFIG), [f"{k}={_value(v)}" for k, v in _sets(row, 10, Path("/tmp/x")).items()])
+        shape, layout = shape_layout(cfg, row.ranks)
+        key = (shape, layout.tp, layout.micro, layout.precision, layout.sequence_parallel, layout.dropout)
+        if key not in seen:
+            seen.add(key)
+            out.append((shape, layout))
+    return out
+
+
+def run_row(row: Row, machine: Path, steps: int, work: Path) -> dict:
+    run_dir = work / row.name
+    cmd = [sys.executable, "-m", "capstan.engine.cli", "launch", "-np", str(row.ranks), "--",
+           "capstan", "train", "--config", str(CONFIG), "--plan", str(machine)]
+    for k, v in _sets(row, steps, run_dir).items():
+        cmd += ["--set", f"{k}={_value(v)}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"{row.name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads((run_dir / "plan.json").read_text())
+
+
+def _pct(row: dict | None) -> str:
+    return "—" if row is None or row.get("error") is None else f"{row['error'] * 100:+.1f}%"
+
+
+def table(rows: list[Row], results: dict[str, dict]) -> tuple[str, bool]:
+    lines = ["| row | layout | step predicted / measured | error | RAM peak predicted / measured | error | "
+             "disk predicted / measured | error | bottleneck |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ok = True
+    for row in rows:
+        r = results[row.name]
+        step, ram, disk = r.get("step_s"), r.get("ram_bytes"), r.get("disk_bytes")
+        for x, target in ((step, TIME_TARGET), (ram, MEMORY_TARGET), (disk, MEMORY_TARGET)):
+            if x is not None and x.get("error") is not None and abs(x["error"]) > target:
+                ok = False
+        size = f"{MODELS[row.model]['n_layers']} x {MODELS[row.model]['d_model']}"
+        disk_cells = (f"{disk['predicted'] / 2**20:.1f} / {disk['measured'] / 2**20:.1f} MiB", _pct(disk)) \
+            if disk else ("—", "—")
+        lines.append(f"| {row.name} | {size}, {row.what} | {step['predicted'] * 1e3:.0f} / {step['measured'] * 1e3:.0f} ms "
+                     f"| {_pct(step)} | {ram['predicted'] / 2**20:.0f} / {ram['measured'] / 2**20:.0f} MiB | {_pct(ram)} "
+                     f"| {disk_cells[0]} | {disk_cells[1]} | {r.get('bottleneck', '')} |")
+    return "\n".join(lines), ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--machine", help="a machine file to reuse (default: calibrate now)")
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--only", nargs="*", help="row names")
+    parser.add_argument("--work", help="where runs go (default: a temporary directory)")
+    args = parser.parse_args()
+    rows = [r for r in ROWS if not args.only or r.name in args.only]
+    work = Path(args.work or tempfile.mkdtemp(prefix="capstan-validate-plan-"))
+    work.mkdir(parents=True, exist_ok=True)
+    machine = Path(args.machine) if args.machine else work / "machine.json"
+    if not args.machine:
+        from capstan.engine.plan.calibrate import calibrate
+        from capstan.engine.plan.spec import save_machine
+
+        save_machine(calibrate(work / "calibrate", shapes=_layouts(rows)), machine)
+    results = {}
+    for row in rows:
+        t = time.perf_counter()
+        results[row.name] = run_row(row, machine, args.steps, work)
+        print(f"{row.name}: {json.dumps(results[row.name])} ({time.perf_counter() - t:.0f} s)", flush=True)
+    text, ok = table(rows, results)
+    print(text)
+    print("every row within target" if ok else "NOT every row within target "
+          f"(memory {MEMORY_TARGET:.0%}, step time {TIME_TARGET:.0%})")
+    if args.only:
+        return
+    doc = DOC.read_text()
+    head, rest = doc.split(BEGIN)
+    _, tail = rest.split(END)
+    stamp = (f"Regenerated {time.strftime('%Y-%m-%d')} on this machine ({os.cpu_count()} cores) by "
+             "`hatch run python tools/validate_plan.py`; targets: memory within 10%, step time within 15%.\n\n")
+    DOC.write_text(head + BEGIN + "\n" + stamp + text + "\n" + END + tail)
+
+
+if __name__ == "__main__":
+    main()
