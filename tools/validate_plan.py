@@ -29,7 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "plan.md"
 CONFIG = REPO / "examples" / "tiny.toml"  # the base; every row sets its model and layout over it
 BEGIN, END = "<!-- validate_plan: begin -->", "<!-- validate_plan: end -->"
+REC_BEGIN, REC_END = "<!-- validate_plan recommendation: begin -->", "<!-- validate_plan recommendation: end -->"
+REC_MODEL, REC_BATCH, REC_RANKS = "B", 16, 2  # the job: model B, 16 sequences per step, on 2 ranks
 MEMORY_TARGET, TIME_TARGET = 0.10, 0.15
+WARMUP_STEPS = 3  # as capstan.engine.plan.run
 
 MODELS = {  # name -> [model] keys
     "A": {"n_layers": 4, "d_model": 256, "n_heads": 8, "seq_len": 128},  # 3.3M parameters
@@ -85,23 +88,20 @@ def _sets(row: Row, steps: int, run_dir: Path) -> dict:
 
 
 def _layouts(rows: list[Row]) -> list[tuple[object, object]]:
-    """The (shape, layout) pairs the rows need profiled."""
+    """Each row's (shape, layout): what calibrate profiles (once per distinct shape) and runs tiny."""
     from capstan.engine.config import resolve
     from capstan.engine.plan.run import shape_layout
 
-    seen, out = set(), []
+    out = []
     for row in rows:
         cfg, _ = resolve(str(CONFIG), [f"{k}={_value(v)}" for k, v in _sets(row, 10, Path("/tmp/x")).items()])
-        shape, layout = shape_layout(cfg, row.ranks)
-        key = (shape, layout.tp, layout.micro, layout.precision, layout.sequence_parallel, layout.dropout)
-        if key not in seen:
-            seen.add(key)
-            out.append((shape, layout))
+        out.append(shape_layout(cfg, row.ranks))
     return out
 
 
-def run_row(row: Row, machine: Path, steps: int, work: Path) -> dict:
-    run_dir = work / row.name
+def run_row(row: Row, machine: Path, steps: int, work: Path, tag: str = "") -> tuple[dict, list[float]]:
+    """plan.json of one run of `row`, and its step times after the warm-up steps."""
+    run_dir = work / (row.name + tag)
     cmd = [sys.executable, "-m", "capstan.engine.cli", "launch", "-np", str(row.ranks), "--",
            "capstan", "train", "--config", str(CONFIG), "--plan", str(machine)]
     for k, v in _sets(row, steps, run_dir).items():
@@ -109,7 +109,37 @@ def run_row(row: Row, machine: Path, steps: int, work: Path) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"{row.name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads((run_dir / "plan.json").read_text())
+    steps_s = [json.loads(line)["step_s"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((run_dir / "plan.json").read_text()), steps_s[WARMUP_STEPS:]
+
+
+def pooled(rows: list[Row], machine: Path, steps: int, work: Path, passes: int) -> dict[str, dict]:
+    """Each row run `passes` times, a pass over every row at a time (a slow spell of the machine then hits
+    every row a little instead of one row a lot); the measured step is the median of all passes' steps
+    after the warm-up, the peaks the largest of the passes."""
+    from statistics import median
+
+    plans: dict[str, list[dict]] = {r.name: [] for r in rows}
+    times: dict[str, list[float]] = {r.name: [] for r in rows}
+    for p in range(passes):
+        for row in rows:
+            t = time.perf_counter()
+            plan, steps_s = run_row(row, machine, steps, work, f"-{p}")
+            plans[row.name].append(plan)
+            times[row.name] += steps_s
+            print(f"{row.name} pass {p}: {json.dumps(plan)} ({time.perf_counter() - t:.0f} s)", flush=True)
+    out = {}
+    for row in rows:
+        first = plans[row.name][0]
+        result = {"bottleneck": first.get("bottleneck", "")}
+        for key in ("ram_bytes", "disk_bytes"):
+            if key in first:
+                pred, meas = first[key]["predicted"], max(p[key]["measured"] for p in plans[row.name])
+                result[key] = {"predicted": pred, "measured": meas, "error": (pred - meas) / meas if meas else None}
+        pred, meas = first["step_s"]["predicted"], median(times[row.name])
+        result["step_s"] = {"predicted": pred, "measured": meas, "error": (pred - meas) / meas}
+        out[row.name] = result
+    return out
 
 
 def _pct(row: dict | None) -> str:
@@ -136,12 +166,69 @@ def table(rows: list[Row], results: dict[str, dict]) -> tuple[str, bool]:
     return "\n".join(lines), ok
 
 
+def _row_of(name: str, layout: object) -> Row:
+    """A row running `layout` (a plan Layout) of the recommendation's model."""
+    sets = {"parallel.dp": layout.dp, "parallel.tp": layout.tp, "parallel.pp": layout.pp,
+            "parallel.zero_stage": layout.zero_stage, "memory.offload": layout.offload,
+            "train.micro_batch_size": layout.micro, "train.grad_accum_steps": layout.accum,
+            "memory.activation_checkpointing": layout.recompute}
+    if layout.offload == "disk":
+        sets["memory.cpu_budget"] = layout.cpu_budget
+    return Row(name, REC_MODEL, layout.dp * layout.tp * layout.pp, sets, name)
+
+
+def recommendation(machine: Path, steps: int, work: Path, rounds: int = 2) -> str:
+    """The planner's first choice for the job against the engine's default layout (dp = every rank, ZeRO 0,
+    no offload, the config's micro-batch), both run `rounds` times, interleaved; measured tokens/s."""
+    from dataclasses import replace
+
+    from capstan.engine.config import resolve
+    from capstan.engine.plan import load_machine, search
+    from capstan.engine.plan.run import shape_layout
+
+    cfg, _ = resolve(str(CONFIG), [f"{k}={_value(v)}" for k, v in _sets(Row("job", REC_MODEL, REC_RANKS), 10,
+                                                                           Path("/tmp/x")).items()])
+    shape, default = shape_layout(cfg, REC_RANKS)
+    m = replace(load_machine(machine), ranks_per_node=REC_RANKS)
+    result = search(shape, m, REC_BATCH, default, measure=True)
+    best = result.ranked[0]
+    default = replace(default, micro=REC_BATCH // REC_RANKS)
+    runs = {"recommended": _row_of("recommended", best.layout), "default": _row_of("default", default)}
+    tokens: dict[str, list[float]] = {k: [] for k in runs}
+    for r in range(rounds):
+        for key, row in runs.items():
+            out, _ = run_row(row, machine, steps, work, f"-{r}")
+            tokens[key].append(REC_BATCH * shape.seq / out["step_s"]["measured"])
+    med = {k: sorted(v)[len(v) // 2] for k, v in tokens.items()}
+    describe = (lambda lay: f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp}, ZeRO {lay.zero_stage}, offload {lay.offload}, "
+                f"micro {lay.micro} x accum {lay.accum}{', recompute' if lay.recompute else ''}")
+    return "\n".join([
+        f"The job: model {REC_MODEL} ({MODELS[REC_MODEL]['n_layers']} x {MODELS[REC_MODEL]['d_model']}), "
+        f"{REC_BATCH} sequences of {shape.seq} tokens per step, {REC_RANKS} ranks; {len(result.ranked)} of "
+        f"{result.tried} layouts fit.", "",
+        "| layout | predicted tokens/s | measured tokens/s (each round) |", "|---|---|---|",
+        f"| planner's choice: {describe(best.layout)} | {best.time.tokens_per_s:,.0f} | "
+        f"{', '.join(f'{t:,.0f}' for t in tokens['recommended'])} |",
+        f"| engine default: {describe(default)} | "
+        f"{next((c.time.tokens_per_s for c in result.ranked if c.layout == replace(default, dp=REC_RANKS)), float('nan')):,.0f} | "
+        f"{', '.join(f'{t:,.0f}' for t in tokens['default'])} |", "",
+        f"Measured, median of the rounds: the planner's choice {med['recommended'] / med['default']:.2f}x the default."])
+
+
+def _replace_between(doc: str, begin: str, end: str, text: str) -> str:
+    head, rest = doc.split(begin)
+    _, tail = rest.split(end)
+    return head + begin + "\n" + text + "\n" + end + tail
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--machine", help="a machine file to reuse (default: calibrate now)")
     parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--passes", type=int, default=2, help="runs of every row (their steps pooled)")
     parser.add_argument("--only", nargs="*", help="row names")
     parser.add_argument("--work", help="where runs go (default: a temporary directory)")
+    parser.add_argument("--no-recommendation", action="store_true", help="skip the planner's choice vs the default")
     args = parser.parse_args()
     rows = [r for r in ROWS if not args.only or r.name in args.only]
     work = Path(args.work or tempfile.mkdtemp(prefix="capstan-validate-plan-"))
@@ -152,23 +239,23 @@ def main() -> None:
         from capstan.engine.plan.spec import save_machine
 
         save_machine(calibrate(work / "calibrate", shapes=_layouts(rows)), machine)
-    results = {}
-    for row in rows:
-        t = time.perf_counter()
-        results[row.name] = run_row(row, machine, args.steps, work)
-        print(f"{row.name}: {json.dumps(results[row.name])} ({time.perf_counter() - t:.0f} s)", flush=True)
+    results = pooled(rows, machine, args.steps, work, args.passes)
     text, ok = table(rows, results)
     print(text)
     print("every row within target" if ok else "NOT every row within target "
           f"(memory {MEMORY_TARGET:.0%}, step time {TIME_TARGET:.0%})")
+    rec = None if args.no_recommendation else recommendation(machine, args.steps, work)
+    if rec:
+        print(rec)
     if args.only:
         return
-    doc = DOC.read_text()
-    head, rest = doc.split(BEGIN)
-    _, tail = rest.split(END)
     stamp = (f"Regenerated {time.strftime('%Y-%m-%d')} on this machine ({os.cpu_count()} cores) by "
-             "`hatch run python tools/validate_plan.py`; targets: memory within 10%, step time within 15%.\n\n")
-    DOC.write_text(head + BEGIN + "\n" + stamp + text + "\n" + END + tail)
+             f"`hatch run python tools/validate_plan.py` ({args.passes} passes of {args.steps} steps per row); "
+             "targets: memory within 10%, step time within 15%.\n\n")
+    doc = _replace_between(DOC.read_text(), BEGIN, END, stamp + text)
+    if rec:
+        doc = _replace_between(doc, REC_BEGIN, REC_END, rec)
+    DOC.write_text(doc)
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def _print_plan(args: argparse.Namespace, shape: object, machine: object, plan: 
                "layout": asdict(plan.layout),
                "items": [{"what": i.what, "tier": i.tier, "bytes": i.bytes} for i in plan.items],
                "total": {t: plan.total(t) for t in ("device", "ram", "disk")},
-               "capacity": plan.capacity, "fits": plan.fits, "short": short}
+               "capacity": plan.capacity, "fits": plan.fits, "short": short, "problems": list(plan.problems)}
         if time is not None:
             out["step"] = {"seconds": time.seconds, "tokens_per_s": time.tokens_per_s, "bottleneck": time.bottleneck,
                            "parts": dict(time.parts), "rates": time.source}
@@ -186,8 +186,9 @@ def _print_plan(args: argparse.Namespace, shape: object, machine: object, plan: 
         print(time.table())
     else:
         print("step time: this machine has no rates yet; `capstan plan --calibrate` measures them")
-    if short:
-        print("does not fit: " + "; ".join(f"{tier} short by {b / 1e9:.2f} GB per rank" for tier, b in short.items()))
+    if short or plan.problems:
+        print("does not fit: " + "; ".join([*(f"{tier} short by {b / 1e9:.2f} GB per rank" for tier, b in short.items()),
+                                            *plan.problems]))
         return 1
     print("fits")
     return 0

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .costs import block_flops, layer_costs
+from .memory import runtime_family
 from .probe import block_seconds
 from .rates import LayerCost, Link, Rates
 from .spec import Layout, Machine, ModelShape, PlanError, local_machine
@@ -151,6 +152,67 @@ def _runtime(threads: int) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+JOBS = ({"d_model": 64, "seq_len": 32, "micro": 2}, {"d_model": 384, "seq_len": 256, "micro": 4})  # tiny, small
+
+
+def _job(layout: Layout, run_dir: Path, size: dict) -> str:
+    """A capstan config of a small reference GPT (`size`) laid out as `layout`, for a few steps."""
+    accum = max(layout.accum, 2 * layout.pp) if layout.pp > 1 else layout.accum
+    layers = max(2, layout.pp * layout.virtual_stages)
+    lines = ["[model]", f"n_layers = {layers}", "n_heads = 4", f"d_model = {size['d_model']}",
+             f"seq_len = {size['seq_len']}", "[data]", "max_bytes = 100_000", "[train]", "steps = 4", "warmup_steps = 1",
+             f"micro_batch_size = {size['micro']}", f"grad_accum_steps = {accum}", "[parallel]", f"dp = {layout.dp}",
+             f"tp = {layout.tp}", f"pp = {layout.pp}", f"zero_stage = {layout.zero_stage}",
+             f'schedule = "{layout.schedule}"', f"virtual_stages = {layout.virtual_stages}",
+             f"sequence_parallel = {str(layout.sequence_parallel).lower()}", "[memory]",
+             f'offload = "{layout.offload}"', f"activation_checkpointing = {str(layout.recompute).lower()}",
+             f'disk_dir = "{run_dir / "chunks"}"', "[precision]", f'dtype = "{layout.precision}"',
+             "[log]", f'run_dir = "{run_dir}"', "every = 100"]
+    if layout.offload == "disk":  # half the states in RAM (at least what the chunks need at once)
+        from .chunks import chunk_lists
+
+        shape = ModelShape(layers=layers, hidden=size["d_model"], heads=4, vocab=256, seq=size["seq_len"])
+        lists = chunk_lists(shape, replace(layout, accum=accum, micro=size["micro"], offload="cpu", cpu_budget=None),
+                            list(range(layers + 3)))
+        budget = max(2 * lists.minimum_budget(), lists.state_bytes() // 2)
+        lines.insert(lines.index("[precision]"), f"cpu_budget = {budget}")
+    return "\n".join(lines) + "\n"
+
+
+def _layout_overhead(layout: Layout, rates: Rates, disk_dir: str | os.PathLike) -> tuple[int, float]:
+    """What a run laid out as `layout` holds besides the tensors the plan counts: a fixed part (process
+    groups and their buffers, the pipeline's, compute libraries, the modules a feature imports) and a part
+    that grows with the tensors (the allocator's slack). Two small models are run as the job would be
+    (JOBS); each one's peak resident memory of the largest rank less its plan's tensors is the overhead
+    at its size: the line through both gives (fixed bytes, slack per tensor byte)."""
+    points = [_overhead_at(layout, rates, disk_dir, size) for size in JOBS]
+    (t1, o1), (t2, o2) = points
+    slack = max(0.0, (o2 - o1) / (t2 - t1)) if t2 > t1 else 0.0
+    return max(0, int(o1 - slack * t1)), slack
+
+
+def _overhead_at(layout: Layout, rates: Rates, disk_dir: str | os.PathLike, size: dict) -> tuple[int, int]:
+    """(the plan's tensor bytes, measured peak less them) of one launched run of `_job`."""
+    from ..cli.launch import build_command
+    from .spec import save_machine
+
+    with tempfile.TemporaryDirectory(dir=disk_dir) as tmp:
+        run, machine, config = Path(tmp) / "run", Path(tmp) / "machine.json", Path(tmp) / "job.toml"
+        bare = replace(rates, host_overhead=0, runtime={}, layout_overhead={}, layout_slack={})
+        save_machine(replace(local_machine(), host_overhead=0, rates=bare), machine)
+        config.write_text(_job(layout, run, size))
+        world = layout.dp * layout.tp * layout.pp
+        cmd = build_command([sys.executable, "-m", "capstan.engine.cli", "train", "--config", str(config),
+                             "--plan", str(machine)], world)
+        env = {k: v for k, v in os.environ.items() if k != "CAPSTAN_RENDEZVOUS_FILE"}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        if done.returncode != 0 or not (run / "plan.json").exists():
+            raise PlanError(f"the calibration's run of a small {runtime_family(layout)} failed (exit "
+                            f"{done.returncode}): " + (done.stderr.strip().splitlines() or ["no output"])[-1])
+        ram = json.loads((run / "plan.json").read_text())["ram_bytes"]  # (the plan counts the job's data too)
+        return int(ram["predicted"]), max(0, int(ram["measured"] - ram["predicted"]))
+
+
 def _disk(disk_dir: str | os.PathLike, size: int) -> tuple[float, float]:
     from ..cli.disk_bench import bench_disk
 
@@ -164,7 +226,12 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
     """Measure this machine (module docstring); `shapes`: (model, layout) pairs whose layers to profile;
     `ranks`: the launches whose collectives are measured (2 always; every core's for the busy profiles)."""
     cores = len(os.sched_getaffinity(0))
-    shapes = [(shape, replace(layout, dp=0)) for shape, layout in shapes]
+    layouts = list(shapes)
+    profiles = {}  # one profile per distinct (shape, tp slice, micro-batch, precision, sp, dropout)
+    for shape, layout in shapes:
+        key = (shape, layout.tp, layout.micro, layout.precision, layout.sequence_parallel, layout.dropout)
+        profiles.setdefault(key, (shape, replace(layout, dp=0)))
+    shapes = list(profiles.values())
     log(f"calibrating: collectives under mpirun -np {' and '.join(map(str, sorted({2, *ranks, cores} - {1})))} "
         f"({cores} cores)"
         + (f", {len(shapes)} model layout(s) profiled with every core busy" if shapes else ""))
@@ -203,6 +270,11 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
         log(f"calibrating: profiling the layers of {shape.layers} x {shape.hidden} (tp {layout.tp}, micro "
             f"{layout.micro}, {layout.precision}) alone")
         layer_costs(shape, layout, rates, measure=True, threads=threads)
+    families = {runtime_family(replace(lay, dp=lay.dp or 1)): replace(lay, dp=lay.dp or 1) for _, lay in layouts}
+    Path(disk_dir).mkdir(parents=True, exist_ok=True)
+    for family, layout in families.items():
+        log(f"calibrating: what a run of {family} holds besides its tensors (two small models, launched)")
+        rates.layout_overhead[family], rates.layout_slack[family] = _layout_overhead(layout, rates, disk_dir)
     free = os.statvfs(disk_dir)
     base = local_machine()
     return replace(base, name="local (calibrated)", disk=free.f_bavail * free.f_frsize, host_overhead=rates.host_overhead,

@@ -37,7 +37,7 @@ from capstan.chunkmem.layout import (
 
 from .spec import Layout, ModelShape
 
-__all__ = ["ChunkLists", "Traffic", "chunk_lists", "disk_traffic", "stage_modules"]
+__all__ = ["ChunkLists", "Traffic", "chunk_lists", "disk_traffic", "stage_modules", "transient_bytes"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,18 @@ class ChunkLists:
 
     def bytes_per_element(self) -> int:
         return sum(b for _, b in self.kinds())
+
+    def minimum_budget(self) -> int:
+        """The fewest bytes of RAM the chunks need at once, as ChunkedModel.minimum_budget counts them: one
+        optimizer step over a chunk group (every kind of one chunk), or the parameter chunks one module
+        pins plus a gradient chunk while its gradient lands (sharded: plus the gathered unit)."""
+        per = dict(self.kinds())
+        group = max(self.capacities) * self.bytes_per_element()
+        grad = max(self.capacities) * per.get("grad", 0)
+        module = max((sum(self.capacities[g] * per["param"] for g, _ in set(chunks)) for chunks in self.module_chunks),
+                     default=0)
+        unit = self.shard * max(self.capacities) * (per["param"] + 4) if self.shard > 1 else 0
+        return max(group, module + grad + unit)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's chunks: all of them, or 1/dp under ZeRO-3 (its owned chunks)."""
@@ -156,19 +168,28 @@ def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int
                       mixed=mixed, grad_chunks=grad_chunks)
 
 
-def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool) -> list[tuple[str, int, int, bool]]:
-    """One step's chunk accesses: (kind, group, index, write)."""
+def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool) -> tuple[list[tuple[str, int, int, bool]], int]:
+    """One step's chunk accesses on rank 0: (kind, group, index, write), and where the optimizer's begin. Sharded (ZeRO-3), a module touches
+    the units of its chunks: rank 0 reads its own chunk of each unit to send in the unit's all-gather
+    (again in backward: under a budget units are dropped and gathered again), and its GRAD chunk takes
+    the unit's reduced gradients once they are complete."""
     out: list[tuple[str, int, int, bool]] = []
     grad = "grad" if lists.grad_chunks else "param"
+    n = lists.shard
+
+    def own(chunks: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+        return list(dict.fromkeys((g, i // n * n) for g, i in chunks)) if n > 1 else list(chunks)
+
     for _ in range(micro):
         for chunks in lists.module_chunks:  # forward
-            out += [("param", g, i, False) for g, i in chunks]
+            out += [("param", g, i, False) for g, i in own(chunks)]
         for chunks in reversed(lists.module_chunks):  # backward: re-access, then the gradients arrive
             if recompute:
-                out += [("param", g, i, False) for g, i in chunks]
-            out += [("param", g, i, False) for g, i in chunks]
-            out += [(grad, g, i, True) for g, i in chunks]
-    owned = [(g, i) for g, n in enumerate(lists.counts) for i in range(n) if lists.shard == 1 or i % lists.shard == 0]
+                out += [("param", g, i, False) for g, i in own(chunks)]
+            out += [("param", g, i, False) for g, i in own(chunks)]
+            out += [(grad, g, i, True) for g, i in own(chunks)]
+    owned = [(g, i) for g, count in enumerate(lists.counts) for i in range(count) if n == 1 or i % n == 0]
+    update = len(out)
     if clip:
         out += [(grad, g, i, False) for g, i in owned]
     master = "master" if lists.mixed else "param"
@@ -176,58 +197,83 @@ def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool) -> list[t
         out += [(master, g, i, True), (grad, g, i, True), ("exp_avg", g, i, True), ("exp_avg_sq", g, i, True)]
         if lists.mixed:
             out.append(("param", g, i, True))
-        out.append(("free", g, i, False))  # the gradient is consumed: it next reads as zeros
-    return out
+    # gradients are consumed after the whole update (ChunkAdam._drop_grads): they next read as zeros
+    out += [("free", g, i, False) for g, i in owned]
+    return out, update
+
+
+def transient_bytes(lists: ChunkLists) -> int:
+    """What sharding reserves in the budget beside the chunks while a unit is in use (sharding.py): the
+    gathered unit (dp chunks of 16-bit or fp32 parameters) and one open gradient buffer per list."""
+    if lists.shard == 1:
+        return 0
+    per = dict(lists.kinds())
+    widest = max(lists.capacities)
+    return lists.shard * widest * per["param"] + sum(lists.shard * c * 4 for c in lists.capacities)
 
 
 def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: bool = False, clip: bool = True,
                  eviction: str = "belady") -> Traffic:
-    """Bytes read from and written to disk in one steady-state step with `budget` bytes of chunks in RAM."""
+    """Bytes read from and written to disk in a steady-state step with `budget` bytes of chunks in RAM,
+    and the most bytes on disk at a step's end (the engine's mem.disk.peak_bytes). Replayed from the
+    start as the manager runs: parameters (and masters) placed in RAM in order as far as the budget
+    goes, moments and gradients without data; the first step (the warm-up, no trace yet) evicts the
+    least recently used chunk, later ones by `eviction` from the trace."""
     size = dict(lists.kinds())
     grad = "grad" if lists.grad_chunks else "param"
-    trace = _trace(lists, micro, recompute, clip)
+    trace, updating = _trace(lists, micro, recompute, clip)
     ids: dict[tuple[str, int, int], int] = {}
     for kind, g, i, _ in trace:
         key = (grad if kind == "free" else kind, g, i)
         ids.setdefault(key, len(ids))
     nbytes = {cid: size[k] * lists.capacities[g] for (k, g, _), cid in ids.items()}
     seq = [ids[(grad if k == "free" else k, g, i)] for k, g, i, _ in trace]
-    policy = make_policy(eviction)
-    policy.set_trace([cid for (k, *_), cid in zip(trace, seq) if k != "free"])  # a free is no access
-    # Every chunk starts on disk with data (the state after a first step); gradients start empty.
-    state = {cid: ("disk", True) for cid in ids.values()}  # where, disk copy current
-    for (k, g, i), cid in ids.items():
-        if k == "grad":
-            state[cid] = (None, False)
+    accesses = [cid for (k, *_), cid in zip(trace, seq) if k != "free"]  # a free is no access
+    transient = transient_bytes(lists)  # held while units are gathered: forward and backward, not the update
+    state: dict[int, tuple[str | None, bool]] = {cid: (None, False) for cid in ids.values()}  # where, disk current
     resident = 0
-    reads = writes = 0
-    for step in range(2):  # the first step settles the placement; the second is counted
-        count = step == 1
+    moved = [0, 0]  # read, written: counted in the last step
+
+    def make_room(need: int, keep: int, policy: object, moment: int, count: bool, cap: int = budget) -> None:
+        nonlocal resident
+        while resident + need > cap:
+            movable = [c for c, (w, _) in state.items() if w == "ram" and c != keep]
+            if not movable:
+                return
+            victim = policy.victim(movable, moment)  # type: ignore[attr-defined]
+            if not state[victim][1]:
+                moved[1] += nbytes[victim] if count else 0
+            state[victim] = ("disk", True)
+            resident -= nbytes[victim]
+
+    warm = make_policy("lru")
+    for (k, g, i), cid in sorted(ids.items(), key=lambda kv: (kv[0][1], kv[0][2])):  # ChunkedModel._place
+        if k in ("param", "master") and (k == "param" or lists.mixed):
+            make_room(nbytes[cid], cid, warm, -1, False)
+            warm.on_access(cid, -1)
+            state[cid] = ("ram", False)
+            resident += nbytes[cid]
+    steady = make_policy(eviction)
+    steady.set_trace(accesses)
+    disk_peak = 0
+    for step in range(3):  # the warm-up, a step that settles, the one counted
+        policy, count = (warm if step == 0 else steady), step == 2
         moment = -1
-        for (kind, g, i, write), cid in zip(trace, seq):
+        for n, ((kind, g, i, write), cid) in enumerate(zip(trace, seq)):
             where, clean = state[cid]
-            if kind != "free":
-                moment += 1
-                policy.on_access(cid, moment)
             if kind == "free":
                 if where == "ram":
                     resident -= nbytes[cid]
                 state[cid] = (None, False)
                 continue
+            moment += 1
+            policy.on_access(cid, moment)
             if where != "ram":
-                while resident + nbytes[cid] > budget:
-                    movable = [c for c, (w, _) in state.items() if w == "ram" and c != cid]
-                    if not movable:
-                        break
-                    victim = policy.victim(movable, moment)
-                    if not state[victim][1]:
-                        writes += nbytes[victim] if count else 0
-                    state[victim] = ("disk", True)
-                    resident -= nbytes[victim]
+                make_room(nbytes[cid], cid, policy, moment, count, budget - (transient if n < updating else 0))
                 if where == "disk":
-                    reads += nbytes[cid] if count else 0
+                    moved[0] += nbytes[cid] if count else 0
                 resident += nbytes[cid]
                 clean = where == "disk" and clean
             state[cid] = ("ram", clean and not write)
-    on_disk = sum(nbytes[c] for c, (w, clean) in state.items() if w == "disk" or (w == "ram" and clean))
-    return Traffic(read_bytes=reads, write_bytes=writes, disk_bytes=on_disk)
+        disk_peak = max(disk_peak, sum(nbytes[c] for c, (w, cur) in state.items() if w == "disk" or (w == "ram" and cur)))
+    return Traffic(read_bytes=moved[0], write_bytes=moved[1], disk_bytes=disk_peak)

@@ -59,6 +59,7 @@ class MemoryPlan:
     params_per_rank: int
     items: tuple[Item, ...]
     capacity: dict[str, int | None]  # per rank; None: not bounded / unknown
+    problems: tuple[str, ...] = ()  # what makes the layout impossible besides capacity (a budget too small)
 
     def total(self, tier: str) -> int:
         return sum(i.bytes for i in self.items if i.tier == tier)
@@ -74,7 +75,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return not self.shortfall()
+        return not self.shortfall() and not self.problems
 
     def table(self) -> str:
         """The breakdown, a line per item, and each tier's total against its capacity."""
@@ -123,12 +124,29 @@ def _block_activations(shape: ModelShape, layout: Layout, micro: int) -> tuple[i
     return kept, full
 
 
-def _runtime(machine: Machine, layout: Layout, chunked: bool) -> list[Item]:
-    """What a rank holds besides tensors: measured by `capstan plan --calibrate` (overhead.py) where the
-    machine was calibrated, else `Machine.host_overhead`."""
+def runtime_family(layout: Layout) -> str:
+    """The name under which `capstan plan --calibrate` keeps what a run of this kind holds besides its
+    tensors (Rates.layout_overhead): the same ranks and axes, ZeRO stage, offload, precision, recompute."""
+    lay = layout
+    return (f"dp{lay.dp}.tp{lay.tp}.pp{lay.pp}.z{lay.zero_stage}.{lay.offload}.{lay.precision}"
+            + (".rc" if lay.recompute else "") + (".sp" if lay.sequence_parallel else "")
+            + (".acc" if lay.accum > 1 and lay.pp == 1 else ""))
+
+
+def _runtime(machine: Machine, layout: Layout, chunked: bool, tensors: int) -> list[Item]:
+    """What a rank holds besides tensors: measured by `capstan plan --calibrate` for a run of this layout's
+    kind (a tiny model launched as the job would be: calibrate.py), else for one process (overhead.py),
+    else `Machine.host_overhead` (not calibrated)."""
     rates = machine.rates
     if rates is None or not rates.host_overhead or not rates.runtime:
         return [Item("interpreter, torch and libraries", "ram", machine.host_overhead)]
+    family = runtime_family(layout)
+    if family in rates.layout_overhead:
+        slack = rates.layout_slack.get(family, 0.0) * tensors
+        return [Item(f"interpreter, torch, MPI, capstan and what a run of this kind holds besides its tensors "
+                     f"(measured: {family})", "ram", rates.layout_overhead[family]),
+                Item(f"the allocator's slack on these tensors ({rates.layout_slack.get(family, 0.0):.2f} B per "
+                     "byte, measured)", "ram", int(slack))]
     r = rates.runtime
     items = [Item("interpreter, torch, MPI and capstan (measured)", "ram", rates.host_overhead),
              Item("compute kernels' first use (measured)", "ram", r.get("first_compute", 0))]
@@ -173,6 +191,7 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
     params = sum(weights[i] for i in layers)
     largest_layer = max(weights[i] for i in layers)
     items: list[Item] = []
+    problems: list[str] = []
     e16 = layout.precision in ("bf16", "fp16")
     pbytes = 2 if e16 else 4
     chunked = layout.zero_stage == 3 or layout.offload != "none"
@@ -203,6 +222,10 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
                                   2 * pbytes * largest_layer // shard))
         else:
             in_ram = min(states, layout.cpu_budget or 0)
+            least = lists.minimum_budget()
+            if (layout.cpu_budget or 0) < least:
+                problems.append(f"cpu_budget {_fmt(layout.cpu_budget or 0)} is below the {_fmt(least)} the chunks "
+                                "need in RAM at once (chunkmem's minimum budget for this model and chunk size)")
             traffic = disk_traffic(lists, layout.cpu_budget or 0, micro=layout.accum, recompute=layout.recompute,
                                    clip=layout.grad_clip, eviction=layout.eviction)
             items.append(Item(f"model states in RAM (cpu_budget; {where})", "ram", in_ram))
@@ -234,11 +257,13 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
                           2 * 4 * shape.seq * layout.micro * vocab))
     if gpu:
         items.append(Item("CUDA context and allocator reserve", "device", machine.device_overhead))
-    items += _runtime(machine, layout, chunked)
+    if layout.data_bytes:  # the text as read (its files' bytes, then joined), then kept as the token ids' buffer
+        items.append(Item("training text (read, joined, kept as token ids)", "ram", 2 * layout.data_bytes))
+    items += _runtime(machine, layout, chunked, sum(i.bytes for i in items if i.tier == "ram"))
     capacity: dict[str, int | None] = {
         "device": machine.device.memory if machine.device is not None else None,
         "ram": machine.host_ram // machine.per_node,
         "disk": machine.disk // machine.per_node if machine.disk else None,
     }
     return MemoryPlan(shape=shape, machine=machine, layout=layout, stage=stage, params_per_rank=params,
-                      items=tuple(items), capacity=capacity)
+                      items=tuple(items), capacity=capacity, problems=tuple(problems))

@@ -64,6 +64,8 @@ class Rates:
     contention: float = 1.0  # compute slowdown when every core runs a rank
     host_overhead: int = 0  # bytes a launched rank holds before the model (interpreter, torch, MPI); 0: Machine's
     runtime: dict[str, int] = field(default_factory=dict)  # overhead.py: first_compute, bf16, heavy (bytes)
+    layout_overhead: dict[str, int] = field(default_factory=dict)  # memory.runtime_family -> bytes (calibrate.py)
+    layout_slack: dict[str, float] = field(default_factory=dict)  # memory.runtime_family -> bytes per tensor byte
     per_access: float = 0.0  # seconds per chunk hook access (a parameter fetched through chunkmem)
     step_overhead: float = 0.0  # seconds per step of the engine's own work beyond layers and optimizer
     layers: dict[str, LayerCost] = field(default_factory=dict)  # profiled layer costs, by costs.layer_key

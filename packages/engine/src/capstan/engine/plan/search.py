@@ -82,7 +82,7 @@ def _with_disk_budget(shape: ModelShape, machine: Machine, layout: Layout) -> La
     budget = int(0.9 * (capacity - others))
     states = sum(i.bytes for i in memory_plan(shape, machine, replace(layout, offload="cpu", cpu_budget=None)).items
                  if i.what.startswith("model states"))
-    if budget < MIN_BUDGET or budget >= states:  # nothing to stream, or not even one chunk's room
+    if budget < MIN_BUDGET or budget >= states:  # not even the smallest budget, or nothing to stream
         return None
     return replace(layout, cpu_budget=budget)
 

@@ -146,6 +146,7 @@ class Layout:
     chunk_size: int | None = None  # elements per chunk (None: chosen per model, as the engine does)
     eviction: str = "belady"
     grad_clip: bool = True
+    data_bytes: int = 0  # training text read into RAM (capstan's data.max_bytes for a text source)
 
     def __post_init__(self) -> None:
         _positive("layout", tp=self.tp, pp=self.pp, micro=self.micro, accum=self.accum,

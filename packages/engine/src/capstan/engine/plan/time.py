@@ -21,7 +21,8 @@ What a step costs on the slowest pipeline stage, as the engine runs it:
   per micro-batch, its gradients reduced per micro-batch) the pipeline. Through MPI on a CPU they
   are blocking calls (comm.progresses_in_background): nothing overlaps them.
 * **The optimizer**: AdamW over this rank's parameters (1/dp from ZeRO 1, the owned chunks at ZeRO-3),
-  plus the gradient-norm pass when clipping, at the measured rates of the native kernels.
+  plus the gradient-norm pass when clipping, at the measured rates of the native kernels, and for the
+  flat buffers the clearing of the fp32 gradient (at the measured memory bandwidth).
 * **Disk I/O** (offload disk): the bytes `chunks.disk_traffic` replays at the measured disk rates. A
   full budget makes every read wait for room, and room waits for the write-back, so both count.
 * **Host<->device copies** on a GPU with offload (estimated, never validated: rates.py).
@@ -209,7 +210,8 @@ def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rate
     gather = _dp_link(machine, rates, layout, "all_gather") if dp > 1 else None
     if not chunked:
         local = params / (dp if layout.zero_stage >= 1 else 1)
-        out["optimizer"] = (local / rates.adam["fp32"] + (local / rates.adam["sumsq"] if clip else 0.0)) * slow
+        clear = 8 * params / rates.memory_bandwidth if rates.memory_bandwidth else 0.0  # zero_grad of the flat buffer
+        out["optimizer"] = (local / rates.adam["fp32"] + (local / rates.adam["sumsq"] if clip else 0.0) + clear) * slow
         if link is not None:
             grads = 4 * params
             buckets = max(1, -(-grads // layout.bucket_bytes))
