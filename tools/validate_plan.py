@@ -225,7 +225,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--machine", help="a machine file to reuse (default: calibrate now)")
     parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--passes", type=int, default=2, help="runs of every row (their steps pooled)")
+    parser.add_argument("--passes", type=int, default=3, help="runs of every row (their steps pooled)")
     parser.add_argument("--only", nargs="*", help="row names")
     parser.add_argument("--work", help="where runs go (default: a temporary directory)")
     parser.add_argument("--no-recommendation", action="store_true", help="skip the planner's choice vs the default")

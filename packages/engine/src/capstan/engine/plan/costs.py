@@ -128,6 +128,26 @@ def _median_seconds(fn, budget: float = 0.4, least: int = 5, most: int = 50) -> 
     return statistics.median(times)
 
 
+def _paired(forward, both, budget: float = 1.0, least: int = 7, most: int = 60) -> tuple[float, float]:  # noqa: ANN001
+    """Median forward seconds and median backward seconds (forward + backward less the forward next to
+    it): the two are timed alternately, so a slow spell of a shared machine lands on a pair, not on
+    one of the two figures (which once made a profiled backward twice its real cost)."""
+    forward()
+    both()
+    fs: list[float] = []
+    bs: list[float] = []
+    start = time.perf_counter()
+    while len(fs) < least or (len(fs) < most and time.perf_counter() - start < budget):
+        t0 = time.perf_counter()
+        forward()
+        t1 = time.perf_counter()
+        both()
+        t2 = time.perf_counter()
+        fs.append(t1 - t0)
+        bs.append(max(0.0, (t2 - t1) - (t1 - t0)))
+    return statistics.median(fs), statistics.median(bs)
+
+
 def measure_layers(shape: ModelShape, layout: Layout, threads: int = 1) -> dict[str, LayerCost]:
     """Profile the reference GPT's layers at one tensor-parallel rank's shapes (module docstring)."""
     from capstan.comm.groups import Group
@@ -174,10 +194,9 @@ def measure_layers(shape: ModelShape, layout: Layout, threads: int = 1) -> dict[
                     y = forward()
                     (y if y.dim() == 0 else y.float().sum()).backward()
 
-                f = _median_seconds(forward)
-                fb = _median_seconds(both)
+                f, b = _paired(forward, both)
                 n = share.get(kind, 1)
-                out[kind] = LayerCost(forward=f / n, backward=max(fb - f, 0.0) / n)
+                out[kind] = LayerCost(forward=f / n, backward=b / n)
             return out
     finally:
         torch.set_num_threads(saved_threads)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .chunks import chunk_lists, disk_traffic
+from .chunks import chunk_lists, disk_traffic, transient_bytes
 from .spec import Device, Layout, Machine, ModelShape, virtual_parts
 
 __all__ = ["Item", "MemoryPlan", "memory_plan", "min_devices_for_states", "TIERS"]
@@ -233,14 +233,16 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
             if gpu:
                 items.append(Item("parameter chunks in use and prefetched (2 layers)", "device",
                                   2 * pbytes * largest_layer // shard))
-        if shard > 1 and layout.cpu_budget is None:
+        if shard > 1 and layout.cpu_budget is None and not gpu:
             # RAM unbounded: every unit gathered stays until the end of backward (sharding.py), and one
             # gradient buffer per parameter group is open; under a budget both come out of the budget.
-            tier = compute if layout.offload == "none" or gpu else "ram"
-            items.append(Item("ZeRO-3 gathered units (all of the stage's, kept through backward)", tier,
+            items.append(Item("ZeRO-3 gathered units (all of the stage's, kept through backward)", compute,
                               lists.elements * pbytes))
-            items.append(Item("ZeRO-3 gradient buffers (one unit per parameter group)", tier,
+            items.append(Item("ZeRO-3 gradient buffers (one unit per parameter group)", compute,
                               sum(shard * c * 4 for c in lists.capacities)))
+        elif shard > 1 and gpu:  # on a GPU they live in the device tier, within its budget: one unit at a time
+            items.append(Item("ZeRO-3 gathered unit and gradient buffers (device tier)", "device",
+                              transient_bytes(lists)))
     blocks = sum(1 for i in layers if 0 < i < last - 1)
     kept, rebuilt = _block_activations(shape, layout, layout.micro)
     inflight = _in_flight(layout, stage)
