@@ -58,6 +58,12 @@ def _all_cases(_unused: int = 0) -> list[str]:
             comm.all_gather(out, mine)
             check(f"all_gather {tag}", out, torch.cat(every))
 
+            # all-to-all: part j of my output is rank j's part r (parts of size + 1 elements, so never empty)
+            parts = [_value(i, (size + 1) * n, dtype, salt + 5) for i in range(n)]
+            out = torch.empty((size + 1) * n, dtype=dtype)
+            comm.all_to_all(out, parts[r])
+            check(f"all_to_all {tag}", out, torch.cat([p.view(n, -1)[r] for p in parts]))
+
             start, end = shard_bounds(size, n, r)
             out = torch.empty(end - start, dtype=dtype)
             comm.reduce_scatter(out, mine, "sum")

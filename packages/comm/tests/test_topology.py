@@ -11,19 +11,22 @@ from capstan.comm import AXES, Coord, Topology, TopologyError
 sizes = st.integers(min_value=1, max_value=6)
 
 
+cps = st.integers(min_value=1, max_value=3)
+
+
 @settings(deadline=None)
-@given(dp=sizes, pp=sizes, tp=sizes)
-def test_coordinates_are_a_bijection(dp: int, pp: int, tp: int) -> None:
-    topo = Topology(dp=dp, pp=pp, tp=tp)
+@given(dp=sizes, pp=sizes, tp=sizes, cp=cps)
+def test_coordinates_are_a_bijection(dp: int, pp: int, tp: int, cp: int) -> None:
+    topo = Topology(dp=dp, pp=pp, tp=tp, cp=cp)
     coords = [topo.coord_of(r) for r in range(topo.world_size)]
     assert len(set(coords)) == topo.world_size
     assert all(topo.rank_of(c) == r for r, c in enumerate(coords))
 
 
 @settings(deadline=None)
-@given(dp=sizes, pp=sizes, tp=sizes)
-def test_each_axis_partitions_the_world(dp: int, pp: int, tp: int) -> None:
-    topo = Topology(dp=dp, pp=pp, tp=tp)
+@given(dp=sizes, pp=sizes, tp=sizes, cp=cps)
+def test_each_axis_partitions_the_world(dp: int, pp: int, tp: int, cp: int) -> None:
+    topo = Topology(dp=dp, pp=pp, tp=tp, cp=cp)
     for axis in AXES:
         groups = topo.groups(axis)
         flat = sorted(r for g in groups for r in g)
@@ -41,14 +44,29 @@ def test_each_axis_partitions_the_world(dp: int, pp: int, tp: int) -> None:
 
 
 @settings(deadline=None)
-@given(dp=sizes, pp=sizes, tp=sizes)
-def test_tp_varies_fastest_then_dp_then_pp(dp: int, pp: int, tp: int) -> None:
-    topo = Topology(dp=dp, pp=pp, tp=tp)
+@given(dp=sizes, pp=sizes, tp=sizes, cp=cps)
+def test_tp_varies_fastest_then_cp_then_dp_then_pp(dp: int, pp: int, tp: int, cp: int) -> None:
+    topo = Topology(dp=dp, pp=pp, tp=tp, cp=cp)
     for r in range(topo.world_size):
         c = topo.coord_of(r)
-        assert r == (c.pp * dp + c.dp) * tp + c.tp
+        assert r == ((c.pp * dp + c.dp) * cp + c.cp) * tp + c.tp
     for g in topo.groups("tp"):
         assert g == list(range(g[0], g[0] + tp))  # consecutive ranks: one node
+    for g in topo.groups("cp"):
+        assert g == list(range(g[0], g[0] + cp * tp, tp))  # next to the tp group: one node where it can
+
+
+@settings(deadline=None)
+@given(dp=sizes, pp=sizes, tp=sizes, cp=cps)
+def test_replica_groups_are_the_ranks_holding_the_same_parameters(dp: int, pp: int, tp: int, cp: int) -> None:
+    topo = Topology(dp=dp, pp=pp, tp=tp, cp=cp)
+    groups = topo.replica_groups()
+    assert sorted(r for g in groups for r in g) == list(range(topo.world_size))
+    for g in groups:
+        cs = [topo.coord_of(r) for r in g]
+        assert len(g) == dp * cp and len({(c.pp, c.tp) for c in cs}) == 1
+    if cp == 1:
+        assert groups == topo.groups("dp")
 
 
 def test_megatron_example_layout() -> None:
@@ -57,6 +75,9 @@ def test_megatron_example_layout() -> None:
     assert topo.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert topo.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert topo.coord_of(5) == Coord(dp=0, pp=1, tp=1)
+    ctx = Topology(dp=2, tp=2, cp=2)  # tp fastest, then cp: ranks 0, 2 split one sequence
+    assert ctx.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]] and ctx.groups("dp")[0] == [0, 4]
+    assert str(ctx) == "Topology(dp=2, pp=1, cp=2, tp=2)"
 
 
 def test_world_mismatch_names_the_numbers_and_their_source() -> None:

@@ -2,7 +2,9 @@
 
 `Group` is one communicator (its global ranks, this process's index in it,
 the torch ProcessGroup and, with the mpi backend, an mpi4py communicator).
-`Groups(world, dp, pp, tp)` holds this rank's group on every axis; layers,
+`Groups(world, dp, pp, tp)` holds this rank's group on every axis (and `cp`,
+the ranks splitting one sequence, with `replicas`, the ranks that hold the
+same parameters: dp x cp, which is dp where cp = 1); layers,
 schedules and chunk managers take it through their constructors, never from
 a global, so two topologies can live in one process.
 
@@ -47,13 +49,22 @@ class Group:
 
 @dataclass(frozen=True)
 class Groups:
-    """This rank's groups on every axis of a `Topology`."""
+    """This rank's groups on every axis of a `Topology`. `cp` defaults to a group of one and `replicas`
+    (the ranks that reduce gradients together and share ZeRO shards: dp x cp) to `dp`."""
 
     world: Group
     dp: Group
     pp: Group
     tp: Group
     topology: Topology
+    cp: Group | None = None
+    replicas: Group | None = None
+
+    def __post_init__(self) -> None:
+        if self.cp is None:
+            object.__setattr__(self, "cp", Group("cp", (self.world.global_rank(self.world.rank),), 0))
+        if self.replicas is None:
+            object.__setattr__(self, "replicas", self.dp)
 
     def axis(self, name: str) -> Group:
         return getattr(self, name)
@@ -91,19 +102,21 @@ def build_groups(topology: Topology) -> Groups:
     me = world.rank
     mine: dict[str, Group] = {}
     for axis in AXES:
-        axis_groups = topology.groups(axis)
-        color = next(i for i, members in enumerate(axis_groups) if me in members)
-        pgs = []
-        for members in axis_groups:
-            pg = None
-            if len(members) > 1 and world.size > 1:
-                pg = dist.new_group(ranks=members, timeout=state.timeout())
-            pgs.append(pg)
-        members = axis_groups[color]
-        mpi_comm = None
-        if state.backend() == "mpi" and world.mpi_comm is not None:
-            mpi_comm = world.mpi_comm.Split(color=color, key=me)  # type: ignore[attr-defined]
-        mine[axis] = Group(name=axis, ranks=tuple(members), rank=members.index(me), pg=pgs[color], mpi_comm=mpi_comm)
+        mine[axis] = _new_group(axis, topology.groups(axis), me, world)
+    if topology.cp > 1:
+        mine["replicas"] = _new_group("replicas", topology.replica_groups(), me, world)
     c = topology.coord_of(me)
-    set_rank_context(me, c.as_tuple())
+    set_rank_context(me, c.as_tuple() + ((c.cp,) if topology.cp > 1 else ()))
     return Groups(world=world, topology=topology, **mine)
+
+
+def _new_group(name: str, all_groups: list[list[int]], me: int, world: Group) -> Group:
+    """This rank's group among `all_groups` (every rank creates every one, in the same order)."""
+    color = next(i for i, members in enumerate(all_groups) if me in members)
+    pgs = [dist.new_group(ranks=members, timeout=state.timeout()) if len(members) > 1 and world.size > 1 else None
+           for members in all_groups]
+    mpi_comm = None
+    if state.backend() == "mpi" and world.mpi_comm is not None:
+        mpi_comm = world.mpi_comm.Split(color=color, key=me)  # type: ignore[attr-defined]
+    members = all_groups[color]
+    return Group(name=name, ranks=tuple(members), rank=members.index(me), pg=pgs[color], mpi_comm=mpi_comm)

@@ -18,22 +18,22 @@ _context: dict[str, object] = {"rank": None, "coords": None}
 _warned: set[str] = set()
 
 
-def set_rank_context(rank: int | None, coords: tuple[int, int, int] | None = None) -> None:
-    """Record this process's global rank and (dp, pp, tp) coordinates for log prefixes."""
+def set_rank_context(rank: int | None, coords: tuple[int, ...] | None = None) -> None:
+    """Record this process's global rank and (dp, pp, tp[, cp]) coordinates for log prefixes."""
     _context["rank"] = rank
     _context["coords"] = coords
 
 
 def rank_prefix() -> str:
-    """`rank 3 1/0/1` (rank, then dp/pp/tp) or `rank 3` before a topology exists."""
+    """`rank 3 1/0/1` (rank, then dp/pp/tp, and /cp where there is a cp axis) or `rank 3` before a
+    topology exists."""
     rank = _context["rank"]
     if rank is None:
         return "rank -"
     coords = _context["coords"]
     if coords is None:
         return f"rank {rank}"
-    dp, pp, tp = coords  # type: ignore[misc]
-    return f"rank {rank} {dp}/{pp}/{tp}"
+    return f"rank {rank} " + "/".join(map(str, coords))  # type: ignore[call-overload]
 
 
 class _RankFilter(logging.Filter):

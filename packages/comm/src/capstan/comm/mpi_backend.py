@@ -290,6 +290,16 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, counts: list[int]
         output.div_(comm.Get_size())
 
 
+def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: object) -> None:
+    """Equal parts: part i of `tensor` to rank i (alltoall.py)."""
+    comm = group.mpi_comm  # type: ignore[attr-defined]
+    _watchdog.arm("all_to_all", group)
+    try:
+        comm.Alltoall(_view(tensor), _view(output))
+    finally:
+        _watchdog.disarm()
+
+
 def reduce(tensor: torch.Tensor, op: str, dst_index: int, group: object) -> None:
     comm = group.mpi_comm  # type: ignore[attr-defined]
     buf = _view(tensor)

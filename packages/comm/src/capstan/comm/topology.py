@@ -1,17 +1,20 @@
-"""A dp x pp x tp mesh as plain data: rank <-> coordinates and the ranks of every group.
+"""A dp x pp x cp x tp mesh as plain data: rank <-> coordinates and the ranks of every group.
 
 Nothing here touches torch.distributed, so every mapping is unit-tested with
 no processes (`groups.build_groups` turns a `Topology` into process groups).
 
-Rank order follows Megatron: tp varies fastest, then dp, then pp, so the
-ranks of one tensor-parallel group are consecutive and land on one node
-(tensor slicing has the most traffic), and pipeline stages are the outermost
-blocks (least traffic, crosses nodes)::
+Rank order follows Megatron: tp varies fastest, then cp, then dp, then pp, so
+the ranks of one tensor-parallel group are consecutive and land on one node
+(tensor slicing has the most traffic), a context-parallel group (the ranks
+that split one sequence: an all-to-all or a ring of key/value blocks per
+attention) comes next and stays on a node where it can, and pipeline stages
+are the outermost blocks (least traffic, crosses nodes)::
 
-    rank = (pp * dp_size + dp) * tp_size + tp
+    rank = ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp
 
 Example: ``Topology(dp=2, pp=2, tp=2)`` puts ranks 0,1 in one tp group, ranks
-0,2 in one dp group and ranks 0,4 in one pipeline.
+0,2 in one dp group and ranks 0,4 in one pipeline. With cp = 1 (the default)
+the order is the dp x pp x tp one of before.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 __all__ = ["Coord", "Topology", "TopologyError", "AXES"]
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")
 
 
 class TopologyError(ValueError):
@@ -34,6 +37,7 @@ class Coord:
     dp: int
     pp: int
     tp: int
+    cp: int = 0
 
     def as_tuple(self) -> tuple[int, int, int]:
         return (self.dp, self.pp, self.tp)
@@ -41,11 +45,12 @@ class Coord:
 
 @dataclass(frozen=True)
 class Topology:
-    """The dp x pp x tp mesh. Sizes are keyword-only and must be positive."""
+    """The dp x pp x cp x tp mesh. Sizes are keyword-only and must be positive."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -55,27 +60,28 @@ class Topology:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     def size(self, axis: str) -> int:
         return getattr(self, _check_axis(axis))
 
     def rank_of(self, coord: Coord) -> int:
-        """Global rank at these coordinates (tp fastest, then dp, then pp)."""
+        """Global rank at these coordinates (tp fastest, then cp, then dp, then pp)."""
         for axis in AXES:
             value = getattr(coord, axis)
             if not 0 <= value < self.size(axis):
                 raise TopologyError(f"{axis} coordinate {value} outside 0..{self.size(axis) - 1}")
-        return (coord.pp * self.dp + coord.dp) * self.tp + coord.tp
+        return ((coord.pp * self.dp + coord.dp) * self.cp + coord.cp) * self.tp + coord.tp
 
     def coord_of(self, rank: int) -> Coord:
         """Coordinates of a global rank."""
         if not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank} outside 0..{self.world_size - 1} for {self}")
         tp = rank % self.tp
-        dp = (rank // self.tp) % self.dp
-        pp = rank // (self.tp * self.dp)
-        return Coord(dp=dp, pp=pp, tp=tp)
+        cp = (rank // self.tp) % self.cp
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        pp = rank // (self.tp * self.cp * self.dp)
+        return Coord(dp=dp, pp=pp, tp=tp, cp=cp)
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along `axis`: lists of global ranks that differ only in that axis.
@@ -97,11 +103,23 @@ class Topology:
             members.append(self.rank_of(Coord(**fields)))
         return members
 
+    def replica_groups(self) -> list[list[int]]:
+        """Every group of ranks that hold the same parameters: those that differ only in dp and cp (they
+        reduce gradients together and share the ZeRO shards), ordered dp-major then cp. With cp = 1 these
+        are the dp groups."""
+        out = []
+        for first in (r for r in range(self.world_size) if self.coord_of(r).dp == 0 and self.coord_of(r).cp == 0):
+            c = self.coord_of(first)
+            out.append([self.rank_of(Coord(dp=d, pp=c.pp, tp=c.tp, cp=k)) for d in range(self.dp) for k in range(self.cp)])
+        return out
+
     def check_world(self, world_size: int, source: str = "the launcher") -> None:
         """Raise unless dp*pp*tp equals the world size (naming where each number came from)."""
         if self.world_size != world_size:
+            axes = "dp*pp*cp*tp" if self.cp > 1 else "dp*pp*tp"
+            sizes = "*".join(str(self.size(a)) for a in axes.split("*"))
             raise TopologyError(
-                f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} but the world size is "
+                f"{axes} = {sizes} = {self.world_size} but the world size is "
                 f"{world_size} (from {source}); choose sizes whose product is {world_size}"
             )
 
@@ -120,7 +138,8 @@ class Topology:
         )
 
     def __str__(self) -> str:
-        return f"Topology(dp={self.dp}, pp={self.pp}, tp={self.tp})"
+        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        return f"Topology(dp={self.dp}, pp={self.pp}{cp}, tp={self.tp})"
 
 
 def _check_axis(axis: str) -> str:

@@ -45,8 +45,11 @@ def build_reference_model(cfg: Config, groups: comm.Groups) -> nn.Module:
     """The reference GPT of [model], sliced over the tp group, seeded by train.seed (tp-invariant init)."""
     from capstan.tensorpar import build_gpt
 
+    from capstan.tensorpar.context import ContextParallel
+
     return build_gpt(reference_gpt_config(cfg), groups.tp, seed=cfg.train.seed,
-                     sequence_parallel=cfg.parallel.sequence_parallel)
+                     sequence_parallel=cfg.parallel.sequence_parallel,
+                     cp=ContextParallel.of(groups.cp, cfg.parallel.cp_mode))
 
 
 def build_reference_on_meta(cfg: Config, groups: comm.Groups) -> tuple[nn.Module, "LayerwiseInit"]:
@@ -54,11 +57,13 @@ def build_reference_on_meta(cfg: Config, groups: comm.Groups) -> tuple[nn.Module
     values: with chunked memory the model is built straight into chunks (one layer in RAM at a time),
     so a model larger than RAM never exists whole outside them."""
     from capstan.tensorpar import build_gpt, gpt_layer_factories
+    from capstan.tensorpar.context import ContextParallel
 
     gpt, sp = reference_gpt_config(cfg), cfg.parallel.sequence_parallel
+    cp = ContextParallel.of(groups.cp, cfg.parallel.cp_mode)
     with torch.device("meta"):
-        model = build_gpt(gpt, groups.tp, seed=cfg.train.seed, sequence_parallel=sp)
-    factories = gpt_layer_factories(gpt, groups.tp, cfg.train.seed, sequence_parallel=sp)
+        model = build_gpt(gpt, groups.tp, seed=cfg.train.seed, sequence_parallel=sp, cp=cp)
+    factories = gpt_layer_factories(gpt, groups.tp, cfg.train.seed, sequence_parallel=sp, cp=cp)
     return model, LayerwiseInit(model.layers, factories)
 
 
@@ -258,7 +263,7 @@ def resolve_groups(cfg: Config, sources: dict[str, str]) -> comm.Groups:
             torch.cuda.set_device(device)
         return comm.single_process_groups()
     comm.init(device=device)
-    return comm.build_groups(comm.Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp))
+    return comm.build_groups(comm.Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp, cp=cfg.parallel.cp))
 
 
 def _default_loss(model: nn.Module) -> LossFn:

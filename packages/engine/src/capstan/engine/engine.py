@@ -116,6 +116,10 @@ class Engine:
         self.micro_step = 0  # backward passes since the last optimizer step
         self.scaler = loss_scaler(config.precision) if config.precision.dtype == "fp16" else None
         self.chunked = uses_chunks(config)
+        from capstan.tensorpar.context import ContextParallel
+
+        # cp > 1: each rank of a cp group takes its tokens of every sequence (tensorpar/context.py)
+        self.context = ContextParallel.of(groups.cp, config.parallel.cp_mode)
         self._micro_losses: list[float] = []
         self._step_start: float | None = None
         self._disk_peak = 0
@@ -187,11 +191,13 @@ class Engine:
         kwargs = dict(param_groups=param_groups, dtype=dtype, accumulate_grads=self.accum > 1,
                       norm_weights=weights, outer_groups=(self.groups.tp, self.groups.pp), init_fn=init_fn)
         if mem.chunk_order == "trace":  # one forward on a dummy batch of token ids decides the packing order
-            dummy = torch.zeros(t.micro_batch_size, self.config.model.seq_len, dtype=torch.long)
+            tokens = self.config.model.seq_len // self.groups.cp.size  # this rank's tokens under cp
+            dummy = torch.zeros(t.micro_batch_size, tokens, dtype=torch.long)
             kwargs.update(order="trace", example_inputs=(dummy,))
         overlap = self._overlap_optimizer()
-        if self.groups.dp.size > 1:  # ZeRO-3 through chunks: each dp rank owns 1/dp of them (of its stage)
-            self.module = ShardedChunkedModel(model, self.manager, mem.chunk_size, group=self.groups.dp, **kwargs)
+        if self.groups.replicas.size > 1:  # ZeRO-3 through chunks: each dp (x cp) rank owns 1/dp of them
+            self.module = ShardedChunkedModel(model, self.manager, mem.chunk_size, group=self.groups.replicas,
+                                              **kwargs)
         else:
             self.module = ChunkedModel(model, self.manager, mem.chunk_size, report_grads=overlap, **kwargs)
         self.optimizer = ChunkAdam(self.module, groups=adam, overlap=overlap)
@@ -203,8 +209,9 @@ class Engine:
 
         mem = self.config.memory
         why = None
-        if self.groups.dp.size > 1:
-            why = f"dp = {self.groups.dp.size} shards the chunks (ZeRO-3), and sharded gradients reach their owners late"
+        if self.groups.replicas.size > 1:
+            why = (f"dp = {self.groups.replicas.size} shards the chunks (ZeRO-3), and sharded gradients reach their "
+                   "owners late")
         elif mem.cpu_budget is not None or mem.offload == "disk":
             why = "chunks move between RAM and disk (memory.cpu_budget or offload = \"disk\")"
         elif self.pipeline is not None and self.pipeline.executor.tied_params:
@@ -240,11 +247,18 @@ class Engine:
                 self.manager.begin_step()
                 self._stepping = True
         faults.crash_point("forward", step=self.global_step + 1)
-        batch = to_device(batch, self.device)
+        batch = self.tokens_of_this_rank(to_device(batch, self.device))
         with autocast(self.config.precision, self.device.type):
             return loss_of(self.module, batch, self.loss_fn)
 
     __call__ = forward
+
+    def tokens_of_this_rank(self, batch: object) -> object:
+        """With context parallelism, this rank's tokens of a batch of whole sequences (inputs and targets
+        alike, along the sequence); else the batch as it is."""
+        if self.context is None or not isinstance(batch, (tuple, list)):
+            return batch
+        return type(batch)(self.context.shard(t) if isinstance(t, torch.Tensor) else t for t in batch)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""
@@ -288,9 +302,10 @@ class Engine:
         return info
 
     def _global_loss(self) -> float:
-        """Mean over micro-batches and dp ranks: equal-sized micro-batches make it the global mean."""
+        """Mean over micro-batches and dp (x cp) ranks: equal-sized micro-batches (and sequence shards) make it
+        the global mean."""
         local = torch.tensor([sum(self._micro_losses) / len(self._micro_losses)], dtype=torch.float64)
-        comm.all_reduce(local, op="avg", group=self.groups.dp)
+        comm.all_reduce(local, op="avg", group=self.groups.replicas)
         return float(local.item())
 
     def _flat_step(self, info: StepInfo) -> None:
@@ -367,7 +382,7 @@ class Engine:
         assert self.pipeline is not None
         self._step_start = time.perf_counter()
         # Every stage reads alike; the first uses the inputs, the last the targets.
-        batches = [to_device(next(data_iter), self.device) for _ in range(self.accum)]
+        batches = [self.tokens_of_this_rank(to_device(next(data_iter), self.device)) for _ in range(self.accum)]
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.chunked:
             # The executor calls this stage's modules itself, so the chunk hooks fetch parameters;
@@ -391,12 +406,13 @@ class Engine:
         """Mean loss over `batches` (this rank's share), averaged over dp: the validation loss."""
         self.module.eval()
         if self.pipeline is not None:
-            losses = [self.pipeline.eval_loss(to_device(batch, self.device)) for batch in batches]
+            losses = [self.pipeline.eval_loss(self.tokens_of_this_rank(to_device(batch, self.device)))
+                      for batch in batches]
         else:
             losses = [float(self(batch)) for batch in batches]
         self.module.train()
         local = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64)
-        comm.all_reduce(local, op="avg", group=self.groups.dp)
+        comm.all_reduce(local, op="avg", group=self.groups.replicas)
         return float(local.item())
 
     # ---- reporting ----------------------------------------------------------------------------------

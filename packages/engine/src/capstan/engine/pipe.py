@@ -175,8 +175,11 @@ class PipelineStage:
 
             m = cfg.model
             gpt = reference_gpt_config(cfg)
+            from capstan.tensorpar.context import ContextParallel
+
             factories = gpt_layer_factories(gpt, groups.tp, seed=cfg.train.seed,
-                                            sequence_parallel=p.sequence_parallel)
+                                            sequence_parallel=p.sequence_parallel,
+                                            cp=ContextParallel.of(groups.cp, p.cp_mode))
             names = ["embedding", *(f"block{i}" for i in range(m.n_layers)), "final_norm", "head"]
             specs = [LayerSpec(f, name) for f, name in zip(factories, names, strict=True)]
             self.plan = Partition(tuple(specs), balanced_bounds(cfg, groups.pp.size * v, groups.world), p.partition)

@@ -142,5 +142,6 @@ def _layout(cfg: Config, groups: comm.Groups, device: torch.device) -> str:
     p, mem = cfg.parallel, cfg.memory
     where = f"offload {mem.offload}" if mem.offload != "none" else f"ZeRO stage {p.zero_stage}"
     on = f", on {device}" if device.type != "cpu" else ""
-    return (f"world {groups.world.size} = dp {groups.dp.size} x tp {groups.tp.size} x pp {groups.pp.size}, "
+    cp = f" x cp {groups.cp.size} ({cfg.parallel.cp_mode})" if groups.cp.size > 1 else ""
+    return (f"world {groups.world.size} = dp {groups.dp.size} x tp {groups.tp.size} x pp {groups.pp.size}{cp}, "
             f"{where}, {cfg.precision.dtype}{on}")

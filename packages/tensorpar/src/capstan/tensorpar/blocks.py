@@ -21,6 +21,7 @@ from torch import nn
 
 from capstan.comm import Group
 
+from .context import ContextParallel
 from .layers import DEFAULT_STD, ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear
 from .partition import divide
 from .rng import TensorParallelRNG, dropout
@@ -40,14 +41,23 @@ class ParallelSelfAttention(nn.Module):
 
     Attention-probability dropout draws from the per-rank stream of `rng`:
     each rank holds different heads, so their masks must differ.
+
+    With `cp` (a context-parallel group of more than one rank) the input holds this rank's tokens of
+    the sequence and attention crosses the group (context.py: Ulysses all-to-all or a ring of key/value
+    blocks); attention dropout is not available then.
     """
 
     def __init__(
         self, d_model: int, n_heads: int, group: Group, rng: TensorParallelRNG, *, dropout: float = 0.0,
         sequence_parallel: bool = False, seed: int = 0, proj_std: float = DEFAULT_STD,
+        cp: ContextParallel | None = None,
     ) -> None:
         super().__init__()
         self.local_heads = check_attention_sizes(d_model, n_heads, group.size)
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        if self.cp is not None and dropout > 0.0:
+            raise ValueError(f"attention dropout ({dropout}) with context parallelism (cp = {cp.size}) is not "
+                             "available: set dropout = 0")
         self.head_dim = d_model // n_heads
         self.group, self.rng, self.dropout = group, rng, dropout
         # q, k, v stacked along the output dim; fused=3 keeps each rank's heads whole.
@@ -61,7 +71,9 @@ class ParallelSelfAttention(nn.Module):
         qkv = self.qkv(x)  # [b, s, 3 * local_heads * head_dim]
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [b, h, s, hd]
-        if self.training and self.dropout > 0.0:
+        if self.cp is not None:
+            y = self.cp.attention(q, k, v)  # [b, h, s, hd]: this rank's queries over the whole sequence
+        elif self.training and self.dropout > 0.0:
             # Explicit attention so the probability mask comes from this rank's own stream
             # (SDPA's internal dropout only draws from the global RNG).
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # [b, h, s, s]
@@ -103,6 +115,7 @@ class ParallelBlock(nn.Module):
     def __init__(
         self, d_model: int, n_heads: int, group: Group, rng: TensorParallelRNG, *, ffn_mult: int = 4,
         dropout: float = 0.0, sequence_parallel: bool = False, seed: int = 0, n_layers: int = 1,
+        cp: ContextParallel | None = None,
     ) -> None:
         super().__init__()
         # GPT-2 scales the init of the residual projections by 1/sqrt(2 * n_layers).
@@ -111,7 +124,7 @@ class ParallelBlock(nn.Module):
         self.group, self.rng, self.dropout, self.sequence_parallel = group, rng, dropout, sp
         self.ln1 = ParallelLayerNorm(d_model, group, sequence_parallel=sp)
         self.attn = ParallelSelfAttention(d_model, n_heads, group, rng, dropout=dropout, sequence_parallel=sp,
-                                          seed=seed, proj_std=proj_std)
+                                          seed=seed, proj_std=proj_std, cp=cp)
         self.ln2 = ParallelLayerNorm(d_model, group, sequence_parallel=sp)
         self.mlp = ParallelMLP(d_model, ffn_mult * d_model, group, sequence_parallel=sp, seed=seed + 2,
                                proj_std=proj_std)

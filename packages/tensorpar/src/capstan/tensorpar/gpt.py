@@ -31,6 +31,7 @@ from torch import nn
 from capstan.comm import Group
 
 from .blocks import ParallelBlock, check_attention_sizes
+from .context import ContextParallel
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, ParallelLayerNorm, VocabParallelEmbedding
 from .mappings import copy_to_tensor_parallel_region
@@ -74,9 +75,10 @@ class GPTEmbedding(nn.Module):
     """Token ids [b, s] -> hidden [b, s, d] (or this rank's tokens [b, s/tp, d] with sequence parallelism)."""
 
     def __init__(self, config: GPTConfig, group: Group, rng: TensorParallelRNG, *, sequence_parallel: bool,
-                 seed: int) -> None:
+                 seed: int, cp: ContextParallel | None = None) -> None:
         super().__init__()
         self.group, self.rng, self.dropout, self.sequence_parallel = group, rng, config.dropout, sequence_parallel
+        self.cp = cp if cp is not None and cp.size > 1 else None  # ids are this rank's tokens (context.py)
         self.seq_len = config.seq_len
         self.wte = VocabParallelEmbedding(config.vocab_size, config.d_model, group,
                                           sequence_parallel=sequence_parallel, seed=seed)
@@ -84,18 +86,21 @@ class GPTEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         s = ids.shape[1]
-        if s > self.seq_len:
-            raise ValueError(f"sequence of {s} tokens exceeds GPTConfig.seq_len={self.seq_len}")
+        whole = s * (self.cp.size if self.cp is not None else 1)
+        if whole > self.seq_len:
+            raise ValueError(f"sequence of {whole} tokens exceeds GPTConfig.seq_len={self.seq_len}")
         x = self.wte(ids)  # [b, s, d], or [b, s/tp, d] reduce-scattered
+        # this rank's positions: 0..s-1, or with cp its tokens' places in the whole sequence
+        pos = self.cp.positions(s, x.device) if self.cp is not None else torch.arange(s, device=x.device)
         if self.sequence_parallel:
             local = divide(s, self.group, "sequence length (sequence parallelism)")
             start = self.group.rank * local
             # Each rank adds only its positions: the replicated table's gradient is partial, so `f`.
             wpe = copy_to_tensor_parallel_region(self.wpe, self.group)
-            x = x + wpe[start : start + local]
+            x = x + (wpe[start : start + local] if self.cp is None else wpe[pos[start : start + local]])
             gen = self.rng.tensor_parallel(x.device)
         else:
-            x = x + self.wpe[:s]
+            x = x + (self.wpe[:s] if self.cp is None else self.wpe[pos])
             gen = self.rng.replicated(x.device)
         return dropout(x, self.dropout, self.training, gen)
 
@@ -129,13 +134,15 @@ class GPT(nn.Module):
 
 
 def gpt_layer_factories(config: GPTConfig, tp_group: Group, seed: int, *, sequence_parallel: bool = False,
-                        rng: TensorParallelRNG | None = None) -> list[Callable[[], nn.Module]]:
+                        rng: TensorParallelRNG | None = None,
+                        cp: ContextParallel | None = None) -> list[Callable[[], nn.Module]]:
     """One zero-argument builder per layer of `model.layers` (n_layers + 3 of them), in order.
 
     Each builder gives its layer exactly the values it has in `build_gpt(config, tp_group, seed)`:
     every parameter draws from a seed derived from `seed` and the layer's index, never from the
     global generator, so a pipeline stage can build only its own layers (`build_gpt_layers`, or
-    these factories as `capstan.pipeline.LayerSpec`s) and still equal the whole model.
+    these factories as `capstan.pipeline.LayerSpec`s) and still equal the whole model. With `cp` the
+    layers take this rank's tokens of each sequence (context.py); their parameters are the same.
     """
     check_attention_sizes(config.d_model, config.n_heads, tp_group.size)
     divide(config.ffn_mult * config.d_model, tp_group, "FFN hidden size (ffn_mult * d_model)")
@@ -148,9 +155,9 @@ def gpt_layer_factories(config: GPTConfig, tp_group: Group, seed: int, *, sequen
     def block(i: int) -> Callable[[], nn.Module]:
         return lambda: ParallelBlock(config.d_model, config.n_heads, tp_group, rng, ffn_mult=config.ffn_mult,
                                      dropout=config.dropout, sequence_parallel=sp, seed=base + 4 * (i + 1),
-                                     n_layers=config.n_layers)
+                                     n_layers=config.n_layers, cp=cp)
 
-    return [lambda: GPTEmbedding(config, tp_group, rng, sequence_parallel=sp, seed=base),
+    return [lambda: GPTEmbedding(config, tp_group, rng, sequence_parallel=sp, seed=base, cp=cp),
             *(block(i) for i in range(config.n_layers)),
             lambda: GPTFinalNorm(config.d_model, tp_group, sequence_parallel=sp),
             lambda: GPTHead(config.d_model, config.vocab_size, tp_group, bias=False, pad_output=True,
@@ -158,9 +165,9 @@ def gpt_layer_factories(config: GPTConfig, tp_group: Group, seed: int, *, sequen
 
 
 def build_gpt_layers(config: GPTConfig, tp_group: Group, seed: int, start: int = 0, stop: int | None = None, *,
-                     sequence_parallel: bool = False) -> list[nn.Module]:
+                     sequence_parallel: bool = False, cp: ContextParallel | None = None) -> list[nn.Module]:
     """Layers ``start:stop`` of `build_gpt`'s ``model.layers``, with the same values, building no others."""
-    factories = gpt_layer_factories(config, tp_group, seed, sequence_parallel=sequence_parallel)
+    factories = gpt_layer_factories(config, tp_group, seed, sequence_parallel=sequence_parallel, cp=cp)
     return [make() for make in factories[start:stop]]
 
 
@@ -171,7 +178,8 @@ def gpt_loss(config: GPTConfig, tp_group: Group) -> Callable[[torch.Tensor, torc
     return loss
 
 
-def build_gpt(config: GPTConfig, tp_group: Group, seed: int, *, sequence_parallel: bool = False) -> GPT:
+def build_gpt(config: GPTConfig, tp_group: Group, seed: int, *, sequence_parallel: bool = False,
+              cp: ContextParallel | None = None) -> GPT:
     """The reference GPT sliced over `tp_group`; equal to the tp=1 model of the same seed, sliced.
 
     Each parameter draws from its own seed (derived from `seed` and its layer
@@ -179,5 +187,5 @@ def build_gpt(config: GPTConfig, tp_group: Group, seed: int, *, sequence_paralle
     seeded from `seed` too (see `TensorParallelRNG`).
     """
     rng = TensorParallelRNG(tp_group, seed)
-    factories = gpt_layer_factories(config, tp_group, seed, sequence_parallel=sequence_parallel, rng=rng)
+    factories = gpt_layer_factories(config, tp_group, seed, sequence_parallel=sequence_parallel, rng=rng, cp=cp)
     return GPT(config, [make() for make in factories], tp_group, rng, sequence_parallel)

@@ -169,7 +169,7 @@ class FlatView(StateView):
             lp.alias = _tied_alias(engine, lp.name)
             n = p.numel()
             lo, hi = max(pos, opt.lo), min(pos + n, opt.hi)
-            writes = (lp.tp_dim is not None or g.tp.rank == 0) and (opt.stage > 0 or g.dp.rank == 0)
+            writes = (lp.tp_dim is not None or g.tp.rank == 0) and (opt.stage > 0 or g.replicas.rank == 0)
             lp.own = (lo - pos, hi - pos) if writes and lo < hi else (0, 0)
             self.params.append(lp)
             self._offset[lp.name] = (pos, p)

@@ -57,7 +57,7 @@ def checkpoint_dir(engine: Engine, run_dir: Path) -> Path:
 
 def _layout(engine: Engine) -> dict[str, object]:
     cfg, g = engine.config, engine.groups
-    return {"world_size": g.world.size, "dp": g.dp.size, "tp": g.tp.size, "pp": g.pp.size,
+    return {"world_size": g.world.size, "dp": g.dp.size, "tp": g.tp.size, "pp": g.pp.size, "cp": g.cp.size,
             "zero_stage": cfg.parallel.zero_stage, "offload": cfg.memory.offload, "dtype": cfg.precision.dtype,
             "schedule": cfg.parallel.schedule, "virtual_stages": cfg.parallel.virtual_stages,
             "device": engine.device.type}
@@ -66,7 +66,7 @@ def _layout(engine: Engine) -> dict[str, object]:
 def _same_layout(saved: dict, engine: Engine) -> bool:
     """The saved layout is this run's (RNG states then continue exactly; a checkpoint written before
     the layout named its device was written on the CPU)."""
-    return {"device": "cpu", **saved} == _layout(engine)
+    return {"device": "cpu", "cp": 1, **saved} == _layout(engine)
 
 
 def _write_json(path: Path, obj: object) -> None:
@@ -170,7 +170,7 @@ def _write_shard(engine: Engine, directory: Path, rank: int) -> dict[str, object
         offset, nbytes, crc = where[piece["key"]]  # type: ignore[index]
         piece.update(file=file, offset=offset, nbytes=nbytes, crc32=crc)
     g = engine.groups
-    return {"rank": rank, "coord": {"dp": g.dp.rank, "pp": g.pp.rank, "tp": g.tp.rank}, "file": file,
+    return {"rank": rank, "coord": {"dp": g.dp.rank, "pp": g.pp.rank, "tp": g.tp.rank, "cp": g.cp.rank}, "file": file,
             "sha256": sha, "bytes": size, "pieces": pieces,
             "params": {lp.name: lp.describe() for lp in view.params},
             "rng": {k: list(where[k]) for k, _ in rng}, "optimizer_step": view.optimizer_step}

@@ -287,6 +287,8 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
                           f"parallel.tp = {p.tp} (each tp rank holds seq_len / tp tokens)")
     if p.pp > 1:
         _check_pipeline(cfg, sources, reference_model)
+    if p.cp > 1:
+        _check_context(cfg, sources, reference_model)
     if p.virtual_stages > 1 and p.schedule != "interleaved":
         raise ConfigError(f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = "
                           f"\"interleaved\", got {p.schedule!r}")
@@ -379,21 +381,42 @@ def check_states_fit(cpu_budget: int, params: int) -> None:
 
 
 def check_world(cfg: Config, world_size: int, world_source: str, sources: Sources) -> int:
-    """dp * tp * pp against the world size (before any process group); returns the data-parallel degree."""
+    """dp * tp * pp (* cp) against the world size (before any process group); returns the data-parallel degree."""
     p = cfg.parallel
+    axes = ("tp", "pp", "cp") if p.cp > 1 else ("tp", "pp")
+    product = p.tp * p.pp * p.cp
+    named = " * ".join(f"parallel.{a}" for a in axes)
+    sizes = " * ".join(str(getattr(p, a)) for a in axes)
+    where = ", ".join(f"{a} from {_src(sources, 'parallel.' + a)}" for a in axes)
     if p.dp == 0:
-        if world_size % (p.tp * p.pp):
-            raise ConfigError(f"{world_source} is not divisible by parallel.tp * parallel.pp = {p.tp} * {p.pp} "
-                              f"(tp from {_src(sources, 'parallel.tp')}, pp from {_src(sources, 'parallel.pp')})")
-        dp = world_size // (p.tp * p.pp)
+        if world_size % product:
+            raise ConfigError(f"{world_source} is not divisible by {named} = {sizes} ({where})")
+        dp = world_size // product
     else:
         dp = p.dp
-        if dp * p.tp * p.pp != world_size:
+        if dp * product != world_size:
             raise ConfigError(
-                f"parallel.dp * tp * pp = {dp} * {p.tp} * {p.pp} = {dp * p.tp * p.pp} (dp from "
-                f"{_src(sources, 'parallel.dp')}, tp from {_src(sources, 'parallel.tp')}, pp from "
-                f"{_src(sources, 'parallel.pp')}) but {world_source}")
+                f"parallel.dp * {' * '.join(axes)} = {dp} * {sizes} = {dp * product} (dp from "
+                f"{_src(sources, 'parallel.dp')}, {where}) but {world_source}")
     return dp
+
+
+def _check_context(cfg: Config, sources: Sources, reference_model: bool) -> None:
+    """parallel.cp > 1: the reference GPT, no dropout, a sequence (and heads) that split (tensorpar.context)."""
+    from capstan.tensorpar.context import check_context_sizes
+
+    m, p = cfg.model, cfg.parallel
+    if not reference_model:
+        raise ConfigError(f"parallel.cp = {p.cp}: context parallelism splits the reference GPT's attention; a model of "
+                          "your own (or model.hf) runs at cp = 1")
+    if m.dropout > 0:
+        raise ConfigError(f"parallel.cp = {p.cp} needs model.dropout = 0 (got {m.dropout}): attention dropout is not "
+                          "available across a split sequence")
+    try:
+        check_context_sizes(m.seq_len, m.n_heads // p.tp, p.cp, p.cp_mode)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.cp = {p.cp} (cp_mode = {p.cp_mode!r}, cp from {_src(sources, 'parallel.cp')}): "
+                          f"{exc}") from None
 
 
 def _toml_value(value: Any) -> str:

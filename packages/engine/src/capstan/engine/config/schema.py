@@ -113,14 +113,18 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """The dp x pp x tp layout; dp * pp * tp must equal the number of processes."""
+    """The dp x pp x cp x tp layout; dp * pp * cp * tp must equal the number of processes."""
 
     dp: int = constraint(0, ge=0)
-    """Data-parallel replicas; 0 means world size / (tp * pp)."""
+    """Data-parallel replicas; 0 means world size / (tp * pp * cp)."""
     tp: int = constraint(1, ge=1)
     """Tensor-parallel ranks per replica (Megatron-style slicing of every layer)."""
     pp: int = constraint(1, ge=1)
     """Pipeline stages: the reference GPT's layers are partitioned by parameter count and each rank builds only its stage; the grad_accum_steps micro-batches are the pipeline's microbatches. Works with every zero_stage and offload: each stage's chunks have their own chunk manager (docs/parallelism.md)."""
+    cp: int = constraint(1, ge=1)
+    """Context-parallel ranks per replica: every sequence is split over them, each computing its tokens, with attention across the split (cp_mode; capstan.tensorpar.context). Gradients are reduced, and ZeRO states sharded, over dp x cp. The reference GPT only; model.dropout must be 0 (docs/parallelism.md, "Long sequences")."""
+    cp_mode: str = constraint("ulysses", choices=("ulysses", "ring"))
+    """How attention crosses the cp ranks: "ulysses" (all-to-all from sequence-split to head-split and back: attention heads per tp rank must divide by cp, seq_len by cp) or "ring" (key/value blocks passed around the ring, online softmax, each rank holding two mirrored chunks so causal work is even: seq_len must divide by 2 x cp). docs/benchmarks.md compares the two."""
     zero_stage: int = constraint(0, ge=0, le=3)
     """0: all-reduce gradients; 1: shard optimizer state over dp; 2: also reduce-scatter gradients; 3: parameters, gradients and Adam moments in chunks sharded over dp (capstan.chunkmem; with any tp and pp)."""
     bucket_mb: float = constraint(25.0, ge=0)
@@ -229,7 +233,7 @@ class Config:
     def dp_for(self, world_size: int) -> int:
         """The data-parallel degree on `world_size` processes (resolving dp = 0)."""
         p = self.parallel
-        return p.dp if p.dp else max(1, world_size // (p.tp * p.pp))
+        return p.dp if p.dp else max(1, world_size // (p.tp * p.pp * p.cp))
 
     def derived(self, world_size: int) -> dict[str, int]:
         """Values that follow from the config: global batch = micro x accum x dp, tokens per step."""

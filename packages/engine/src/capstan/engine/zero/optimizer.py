@@ -94,7 +94,8 @@ class Segment:
 
 
 class ZeroOptimizer:
-    """AdamW over a flat buffer with ZeRO stage 0, 1 or 2 over `groups.dp` (see the module docstring)."""
+    """AdamW over a flat buffer with ZeRO stage 0, 1 or 2 over `groups.replicas` (the dp group, or dp x cp
+    with context parallelism: every rank holding the same parameters; see the module docstring)."""
 
     def __init__(self, model: nn.Module, groups: comm.Groups, stage: int, train: TrainConfig,
                  bucket_bytes: int = 0, zero2_collective: str = "all_reduce", gather_bytes: int = 0,
@@ -118,7 +119,7 @@ class ZeroOptimizer:
         order = sorted(range(len(params)), key=lambda i: key[i])
         self.params = [params[i] for i in order]
         numel = sum(p.numel() for p in self.params)
-        dp = groups.dp.size
+        dp = groups.replicas.size
         self.numel = numel
         self.padded = -(-numel // dp) * dp
         dev = self.device = params[0].device if params else torch.device("cpu")  # where the model is (a GPU)
@@ -144,8 +145,8 @@ class ZeroOptimizer:
         for p, g in zip(self.params, self._grad_views):
             p.grad = g
         # Replicas must start equal: a user module may have been initialized differently per rank.
-        comm.broadcast(self.flat_param, src=0, group=groups.dp)
-        self.lo, self.hi = (0, self.padded) if stage == 0 else comm.shard_bounds(self.padded, dp, groups.dp.rank)
+        comm.broadcast(self.flat_param, src=0, group=groups.replicas)
+        self.lo, self.hi = (0, self.padded) if stage == 0 else comm.shard_bounds(self.padded, dp, groups.replicas.rank)
         self.exp_avg = torch.zeros(self.hi - self.lo, device=dev)
         self.exp_avg_sq = torch.zeros(self.hi - self.lo, device=dev)
         self.step_count = 0
@@ -164,13 +165,13 @@ class ZeroOptimizer:
             elems = max(1, bucket_bytes // 4)
             plan = (plan_reduce_scatter(offsets, sizes, self.padded, dp, elems)
                     if stage == 2 and zero2_collective == "reduce_scatter" else plan_all_reduce(offsets, sizes, elems))
-            self.overlap = OverlappedBuckets(self.params, self._grad_views, self.flat_grad, plan, groups.dp,
+            self.overlap = OverlappedBuckets(self.params, self._grad_views, self.flat_grad, plan, groups.replicas,
                                              self.shard_grad, (self.lo, self.hi), max(1, pipeline_microbatches),
                                              frozenset(i for i, q in enumerate(self.params) if id(q) in late_ids))
             self._arm()
         self.prefetch: ParamPrefetch | None = None
         if gather_bytes > 0 and dp > 1 and stage > 0:
-            self.prefetch = ParamPrefetch(model, self.params, _offsets(self.params), self.flat_param, groups.dp,
+            self.prefetch = ParamPrefetch(model, self.params, _offsets(self.params), self.flat_param, groups.replicas,
                                           max(1, gather_bytes // 4))
 
     def _arm(self) -> None:
@@ -200,7 +201,7 @@ class ZeroOptimizer:
                 return
         if self.stage == 2:
             part = torch.empty(self.hi - self.lo, device=self.device)
-            comm.reduce_scatter(part, self.flat_grad, op="avg", group=self.groups.dp, overwrite_input=True)  # cleared next
+            comm.reduce_scatter(part, self.flat_grad, op="avg", group=self.groups.replicas, overwrite_input=True)  # cleared next
             self.shard_grad.add_(part)  # type: ignore[union-attr]
             self.flat_grad.zero_()
 
@@ -212,9 +213,9 @@ class ZeroOptimizer:
             if self.stage == 2 or micro == self.passes:
                 return  # the buckets already ran during the last backward (after_backward waited)
         if self.stage == 0:
-            comm.all_reduce_coalesced(self._grad_views, op="avg", group=self.groups.dp)
+            comm.all_reduce_coalesced(self._grad_views, op="avg", group=self.groups.replicas)
         elif self.stage == 1:
-            comm.all_reduce(self.flat_grad, op="avg", group=self.groups.dp)
+            comm.all_reduce(self.flat_grad, op="avg", group=self.groups.replicas)
 
     def _shard_grad(self) -> torch.Tensor:
         return self.shard_grad if self.shard_grad is not None else self.flat_grad[self.lo : self.hi]
@@ -238,7 +239,7 @@ class ZeroOptimizer:
                 local += kernels.sumsq(g[a - self.lo : b - self.lo])
         total = torch.tensor([local], dtype=torch.float64)
         if self.stage > 0:
-            comm.all_reduce(total, group=self.groups.dp)
+            comm.all_reduce(total, group=self.groups.replicas)
         comm.all_reduce(total, group=self.groups.tp)
         comm.all_reduce(total, group=self.groups.pp)  # pipeline stages hold disjoint parameters
         return math.sqrt(float(total.item()))
@@ -246,7 +247,7 @@ class ZeroOptimizer:
     def has_overflow(self) -> bool:
         """True if any rank's gradients hold inf/NaN (all ranks then skip the step together)."""
         flag = torch.tensor([1.0 if kernels.has_nonfinite(self._shard_grad()) else 0.0])
-        comm.all_reduce(flag, op="max", group=self.groups.dp)
+        comm.all_reduce(flag, op="max", group=self.groups.replicas)
         comm.all_reduce(flag, op="max", group=self.groups.tp)
         comm.all_reduce(flag, op="max", group=self.groups.pp)
         return bool(flag.item())
@@ -285,7 +286,7 @@ class ZeroOptimizer:
             self.prefetch.start()  # waited for by the next forward's pre-hooks (gather.py)
         elif self.stage > 0:
             shard = self.flat_param[self.lo : self.hi].clone()  # the collective must not alias its output
-            comm.all_gather(self.flat_param, shard, group=self.groups.dp)
+            comm.all_gather(self.flat_param, shard, group=self.groups.replicas)
 
     def wait_params(self) -> None:
         """Finish the overlapped parameter all-gather: every rank's parameters are current afterwards."""
