@@ -5,7 +5,9 @@ same global batch (the architecture's invariant 1): the same sequences, each spl
 ranks. Layouts, as (dp, tp, pp, cp): on 2 ranks cp 2 in both modes, cp 2 with ZeRO 1 (the flat
 buffer sharded over the dp x cp replicas) and cp 2 with ZeRO-3 chunks streamed through a disk tier;
 on 4 ranks cp 4 in both modes, tp 2 x cp 2 with sequence parallelism, pp 2 x cp 2, and dp 2 x cp 2
-(the data split by dp only, each sequence by cp). A checkpoint saved at cp = 4 loads at cp = 1 (one
+(the data split by dp only, each sequence by cp); with the memory levers for long sequences, cp 2 and
+pp 2 x cp 2 with recomputed blocks whose inputs are offloaded to disk (the tiled loss is on by default in
+every layout). A checkpoint saved at cp = 4 loads at cp = 1 (one
 process) and continues the trajectory. Bad layouts are one line each (test_config_errors.py style).
 """
 
@@ -47,11 +49,18 @@ def _disk() -> dict:
             "disk_dir": tempfile.mkdtemp(prefix="capstan-cp-")}
 
 
+def _offload() -> dict:
+    """Recomputed blocks whose inputs wait on disk for their recompute (memory.activation_offload)."""
+    return {"activation_checkpointing": True, "activation_offload": True,
+            "disk_dir": tempfile.mkdtemp(prefix="capstan-cp-act-")}
+
+
 TWO = {
     "cp2-ulysses": _cfg(parallel={"cp": 2, "cp_mode": "ulysses"}),
     "cp2-ring": _cfg(parallel={"cp": 2, "cp_mode": "ring"}),
     "cp2-zero1": _cfg(parallel={"cp": 2, "zero_stage": 1}),
     "cp2-ring-zero3-disk": _cfg(parallel={"cp": 2, "cp_mode": "ring", "zero_stage": 3}, memory=_disk()),
+    "cp2-ring-offload": _cfg(parallel={"cp": 2, "cp_mode": "ring"}, memory=_offload()),
 }
 FOUR = {
     "cp4-ulysses": _cfg(parallel={"cp": 4, "cp_mode": "ulysses"}),
@@ -59,8 +68,9 @@ FOUR = {
     "tp2-cp2-sp": _cfg(parallel={"tp": 2, "cp": 2, "cp_mode": "ring", "sequence_parallel": True}),
     "pp2-cp2": _cfg(2, parallel={"pp": 2, "cp": 2, "cp_mode": "ulysses"}),
     "dp2-cp2": _cfg(parallel={"dp": 2, "cp": 2, "cp_mode": "ring"}),
+    "pp2-cp2-offload": _cfg(2, parallel={"pp": 2, "cp": 2, "cp_mode": "ring"}, memory=_offload()),
 }
-REFERENCE = {"dp2-cp2": _cfg(2), "pp2-cp2": _cfg(2)}  # the same global batch in one process
+REFERENCE = {"dp2-cp2": _cfg(2), "pp2-cp2": _cfg(2), "pp2-cp2-offload": _cfg(2)}  # the same global batch in one process
 
 
 def _layouts(which: str, save: str) -> dict:

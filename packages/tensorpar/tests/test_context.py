@@ -4,7 +4,7 @@ One spawned job per cp size (2 and 4 ranks) runs every check; tests read its tab
 with the whole sequence in one process: attention's output and its q, k, v gradients (random data),
 the reference GPT's loss and every parameter's gradient (averaged over the cp ranks, as the engine's
 dp x cp reduction does), and 20 AdamW steps. Both modes, and at 4 ranks tp 2 x cp 2 with and without
-sequence parallelism. Tolerances as test_gpt.py: 1e-6 norm-wise for one pass (the online softmax
+sequence parallelism, and with the tiled loss and MLP (tiled_loss.py) under cp and tp 2 x cp 2 + sp. Tolerances as test_gpt.py: 1e-6 norm-wise for one pass (the online softmax
 and the split matmuls reorder fp32 sums), 1e-5 on the loss over 20 steps.
 """
 
@@ -64,12 +64,14 @@ def _attention(errs: dict, cp_group: Group, mode: str) -> None:
         errs[f"{mode}/attn/d{name}"] = rel_err(got.grad, cp.shard(want.grad, 2))
 
 
-def _gpt(errs: dict, tp: Group, cp_group: Group, mode: str, tag: str, sp: bool = False) -> None:
+def _gpt(errs: dict, tp: Group, cp_group: Group, mode: str, tag: str, sp: bool = False, tiled: bool = False) -> None:
     from capstan import comm
     from capstan import tensorpar as T
+    from capstan.tensorpar.gpt import loss_targets
     from capstan.tensorpar.testing import grad_errors, rel_err
 
     cfg = T.GPTConfig(vocab_size=52, seq_len=16, d_model=32, n_heads=4, n_layers=2, dropout=0.0)
+    tiles = T.GPTConfig(**{**cfg.__dict__, "loss_tile": 3, "mlp_tile": 2}) if tiled else cfg
     one = comm.single_process_groups().tp
     cp = ContextParallel(cp_group, mode)
     g = torch.Generator().manual_seed(3)
@@ -78,8 +80,10 @@ def _gpt(errs: dict, tp: Group, cp_group: Group, mode: str, tag: str, sp: bool =
     full = T.build_gpt(cfg, one, seed=3)
     ref_loss = full.loss(full(ids), tgt)
     ref_loss.backward()
-    model = T.build_gpt(cfg, tp, seed=3, sequence_parallel=sp, cp=cp)
-    loss = model.loss(model(cp.shard(ids)), cp.shard(tgt))
+    model = T.build_gpt(tiles, tp, seed=3, sequence_parallel=sp, cp=cp)
+    with loss_targets(cp.shard(tgt) if tiled else None):
+        out = model(cp.shard(ids))
+    loss = model.loss(out, cp.shard(tgt))
     loss.backward()
     mean = loss.detach().clone()
     comm.all_reduce(mean, "avg", group=cp_group)
@@ -131,12 +135,14 @@ def _checks() -> dict:
     for mode in ("ulysses", "ring"):
         _attention(errs, cp_only.cp, mode)
         _gpt(errs, cp_only.tp, cp_only.cp, mode, f"{mode}/gpt")
+        _gpt(errs, cp_only.tp, cp_only.cp, mode, f"{mode}/tiled", tiled=True)  # tiled loss and MLP too
         _train(errs, cp_only.cp, mode)
     if n == 4:  # tp 2 x cp 2 (ranks 0,1 one tp group), with and without sequence parallelism
         both = comm.build_groups(comm.Topology(tp=2, cp=2))
         for mode in ("ulysses", "ring"):
             _gpt(errs, both.tp, both.cp, mode, f"{mode}/tp2cp2")
             _gpt(errs, both.tp, both.cp, mode, f"{mode}/tp2cp2sp", sp=True)
+            _gpt(errs, both.tp, both.cp, mode, f"{mode}/tp2cp2tiled", sp=True, tiled=True)
     return errs
 
 
@@ -170,7 +176,12 @@ def test_gpt_loss_and_every_gradient_equal_one_process(results, mode: str) -> No
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
 def test_tp_and_cp_together_equal_one_process(results, mode: str) -> None:
     """tp 2 x cp 2 runs in the 4-rank job (the 2-rank job has no room for it)."""
-    assert _assert_small(results, f"{mode}/tp2cp2", TOL) == (2 * 30 * 4 if results[0] == 4 else 0)
+    assert _assert_small(results, f"{mode}/tp2cp2", TOL) == (3 * 30 * 4 if results[0] == 4 else 0)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_tiled_loss_and_mlp_under_cp_equal_one_process(results, mode: str) -> None:
+    assert _assert_small(results, f"{mode}/tiled/", TOL) == 30 * results[0]
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])

@@ -31,6 +31,7 @@ optimizer's chunks stay in RAM and on disk. Tested with a CPU stand-in
 device; never run on a GPU (see docs/chunkmem.md).
 """
 
+from .activations import ActivationOffload
 from .chunk import Chunk, TensorSlot
 from .disk import DiskStore, DiskTierError
 from .eviction import LRU, Belady, EvictionPolicy, make_policy
@@ -45,7 +46,7 @@ from .states import ChunkKind, ChunkState, StateError, TensorState
 from .tiers import Tier
 
 __all__ = [
-    "AdamGroup", "Belady", "BudgetError", "Chunk", "ChunkAdam", "ChunkKind", "ChunkManager", "ChunkState",
+    "ActivationOffload", "AdamGroup", "Belady", "BudgetError", "Chunk", "ChunkAdam", "ChunkKind", "ChunkManager", "ChunkState",
     "ChunkedModel", "DiskStore", "DynamicLossScaler", "DiskTierError", "EvictionPolicy", "LRU", "LayoutError",
     "LossScaleError", "ModuleSpec",
     "ParamSpec", "ShardedChunkedModel", "StateError", "TensorSlot", "TensorState", "Tier", "make_policy", "plan_layout",

@@ -213,15 +213,28 @@ def slice_for_tp(model: nn.Module, groups: comm.Groups) -> nn.Module:
     return parallelize(model, plan, groups.tp)
 
 
-def recompute_blocks(layers: Iterable[nn.Module]) -> int:
+def recompute_blocks(layers: Iterable[nn.Module], keeper: object | None = None) -> int:
     """memory.activation_checkpointing: recompute every transformer block among `layers` (tensorpar's
-    ParallelBlock, whose dropout masks `recompute` replays); returns how many."""
+    ParallelBlock, whose dropout masks `recompute` replays), their inputs kept by `keeper` (an
+    ActivationOffload: offloaded, or counted for the memory report); returns how many."""
     from capstan.tensorpar import ParallelBlock, recompute
 
     blocks = [layer for layer in layers if isinstance(layer, ParallelBlock)]
     for block in blocks:
-        recompute(block)
+        recompute(block, keeper=keeper)  # type: ignore[arg-type]
     return len(blocks)
+
+
+def activation_keeper(cfg: Config, rank: int, device: torch.device) -> object:
+    """Where recomputed blocks' inputs wait for backward: memory.activation_offload moves them (pinned RAM
+    from a GPU, the disk on the CPU); otherwise they stay and are counted for the memory report."""
+    from capstan.chunkmem import ActivationOffload
+
+    if not cfg.memory.activation_offload:
+        return ActivationOffload.counting()
+    if device.type == "cuda":
+        return ActivationOffload.to_host(device)
+    return ActivationOffload.to_disk(Path(cfg.memory.disk_dir) / "activations", rank)
 
 
 def resolve_device(cfg: Config, local_rank: int | None = None) -> torch.device:
@@ -339,6 +352,7 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
             stage = PipelineStage(cfg, groups, user_layer_specs(model), loss_fn, device=device, sliced=sliced)
         engine = Engine(config=cfg, model=stage.module, groups=groups, loss_fn=stage.executor.loss_fn,
                         pipeline=stage, reference_model=model is None, init_fn=stage.init_fn, device=device)
+        engine.activations = stage.activations
         engine.hf_source = hf_source(model)
         return engine
     if cfg.parallel.sequence_parallel and model is not None:
@@ -348,14 +362,15 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
         raise ValueError("memory.activation_checkpointing recomputes the reference GPT's blocks (or a pipeline's "
                          "stage chunks); for a module of your own at pp = 1 wrap its blocks with "
                          "capstan.tensorpar.recompute(block) and leave the option off")
-    init_fn = None
+    init_fn, keeper = None, None
     if model is None:
         if uses_chunks(cfg):
             module, init_fn = build_reference_on_meta(cfg, groups)
         else:
             module = build_reference_model(cfg, groups)
         if cfg.memory.activation_checkpointing:
-            recompute_blocks(module.layers)
+            keeper = activation_keeper(cfg, groups.world.rank, device)
+            recompute_blocks(module.layers, keeper)
     elif isinstance(model, (list, tuple)):  # LayerSpecs, as for pp > 1: built here as one nn.Sequential
         from capstan.pipeline import build_layers, tie_layers
 
@@ -390,5 +405,6 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
         hf_buffers(module)
     engine = Engine(config=cfg, model=module, groups=groups, loss_fn=loss_fn or _default_loss(module),
                     reference_model=model is None, init_fn=init_fn, device=device)
+    engine.activations = keeper
     engine.hf_source = hf_source(module)
     return engine

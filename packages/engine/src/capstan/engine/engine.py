@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +109,9 @@ class Engine:
         self.config, self.groups, self.loss_fn = config, groups, loss_fn
         self.reference_model = reference_model
         self.hf_source: dict | None = None  # a transformers model's config and class (build.hf_source)
+        # recomputed blocks' inputs: offloaded or counted (chunkmem.ActivationOffload; build.activation_keeper)
+        self.activations: object | None = None
+        self._heads: list[nn.Module] | None = None  # the reference GPT's head on this rank (its logits' bytes)
         # Where forward and backward run (build.resolve_device); chunks move there when they compute.
         self.device = device or torch.device("cpu")
         self.pipeline = pipeline  # with pp > 1: this rank's stage; `model` is then its chunks
@@ -248,10 +252,18 @@ class Engine:
                 self._stepping = True
         faults.crash_point("forward", step=self.global_step + 1)
         batch = self.tokens_of_this_rank(to_device(batch, self.device))
-        with autocast(self.config.precision, self.device.type):
+        with autocast(self.config.precision, self.device.type), self._targets_of(batch):
             return loss_of(self.module, batch, self.loss_fn)
 
     __call__ = forward
+
+    def _targets_of(self, batch: object) -> AbstractContextManager[None]:
+        """The reference GPT's head computes its loss in tiles when it knows the targets (memory.tiled_loss;
+        tensorpar.gpt.loss_targets); any other model runs as it is."""
+        if not (self.reference_model and isinstance(batch, (tuple, list)) and len(batch) == 2):
+            return nullcontext()
+        from capstan.tensorpar.gpt import loss_targets
+        return loss_targets(batch[1])
 
     def tokens_of_this_rank(self, batch: object) -> object:
         """With context parallelism, this rank's tokens of a batch of whole sequences (inputs and targets
@@ -417,7 +429,28 @@ class Engine:
 
     # ---- reporting ----------------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, float]:
-        """`mem.<tier>.peak_bytes` and `mem.moved_bytes` (from chunkmem when chunked)."""
+        """`mem.<tier>.peak_bytes` and `mem.moved_bytes` (from chunkmem when chunked), and the activations
+        kept for backward by kind (`_activation_stats`)."""
+        return {**self._model_state_stats(), **self._activation_stats()}
+
+    def _activation_stats(self) -> dict[str, float]:
+        """`mem.act.*`: the largest this step's recomputed-block inputs held in memory and offloaded at any
+        moment, the bytes offloaded so far, and the head's logits (per tile where the loss is tiled)."""
+        out: dict[str, float] = {}
+        if self.activations is not None:
+            s = self.activations.stats()  # type: ignore[attr-defined]
+            self.activations.reset_peak()  # type: ignore[attr-defined]
+            out.update({"mem.act.block_inputs_peak_bytes": s["held_peak_bytes"],
+                        "mem.act.offloaded_peak_bytes": s["offloaded_peak_bytes"],
+                        "mem.act.offloaded_total_bytes": s["moved_bytes"]})
+        if self._heads is None:
+            from capstan.tensorpar.gpt import GPTHead
+            self._heads = [m for m in self.module.modules() if isinstance(m, GPTHead)] if self.reference_model else []
+        if self._heads:
+            out["mem.act.logits_peak_bytes"] = max(head.take_logits_peak() for head in self._heads)
+        return out
+
+    def _model_state_stats(self) -> dict[str, float]:
         if not self.chunked:
             held = self.optimizer.state_bytes()  # fixed-size buffers: held is also the peak
             tier = self.device.type  # the model states live where the model computes
@@ -471,6 +504,8 @@ class Engine:
         return checkpoint.load(self, path)
 
     def close(self) -> None:
+        if self.activations is not None:
+            self.activations.close()  # type: ignore[attr-defined]
         if self.chunked:
             if self.optimizer.speculation is not None:
                 self.optimizer.speculation.close()

@@ -203,8 +203,11 @@ class PipelineStage:
         # With chunked memory the reference GPT's stage is built on the meta device and straight into
         # chunks, one layer in RAM at a time (`init_fn`, build.py's LayerwiseInit).
         meta = self.reference and uses_chunks(cfg)
+        with_targets = None
+        if self.reference:  # the reference GPT's head computes its loss in tiles given the targets
+            from capstan.tensorpar.gpt import loss_targets as with_targets
         self.executor = PipelineExecutor(self.plan, self.schedule, groups, self._scaled_loss, seed=seed,
-                                         checkpoint=ckpt, meta=meta, device=self.device)
+                                         checkpoint=ckpt, meta=meta, device=self.device, with_targets=with_targets)
         self.init_fn = None
         if meta:
             from .build import LayerwiseInit
@@ -212,10 +215,12 @@ class PipelineStage:
             mine = [(layer, factories[int(name)]) for chunk in self.executor.chunks
                     for name, layer in chunk.named_children()]
             self.init_fn = LayerwiseInit([m for m, _ in mine], [f for _, f in mine])
+        self.activations: object | None = None  # where recomputed blocks' inputs wait (build.activation_keeper)
         if cfg.memory.activation_checkpointing and self.reference:
-            from .build import recompute_blocks
+            from .build import activation_keeper, recompute_blocks
 
-            recompute_blocks(layer for chunk in self.executor.chunks for layer in chunk)
+            self.activations = activation_keeper(cfg, groups.world.rank, self.device)
+            recompute_blocks((layer for chunk in self.executor.chunks for layer in chunk), self.activations)
         for key, group in self.executor.tied_groups.items():
             if group.rank != 0:  # the lowest stage holding a tied weight counts it in the gradient norm
                 setattr(self.executor.tied_params[key], STAGE_COPY_ATTR, True)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 from capstan import comm
@@ -84,6 +85,7 @@ class PipelineExecutor:
         optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
         meta: bool = False,
         device: torch.device | str = "cpu",
+        with_targets: Callable[[torch.Tensor], AbstractContextManager[None]] | None = None,
     ) -> None:
         if groups.pp.size != schedule.stages:
             raise ValueError(
@@ -95,6 +97,9 @@ class PipelineExecutor:
                 f"= {schedule.virtual_stages}"
             )
         self.schedule, self.groups, self.pp, self.loss_fn = schedule, groups, groups.pp, loss_fn
+        # with_targets(targets): a context the last virtual stage's forward runs in (a head that computes
+        # its loss itself, in tiles: tensorpar's loss_targets); also around its recomputation
+        self.with_targets = with_targets
         self.stage, self.checkpoint = groups.pp.rank, checkpoint
         self.device = torch.device(device)  # where activations live (received ones are allocated there)
         self.parts = partition.stage_parts(self.stage, schedule.stages)
@@ -238,9 +243,17 @@ class PipelineExecutor:
         key = (ins.mb, ins.chunk)
         chunk = self.chunks[ins.chunk]
         x = self._x[key]
+        last = self.schedule.is_last(self.stage, ins.chunk)
+        run = chunk
+        if last and self.with_targets is not None:
+            targets, around = self.targets[ins.mb], self.with_targets  # type: ignore[index]
+
+            def run(x: torch.Tensor, chunk: nn.Module = chunk) -> torch.Tensor:
+                with around(targets):
+                    return chunk(x)
         # Non-reentrant checkpointing keeps no intermediates and recomputes them in backward.
-        y = torch_checkpoint(chunk, x, use_reentrant=False) if self.checkpoint else chunk(x)
-        if self.schedule.is_last(self.stage, ins.chunk):
+        y = torch_checkpoint(run, x, use_reentrant=False) if self.checkpoint else run(x)
+        if last:
             # Scaled so gradients accumulated over the microbatches are those of the mean loss.
             y = self.loss_fn(y, self.targets[ins.mb]) / self.schedule.microbatches  # type: ignore[index]
             self._loss += float(y.detach())

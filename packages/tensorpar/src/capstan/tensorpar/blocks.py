@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from capstan.comm import Group
 
@@ -88,20 +89,33 @@ class ParallelSelfAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """fc (column-parallel) -> GeLU (tanh form, as GPT-2) -> proj (row-parallel)."""
+    """fc (column-parallel) -> GeLU (tanh form, as GPT-2) -> proj (row-parallel).
+
+    `tile` > 0 (tokens): the MLP runs on `tile` tokens of the sequence at a time, each tile recomputed in
+    backward (torch.utils.checkpoint), so its ffn-wide hidden activations exist for one tile only, not
+    the whole sequence (ALST's tiled MLP, Bekman et al. 2025): for the price of the MLP's forward once
+    more. Every token is independent here, so the result is the untiled one."""
 
     def __init__(
         self, d_model: int, d_ffn: int, group: Group, *, sequence_parallel: bool = False, seed: int = 0,
-        proj_std: float = DEFAULT_STD,
+        proj_std: float = DEFAULT_STD, tile: int = 0,
     ) -> None:
         super().__init__()
         divide(d_ffn, group, "FFN hidden size")
+        self.tile = tile
         self.fc = ColumnParallelLinear(d_model, d_ffn, group, sequence_parallel=sequence_parallel, seed=seed)
         self.proj = RowParallelLinear(d_ffn, d_model, group, sequence_parallel=sequence_parallel,
                                       init_std=proj_std, seed=seed + 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [b, s, d] (or [b, s/tp, d] with sequence parallelism)
+        if not self.tile or x.shape[1] <= self.tile or not torch.is_grad_enabled():
+            return self._run(x)
+        return torch.cat([checkpoint(self._run, part, use_reentrant=False) for part in x.split(self.tile, dim=1)],
+                         dim=1)
 
 
 class ParallelBlock(nn.Module):
@@ -115,7 +129,7 @@ class ParallelBlock(nn.Module):
     def __init__(
         self, d_model: int, n_heads: int, group: Group, rng: TensorParallelRNG, *, ffn_mult: int = 4,
         dropout: float = 0.0, sequence_parallel: bool = False, seed: int = 0, n_layers: int = 1,
-        cp: ContextParallel | None = None,
+        cp: ContextParallel | None = None, mlp_tile: int = 0,
     ) -> None:
         super().__init__()
         # GPT-2 scales the init of the residual projections by 1/sqrt(2 * n_layers).
@@ -127,7 +141,7 @@ class ParallelBlock(nn.Module):
                                           seed=seed, proj_std=proj_std, cp=cp)
         self.ln2 = ParallelLayerNorm(d_model, group, sequence_parallel=sp)
         self.mlp = ParallelMLP(d_model, ffn_mult * d_model, group, sequence_parallel=sp, seed=seed + 2,
-                               proj_std=proj_std)
+                               proj_std=proj_std, tile=mlp_tile)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         gen = self.rng.tensor_parallel(x.device) if self.sequence_parallel else self.rng.replicated(x.device)

@@ -22,7 +22,9 @@ Example (one process; the same call on every tp rank with ``groups.tp``)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -34,12 +36,13 @@ from .blocks import ParallelBlock, check_attention_sizes
 from .context import ContextParallel
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, ParallelLayerNorm, VocabParallelEmbedding
-from .mappings import copy_to_tensor_parallel_region
+from .mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from .partition import divide, full_normal, mark
 from .rng import TensorParallelRNG, dropout
+from .tiled_loss import default_tile, tiled_head_cross_entropy
 
 __all__ = ["GPTConfig", "GPT", "GPTEmbedding", "GPTFinalNorm", "GPTHead", "build_gpt", "build_gpt_layers",
-           "gpt_layer_factories", "gpt_loss"]
+           "gpt_layer_factories", "gpt_loss", "loss_targets"]
 
 WPE_STD = 0.01  # GPT-2's position-embedding init
 
@@ -62,8 +65,16 @@ class GPTConfig:
     """Dropout on embeddings, attention probabilities and residual branches."""
     ffn_mult: int = 4
     """MLP hidden size = ffn_mult * d_model."""
+    loss_tile: int = 0
+    """Tokens per tile of the head's tiled cross-entropy (GPTHead.tiled_loss, used under `loss_targets`): 0 off
+    (logits), -1 the default size (tiled_loss.default_tile)."""
+    mlp_tile: int = 0
+    """Tokens per tile of each block's MLP (ParallelMLP.tile): 0 off."""
 
     def __post_init__(self) -> None:
+        if self.loss_tile < -1 or self.mlp_tile < 0:
+            raise ValueError(f"GPTConfig.loss_tile must be -1, 0 or positive and mlp_tile 0 or positive, got "
+                             f"{self.loss_tile} and {self.mlp_tile}")
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "ffn_mult"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
@@ -109,8 +120,55 @@ class GPTFinalNorm(ParallelLayerNorm):
     """The last LayerNorm, a layer of its own so a pipeline can place it."""
 
 
+_TARGETS: ContextVar[torch.Tensor | None] = ContextVar("capstan_gpt_targets", default=None)
+
+
+@contextmanager
+def loss_targets(targets: torch.Tensor | None) -> Iterator[None]:
+    """Within this block a GPTHead with a loss tile (`tiled_loss`) returns per-token losses against `targets`
+    instead of logits: the trainer sets it around a forward whose targets it knows."""
+    token = _TARGETS.set(targets)
+    try:
+        yield
+    finally:
+        _TARGETS.reset(token)
+
+
 class GPTHead(ColumnParallelLinear):
-    """hidden [b, s(/tp), d] -> vocabulary-split logits [b, s, vocab_padded/tp] (no bias, untied)."""
+    """hidden [b, s(/tp), d] -> vocabulary-split logits [b, s, vocab_padded/tp] (no bias, untied).
+
+    With `tiled_loss` set (tokens per tile; `True`: tiled_loss.default_tile) and targets given by
+    `loss_targets`, it returns each token's loss instead, computed a tile at a time so the logits never
+    exist whole (tiled_loss.py); `gpt_loss` / `GPT.loss` then take their mean."""
+
+    tiled_loss: int | bool = False
+    vocab_size: int | None = None
+    logits_peak: int = 0  # the most bytes of logits one forward made at once since `take_logits_peak`
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        targets = _TARGETS.get()
+        if not self.tiled_loss or targets is None:
+            logits = super().forward(x)
+            self.logits_peak = max(self.logits_peak, logits.nbytes)
+            return logits
+        # x: [b, s, d] (or [b, s/tp, d] with sequence parallelism): the input mapping of the column layer
+        x = gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel else \
+            copy_to_tensor_parallel_region(x, self.group)
+        tile = int(self.tiled_loss) if self.tiled_loss is not True else default_tile(self.weight.shape[0])
+        tokens = x.numel() // x.shape[-1]
+        self.logits_peak = max(self.logits_peak, min(tile, tokens) * self.weight.shape[0] * 4)  # one fp32 tile
+        return tiled_head_cross_entropy(x, self.weight, targets, self.group, self.vocab_size, tile)
+
+    def take_logits_peak(self) -> int:
+        """The most bytes of logits (one tile's, with the tiled loss) since the last call."""
+        peak, self.logits_peak = self.logits_peak, 0
+        return peak
+
+
+def _token_losses(out: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Whether a head's output is its per-token losses (shaped as the targets) rather than logits (one more
+    dimension, the vocabulary)."""
+    return out.shape == targets.shape
 
 
 class GPT(nn.Module):
@@ -129,7 +187,10 @@ class GPT(nn.Module):
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss from vocabulary-split logits; the same value on every tp rank."""
+        """Mean next-token loss from vocabulary-split logits (or the tiled head's per-token losses); the same
+        value on every tp rank."""
+        if _token_losses(logits, targets):
+            return logits.mean()
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.config.vocab_size).mean()
 
 
@@ -155,13 +216,20 @@ def gpt_layer_factories(config: GPTConfig, tp_group: Group, seed: int, *, sequen
     def block(i: int) -> Callable[[], nn.Module]:
         return lambda: ParallelBlock(config.d_model, config.n_heads, tp_group, rng, ffn_mult=config.ffn_mult,
                                      dropout=config.dropout, sequence_parallel=sp, seed=base + 4 * (i + 1),
-                                     n_layers=config.n_layers, cp=cp)
+                                     n_layers=config.n_layers, cp=cp, mlp_tile=config.mlp_tile)
 
     return [lambda: GPTEmbedding(config, tp_group, rng, sequence_parallel=sp, seed=base, cp=cp),
             *(block(i) for i in range(config.n_layers)),
             lambda: GPTFinalNorm(config.d_model, tp_group, sequence_parallel=sp),
-            lambda: GPTHead(config.d_model, config.vocab_size, tp_group, bias=False, pad_output=True,
-                            sequence_parallel=sp, seed=base + 4 * (config.n_layers + 1))]
+            lambda: _head(config, tp_group, sp, base + 4 * (config.n_layers + 1))]
+
+
+def _head(config: GPTConfig, tp_group: Group, sp: bool, seed: int) -> GPTHead:
+    head = GPTHead(config.d_model, config.vocab_size, tp_group, bias=False, pad_output=True, sequence_parallel=sp,
+                   seed=seed)
+    head.tiled_loss = True if config.loss_tile == -1 else config.loss_tile
+    head.vocab_size = config.vocab_size
+    return head
 
 
 def build_gpt_layers(config: GPTConfig, tp_group: Group, seed: int, start: int = 0, stop: int | None = None, *,
@@ -174,6 +242,8 @@ def build_gpt_layers(config: GPTConfig, tp_group: Group, seed: int, start: int =
 def gpt_loss(config: GPTConfig, tp_group: Group) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """`GPT.loss` without the model: mean next-token loss from vocabulary-split logits (a pipeline's last stage)."""
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if _token_losses(logits, targets):  # the tiled head's per-token losses (GPTHead.tiled_loss)
+            return logits.mean()
         return vocab_parallel_cross_entropy(logits, targets, tp_group, config.vocab_size).mean()
     return loss
 

@@ -25,19 +25,30 @@ recomputation too.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["recompute", "is_recomputed"]
+__all__ = ["recompute", "is_recomputed", "InputKeeper"]
 
 _MARK = "_capstan_recompute"
+_KEEPER = "_capstan_input_keeper"
 
 
 def is_recomputed(module: nn.Module) -> bool:
     return bool(getattr(module, _MARK, False))
+
+
+class InputKeeper(Protocol):
+    """Where a recomputed block's input waits for its recompute (capstan.chunkmem.ActivationOffload):
+    `offload(x)` after the forward moves x's values out and frees its storage (returning a handle, or None
+    to keep x as it is); `restore(handle)` before the recompute gives them back."""
+
+    def offload(self, x: torch.Tensor) -> object | None: ...
+
+    def restore(self, handle: object | None) -> None: ...
 
 
 def _recomputed_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -46,31 +57,42 @@ def _recomputed_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: 
     if not torch.is_grad_enabled():
         return inner(self, x, *args, **kwargs)
     rng = getattr(self, "rng", None)
+    keeper: InputKeeper | None = getattr(self, _KEEPER, None)
     saved = rng.get_states(x.device) if rng is not None else None
-    first = [True]
+    first, handle = [True], [None]
 
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if first[0] or saved is None:  # the forward itself: draw as usual
+        if first[0]:  # the forward itself: draw as usual
             first[0] = False
             return inner(self, x, *args, **kwargs)
-        now = rng.get_states(x.device)  # the recomputation: replay the forward's masks
+        if keeper is not None:  # the recomputation: the input's values back first
+            keeper.restore(handle[0])
+        if saved is None:
+            return inner(self, x, *args, **kwargs)
+        now = rng.get_states(x.device)  # replay the forward's masks
         rng.set_states(saved)
         try:
             return inner(self, x, *args, **kwargs)
         finally:
             rng.set_states(now)
 
-    return checkpoint(run, x, *args, use_reentrant=False, **kwargs)
+    y = checkpoint(run, x, *args, use_reentrant=False, **kwargs)
+    if keeper is not None:
+        handle[0] = keeper.offload(x)
+    return y
 
 
-def recompute(block: nn.Module) -> nn.Module:
+def recompute(block: nn.Module, keeper: InputKeeper | None = None) -> nn.Module:
     """Make `block` recompute its activations in backward (in place; returns it; idempotent).
 
     The block's dropout streams are those of its ``rng`` attribute (a
     TensorParallelRNG, as tensorpar's blocks have); a block without one may
     only use torch's global generator, which torch.utils.checkpoint replays.
-    Without gradients (evaluation) the forward runs as it is.
+    Without gradients (evaluation) the forward runs as it is. `keeper` (InputKeeper) takes the block's
+    input away between its forward and its recompute (activation offload); it may be set again later.
     """
+    if keeper is not None:
+        setattr(block, _KEEPER, keeper)
     if is_recomputed(block):
         return block
     block.forward = types.MethodType(_recomputed_forward, block)  # type: ignore[method-assign]

@@ -227,9 +227,10 @@ def reference_gpt_config(cfg: Config):  # noqa: ANN201 - a capstan.tensorpar.GPT
     """The reference GPT's `GPTConfig` from [model]."""
     from capstan.tensorpar import GPTConfig
 
-    m = cfg.model
+    m, mem = cfg.model, cfg.memory
     return GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_heads=m.n_heads,
-                     n_layers=m.n_layers, dropout=m.dropout)
+                     n_layers=m.n_layers, dropout=m.dropout, loss_tile=-1 if mem.tiled_loss else 0,
+                     mlp_tile=mem.mlp_tile)
 
 
 def uses_chunks(cfg: Config) -> bool:
@@ -307,6 +308,10 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
         raise ConfigError("memory.overlap_optimizer = true needs chunked memory whose chunks stay in RAM "
                           "(memory.offload = \"cpu\" or ZeRO-3, without memory.cpu_budget or a disk tier); got "
                           f"offload = {mem.offload!r}, cpu_budget = {mem.cpu_budget}")
+    if mem.activation_offload and not (mem.activation_checkpointing and reference_model):
+        raise ConfigError("memory.activation_offload moves the inputs of recomputed blocks: it needs "
+                          "memory.activation_checkpointing = true and the reference GPT (a module of your own "
+                          "passes keeper=capstan.chunkmem.ActivationOffload... to capstan.tensorpar.recompute)")
     if uses_chunks(cfg):
         _check_chunk_path(cfg, sources, reference_model)
     elif mem.cpu_budget is not None:

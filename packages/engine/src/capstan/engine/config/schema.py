@@ -165,6 +165,12 @@ class MemoryConfig:
     """Which chunk leaves RAM first: furthest next use in the warm-up trace (belady) or least recently used."""
     overlap_optimizer: bool | None = constraint(None, nullable=True)
     """Step each chunk group on the CPU as soon as backward has produced its gradients, while backward goes on, instead of after it (ZeRO-Offload's CPU Adam made concurrent). Exact: the step is validated at its end and redone where clipping or an fp16 overflow changes it, so training is bit for bit the same; it holds 12-14 more bytes of RAM per parameter during a step when grad_clip > 0 or fp16 (the copies a redo restores). Needs chunked memory without a cpu_budget or disk tier and dp = 1. Unset: on where chunks compute on a GPU (train.device), off on the CPU."""
+    tiled_loss: bool = True
+    """The reference GPT's head and cross-entropy run a tile of tokens at a time (about 4M logits each), each tile's gradient formed at once, so the [tokens x vocabulary] logits never exist whole (capstan.tensorpar.tiled_loss): the same loss and gradients, no extra compute (the gradients of a mean loss need nothing from later tiles). false returns to whole logits."""
+    mlp_tile: int = constraint(0, ge=0)
+    """Tokens per tile of each block's MLP for long sequences: the MLP runs a tile at a time and recomputes it in backward, so its 4 x d_model hidden activations exist for one tile only (ALST's tiled MLP; the same results, for the MLP's forward once more). 0: whole sequences."""
+    activation_offload: bool = False
+    """With activation_checkpointing, each recomputed block's input leaves memory between its forward and its recompute and is read back ahead of it: to pinned RAM from a GPU, to disk (memory.disk_dir/activations, through the disk tier's async I/O) on the CPU (capstan.chunkmem.ActivationOffload; ALST's activation offload). The same results; for long sequences, whose block inputs (layers x tokens x d_model) outgrow everything else."""
     activation_checkpointing: bool = False
     """Recompute activations in backward instead of keeping them (about one extra forward per step): each transformer block of the reference GPT keeps only its input (dropout masks replayed, so training is unchanged); a pipeline of your own layers keeps only each stage chunk's input. Not for a user module at pp = 1: wrap its blocks with capstan.tensorpar.recompute."""
 

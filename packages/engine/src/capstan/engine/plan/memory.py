@@ -22,7 +22,9 @@ What it counts, for the pipeline stage whose compute tier holds the most (a rank
   With recompute a block keeps its input (2 or 4 bytes per element) and one block is rebuilt at a
   time. Micro-batches in flight per stage: 1 without a pipeline, all of a step's with GPipe,
   min(pp - stage, accum) with 1F1B, times 1 + (pp - 1) / (pp v) interleaved (Narayanan et al. 2021).
-* **Transients**: the last stage's logits and their softmax in fp32; ZeRO 0-2 gradient buckets (two
+* **Transients**: the last stage's logits and their softmax in fp32 (with the tiled loss, the engine's
+  default, one tile of them plus the head's unit gradients: its input's size and its weight's, fp32);
+  with activation offload the recomputed blocks' inputs on disk (host RAM from a GPU) but two; ZeRO 0-2 gradient buckets (two
   in flight); ZeRO-3's gathered communication unit (dp chunks of parameters and of gradients).
 * **Overhead** per rank: the CUDA context and allocator reserve on a device, the interpreter and
   torch in RAM (`Machine.device_overhead`, `host_overhead`).
@@ -87,6 +89,9 @@ class MemoryPlan:
                 lines.append(f"{tier:6s} {_fmt(used):>10s}  total per rank" +
                              ("" if cap is None else f" of {_fmt(cap)}") + verdict)
         return "\n".join(lines)
+
+
+TILE_ELEMENTS = 1 << 22  # logits per tile of the tiled loss (capstan.tensorpar.tiled_loss, kept torch-free here)
 
 
 def _fmt(n: float) -> str:
@@ -247,16 +252,31 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
     kept, rebuilt = _block_activations(shape, layout, layout.micro)
     inflight = _in_flight(layout, stage)
     act_tier = compute
-    items.append(Item(f"activations ({blocks} blocks x {inflight:g} micro-batches in flight"
-                      + (", recomputed" if layout.recompute else "") + ")", act_tier, int(blocks * kept * inflight)))
+    if layout.activation_offload and blocks:  # inputs away (disk; host RAM from a GPU) but two in memory
+        away = "ram" if gpu else "disk"
+        items.append(Item(f"recomputed blocks' inputs, offloaded ({blocks} blocks x {inflight:g} micro-batches)",
+                          away, int(blocks * kept * inflight)))
+        items.append(Item("offloaded inputs in memory: the one recomputed, the one read ahead", act_tier, 2 * kept))
+        if not gpu:
+            items.append(Item("activation offload staging buffers (aligned, reused)", "ram", 2 * kept))
+    else:
+        items.append(Item(f"activations ({blocks} blocks x {inflight:g} micro-batches in flight"
+                          + (", recomputed" if layout.recompute else "") + ")", act_tier,
+                          int(blocks * kept * inflight)))
     if rebuilt and blocks:
         items.append(Item("one block's activations while it is recomputed", act_tier, rebuilt))
     if blocks:  # backward allocates the gradients of a block's activations while they are still kept
         items.append(Item("backward: one block's activation gradients", act_tier, rebuilt or kept))
     if last in layers:
         vocab = -(-shape.vocab // layout.tp) * layout.tp // layout.tp
-        items.append(Item("logits and their softmax (fp32, one micro-batch)", act_tier,
-                          2 * 4 * shape.seq * layout.micro * vocab))
+        tokens = shape.seq * layout.micro
+        if layout.tiled_loss:  # tensorpar/tiled_loss.py: a tile's logits, unit gradients of the head kept
+            tile = min(tokens, max(1, TILE_ELEMENTS // vocab))
+            items.append(Item("tiled loss: one tile's logits and softmax (fp32), the head's unit gradients "
+                              "(input and weight, fp32)", act_tier,
+                              2 * 4 * tile * vocab + 4 * tokens * shape.hidden + 4 * vocab * shape.hidden))
+        else:
+            items.append(Item("logits and their softmax (fp32, one micro-batch)", act_tier, 2 * 4 * tokens * vocab))
     if gpu:
         items.append(Item("CUDA context and allocator reserve", "device", machine.device_overhead))
     if layout.data_bytes:  # the text as read (its files' bytes, then joined), then kept as the token ids' buffer

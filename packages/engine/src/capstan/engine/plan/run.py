@@ -46,6 +46,9 @@ def shape_layout(cfg: object, world: int | None = None) -> tuple[ModelShape, Lay
     if m.hf:
         raise PlanError("model.hf: the planner models the reference GPT; give the sizes of your model with "
                         "--layers --hidden --heads --vocab --seq")
+    if p.cp > 1 or mem.mlp_tile:
+        raise PlanError("the planner does not model context parallelism (parallel.cp) or the tiled MLP "
+                        f"(memory.mlp_tile) yet; got cp = {p.cp}, mlp_tile = {mem.mlp_tile}")
     shape = ModelShape(layers=m.n_layers, hidden=m.d_model, heads=m.n_heads, vocab=m.vocab_size, seq=m.seq_len)
     dp = p.dp or (world // (p.tp * p.pp) if world else 0)
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, offload=mem.offload,
@@ -54,7 +57,8 @@ def shape_layout(cfg: object, world: int | None = None) -> tuple[ModelShape, Lay
                     schedule=p.schedule, virtual_stages=p.virtual_stages, dropout=m.dropout > 0,
                     cpu_budget=mem.cpu_budget, gpu_budget=mem.gpu_budget, bucket_bytes=int(p.bucket_mb * 2**20),
                     chunk_size=mem.chunk_size, eviction=mem.eviction, grad_clip=t.grad_clip > 0,
-                    data_bytes=0 if str(cfg.data.source).endswith(".bin") else cfg.data.max_bytes)  # type: ignore[attr-defined]
+                    data_bytes=0 if str(cfg.data.source).endswith(".bin") else cfg.data.max_bytes,  # type: ignore[attr-defined]
+                    tiled_loss=mem.tiled_loss, activation_offload=mem.activation_offload)
     return shape, layout
 
 

@@ -147,6 +147,8 @@ class Layout:
     eviction: str = "belady"
     grad_clip: bool = True
     data_bytes: int = 0  # training text read into RAM (capstan's data.max_bytes for a text source)
+    tiled_loss: bool = True  # memory.tiled_loss: the head's logits a tile at a time
+    activation_offload: bool = False  # memory.activation_offload: recomputed blocks' inputs on disk (or host RAM)
 
     def __post_init__(self) -> None:
         _positive("layout", tp=self.tp, pp=self.pp, micro=self.micro, accum=self.accum,
@@ -162,6 +164,8 @@ class Layout:
         for key in ("cpu_budget", "gpu_budget"):
             if getattr(self, key) is not None:
                 _positive("layout", **{key: getattr(self, key)})
+        if self.activation_offload and not self.recompute:
+            raise PlanError("layout.activation_offload moves recomputed blocks' inputs: it needs layout.recompute")
         if self.offload == "disk" and self.cpu_budget is None:
             raise PlanError("layout.offload = \"disk\" needs layout.cpu_budget (the bytes of chunks kept in RAM)")
 
