@@ -172,7 +172,8 @@ def main() -> int:
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--cp", type=int, default=2)
-    p.add_argument("--cp-mode", default="ring")
+    p.add_argument("--cp-mode", default="ulysses",
+                   help="ulysses (the fused attention kernel; the faster, tools/bench_context.py) or ring")
     p.add_argument("--mlp-tile", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the plain run (all the cores)")
     p.add_argument("--start", type=int, default=1024)

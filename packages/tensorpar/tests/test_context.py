@@ -64,6 +64,28 @@ def _attention(errs: dict, cp_group: Group, mode: str) -> None:
         errs[f"{mode}/attn/d{name}"] = rel_err(got.grad, cp.shard(want.grad, 2))
 
 
+def _ring_tiles(errs: dict, cp_group: Group) -> None:
+    """Ring attention in tiles smaller than a chunk (5 of 12 or 6 tokens: partial tiles, masked and
+    skipped ones on the diagonal) against the fused kernel on the whole sequence."""
+    import torch.nn.functional as F
+
+    from capstan.tensorpar.testing import rel_err
+
+    cp = ContextParallel(cp_group, "ring", ring_tile=5)
+    g = torch.Generator().manual_seed(11)
+    b, h, s, d = 1, 2, 48, 8
+    q, k, v, w = (torch.randn(b, h, s, d, generator=g, dtype=torch.float64).float() for _ in range(4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    (F.scaled_dot_product_attention(*ref, is_causal=True) * w).sum().backward()
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mine = [cp.shard(t, 2).clone().requires_grad_() for t in (q, k, v)]
+    out = cp.attention(*mine)
+    (out * cp.shard(w, 2)).sum().backward()
+    errs["ring/tiles/out"] = rel_err(out, cp.shard(y, 2))
+    for name, got, want in zip("qkv", mine, ref):
+        errs[f"ring/tiles/d{name}"] = rel_err(got.grad, cp.shard(want.grad, 2))
+
+
 def _gpt(errs: dict, tp: Group, cp_group: Group, mode: str, tag: str, sp: bool = False, tiled: bool = False) -> None:
     from capstan import comm
     from capstan import tensorpar as T
@@ -132,6 +154,7 @@ def _checks() -> dict:
     n = comm.world().size
     errs: dict = {}
     cp_only = comm.build_groups(comm.Topology(cp=n))
+    _ring_tiles(errs, cp_only.cp)
     for mode in ("ulysses", "ring"):
         _attention(errs, cp_only.cp, mode)
         _gpt(errs, cp_only.tp, cp_only.cp, mode, f"{mode}/gpt")
@@ -165,6 +188,10 @@ def _assert_small(results: tuple[int, list[dict]], part: str, tol: float) -> int
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
 def test_attention_output_and_gradients_equal_one_process(results, mode: str) -> None:
     assert _assert_small(results, f"{mode}/attn/", TOL) == 4 * results[0]
+
+
+def test_ring_attention_in_tiles_smaller_than_a_chunk_equals_one_process(results) -> None:
+    assert _assert_small(results, "ring/tiles/", TOL) == 4 * results[0]
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])

@@ -20,7 +20,9 @@ only; attention is where the sequence meets itself, done one of two ways (`paral
   split would give the last rank all the work, so the sequence is cut into 2 cp chunks and rank r
   holds chunks r and 2 cp - 1 - r: every rank then computes the same number of unmasked chunk
   pairs. Backward passes the blocks around again with their key/value gradients, which arrive home
-  after a last hop. The sequence must divide by 2 cp; heads need not divide by cp.
+  after a last hop. The sequence must divide by 2 cp; heads need not divide by cp. Each chunk pair is
+  computed in tiles of `ring_tile` queries x `ring_tile` keys (flash attention's tiling, with the
+  same online softmax), so a rank's scores are ring_tile^2 per head however long the sequence.
 
 `positions` gives a rank's token positions (the position embedding and the loss use them), `shard`
 takes a rank's tokens out of a full sequence, `gather` puts the ranks' tokens back in order (tests).
@@ -30,6 +32,7 @@ On a group of one everything is the identity and attention is PyTorch's fused ca
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -68,12 +71,17 @@ def check_context_sizes(seq: int, heads: int, size: int, mode: str) -> None:
                          f"by cp = {size} (it splits heads across the cp group); use cp_mode = \"ring\" or another cp")
 
 
+RING_TILE = 1024  # a tile's scores: 4 MiB per head in fp32
+
+
 @dataclass(frozen=True, eq=False)
 class ContextParallel:
     """A cp group and how attention crosses it (module docstring)."""
 
     group: Group
     mode: str = "ulysses"
+    ring_tile: int = RING_TILE
+    """Ring mode: queries and keys per tile of a chunk pair, so at most ring_tile^2 scores per head exist."""
 
     def __post_init__(self) -> None:
         if self.mode not in CP_MODES:
@@ -119,7 +127,7 @@ class ContextParallel:
             q, k, v = (_SeqToHeads.apply(t, self.group) for t in (q, k, v))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return _HeadsToSeq.apply(y, self.group)
-        return _RingAttention.apply(q, k, v, self.group)
+        return _RingAttention.apply(q, k, v, self.group, self.ring_tile)
 
 
 # ---- Ulysses: all-to-all between sequence-split and head-split ------------------------------------------
@@ -190,7 +198,8 @@ class _RingAttention(torch.autograd.Function):
     """Causal attention over the cp ring (module docstring); q, k, v: [b, h, 2c, d], two chunks of c."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,  # type: ignore[override]
+                tile: int) -> torch.Tensor:
         n, me = group.size, group.rank
         c = q.shape[2] // 2
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -204,16 +213,19 @@ class _RingAttention(torch.autograd.Function):
             src = (me - step) % n
             pending = _exchange(kv, group) if step < n - 1 else None  # the next block, while this one computes
             for i, j, diag in _pairs(me, src, n):
-                kj, vj = kv[0, :, :, j * c:(j + 1) * c], kv[1, :, :, j * c:(j + 1) * c]
-                s = torch.matmul(qs[i], kj.transpose(-2, -1)).to(dtype) * scale
-                if diag:
-                    s = s.masked_fill(_upper(c, q.device), float("-inf"))
-                new_max = torch.maximum(run_max[i], s.amax(-1))
-                p = torch.exp(s - new_max.unsqueeze(-1))
-                rescale = torch.exp(run_max[i] - new_max)
-                run_sum[i] = run_sum[i] * rescale + p.sum(-1)
-                out[i] = out[i] * rescale.unsqueeze(-1) + torch.matmul(p.to(vj.dtype), vj).to(dtype)
-                run_max[i] = new_max
+                for qa, qb, ka, kb, mask in _tiles(c, tile, diag, q.device):
+                    kt, vt = kv[0, :, :, j * c + ka:j * c + kb], kv[1, :, :, j * c + ka:j * c + kb]
+                    s = torch.matmul(qs[i][:, :, qa:qb], kt.transpose(-2, -1)).to(dtype) * scale
+                    if mask is not None:
+                        s = s.masked_fill(mask, float("-inf"))
+                    old_max = run_max[i][:, :, qa:qb]
+                    new_max = torch.maximum(old_max, s.amax(-1))
+                    p = torch.exp(s - new_max.unsqueeze(-1))
+                    rescale = torch.exp(old_max - new_max)
+                    run_sum[i][:, :, qa:qb] = run_sum[i][:, :, qa:qb] * rescale + p.sum(-1)
+                    out[i][:, :, qa:qb] = (out[i][:, :, qa:qb] * rescale.unsqueeze(-1)
+                                           + torch.matmul(p.to(vt.dtype), vt).to(dtype))
+                    run_max[i][:, :, qa:qb] = new_max
             if pending is not None:
                 recv, handle = pending
                 handle.wait()
@@ -221,7 +233,7 @@ class _RingAttention(torch.autograd.Function):
         y = torch.cat([o / s.unsqueeze(-1) for o, s in zip(out, run_sum)], 2).to(q.dtype)
         lse = torch.cat([m + torch.log(s) for m, s in zip(run_max, run_sum)], 2)  # [b, h, 2c]
         ctx.save_for_backward(q, k, v, y, lse)
-        ctx.group = group
+        ctx.group, ctx.tile = group, tile
         return y
 
     @staticmethod
@@ -241,17 +253,19 @@ class _RingAttention(torch.autograd.Function):
             src = (me - step) % n
             pending = _exchange(kv, group) if step < n - 1 else None
             for i, j, diag in _pairs(me, src, n):
-                qi, gi = q[:, :, i * c:(i + 1) * c], grad[:, :, i * c:(i + 1) * c]
-                kj, vj = kv[0, :, :, j * c:(j + 1) * c], kv[1, :, :, j * c:(j + 1) * c]
-                s = torch.matmul(qi, kj.transpose(-2, -1)).to(dtype) * scale
-                if diag:
-                    s = s.masked_fill(_upper(c, q.device), float("-inf"))
-                p = torch.exp(s - lse[:, :, i * c:(i + 1) * c].unsqueeze(-1))  # the forward's probabilities
-                dkv[1, :, :, j * c:(j + 1) * c] += torch.matmul(p.transpose(-2, -1), gi.to(dtype))
-                dp = torch.matmul(gi.to(dtype), vj.to(dtype).transpose(-2, -1))
-                ds = p * (dp - delta[:, :, i * c:(i + 1) * c].unsqueeze(-1)) * scale
-                dq[:, :, i * c:(i + 1) * c] += torch.matmul(ds, kj.to(dtype))
-                dkv[0, :, :, j * c:(j + 1) * c] += torch.matmul(ds.transpose(-2, -1), qi.to(dtype))
+                for qa, qb, ka, kb, mask in _tiles(c, ctx.tile, diag, q.device):
+                    rows, cols = slice(i * c + qa, i * c + qb), slice(j * c + ka, j * c + kb)
+                    qt, gt = q[:, :, rows], grad[:, :, rows]
+                    kt, vt = kv[0, :, :, cols], kv[1, :, :, cols]
+                    s = torch.matmul(qt, kt.transpose(-2, -1)).to(dtype) * scale
+                    if mask is not None:
+                        s = s.masked_fill(mask, float("-inf"))
+                    p = torch.exp(s - lse[:, :, rows].unsqueeze(-1))  # the forward's probabilities
+                    dkv[1, :, :, cols] += torch.matmul(p.transpose(-2, -1), gt.to(dtype))
+                    dp = torch.matmul(gt.to(dtype), vt.to(dtype).transpose(-2, -1))
+                    ds = p * (dp - delta[:, :, rows].unsqueeze(-1)) * scale
+                    dq[:, :, rows] += torch.matmul(ds, kt.to(dtype))
+                    dkv[0, :, :, cols] += torch.matmul(ds.transpose(-2, -1), qt.to(dtype))
             # the block's gradients go on with it; after the last step one more hop brings them home
             recv_dkv, sent = _exchange(dkv, group)
             sent.wait()
@@ -260,9 +274,23 @@ class _RingAttention(torch.autograd.Function):
                 recv, handle = pending
                 handle.wait()
                 kv = recv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def _upper(c: int, device: torch.device) -> torch.Tensor:
-    """[c, c] True above the diagonal: keys after the query in the same chunk."""
-    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
+def _tiles(c: int, tile: int, diag: bool, device: torch.device
+           ) -> Iterator[tuple[int, int, int, int, torch.Tensor | None]]:
+    """(query start, stop, key start, stop, mask) of the tiles of a c x c chunk pair, each at most
+    tile x tile scores, keys in ascending order for each query tile (so a row's first tile has a key
+    it may see, and the online softmax never meets a row with nothing yet). On the diagonal pair, tiles
+    wholly after the queries are skipped and the mask is True where a key comes after its query."""
+    for qa in range(0, c, tile):
+        qb = min(c, qa + tile)
+        for ka in range(0, c, tile):
+            kb = min(c, ka + tile)
+            if diag and ka >= qb:
+                break
+            mask = None
+            if diag and kb - 1 > qa:
+                mask = (torch.arange(ka, kb, device=device).unsqueeze(0)
+                        > torch.arange(qa, qb, device=device).unsqueeze(1))
+            yield qa, qb, ka, kb, mask
