@@ -1,0 +1,201 @@
+"""Compressed collectives for slow networks: 1-bit (sign and scale) all-reduce with error feedback, and
+block-wise int8 all-gather and reduce-scatter.
+
+    comm.onebit_all_reduce(grad, worker_residual, server_residual, group=groups.dp)   # averages, ~n/4 bytes
+    comm.quantized_all_gather(output, shard, group=groups.dp)                        # int8 + a scale per block
+    comm.quantized_reduce_scatter(output, tensor, group=groups.dp)                    # sum, int8 on the wire
+
+**1 bit per element** (Seide et al. 2014; 1-bit Adam, Tang et al. 2021): a tensor is sent as its signs
+and one scale, its norm / sqrt(n), so the signs carry the tensor's norm. What the compression loses is
+kept in a *residual* and added to the next call's tensor (error feedback), so over many calls nothing is
+lost: the sum of what was sent tracks the sum of what was given, the mean's error falling as 1 / calls.
+(The mean absolute value, the scale of least error for one call, lets the residual grow without bound
+under error feedback when a few elements dominate: 1389 after 5000 calls of one Gaussian vector of
+1024, against 98 with the norm, whose residual stays put.) The
+all-reduce is 1-bit Adam's two stages: every rank compresses its tensor (worker residual), an
+all-to-all gives rank r the signs of part r from every rank, it averages them and compresses the
+average again (server residual, one part's size), and an all-gather of those signs gives every rank
+the whole average. Each rank sends about 2 n / 8 bytes (times (w - 1) / w) where a ring all-reduce of
+fp32 sends 2 n x 4: 32x less, but for the scales. Residuals are plain tensors the caller owns (`onebit_residual_sizes`), so they can
+live in chunks and be offloaded and checkpointed like any state.
+
+**int8 per element** (ZeRO++'s quantized weights and gradients, Wang et al. 2023): blocks of `block`
+elements (256 by default) each travel as int8 with one fp32 scale (absmax / 127), 1 + 4/256 bytes per
+element. Values already on a block's grid (integers times its scale, the largest at 127) arrive
+exactly. The reduce-scatter quantizes each destination's part, exchanges the parts with an
+all-to-all and sums them dequantized in fp32 (so the sum itself is not rounded to int8).
+
+Every function counts the bytes this rank puts on the wire in `wire_bytes()` (payload, not headers),
+and goes through the ordinary collectives (MPI, gloo or NCCL as they choose).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .alltoall import all_to_all
+from .collectives import _group, all_gather
+from .groups import Group
+
+__all__ = ["onebit_all_reduce", "onebit_residual_sizes", "pack_signs", "unpack_signs", "quantize_int8",
+           "dequantize_int8", "quantized_all_gather", "quantized_reduce_scatter", "wire_bytes",
+           "reset_wire_bytes", "INT8_BLOCK"]
+
+INT8_BLOCK = 256
+_WIRE = [0]
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def wire_bytes() -> int:
+    """Bytes this rank has sent through the compressed collectives since the last reset."""
+    return _WIRE[0]
+
+
+def reset_wire_bytes() -> int:
+    """Returns the count and starts it again at zero (a trainer calls it once per step)."""
+    n, _WIRE[0] = _WIRE[0], 0
+    return n
+
+
+def _sent(nbytes: int) -> None:
+    _WIRE[0] += int(nbytes)
+
+
+# ---- signs ------------------------------------------------------------------------------------------
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """Eight signs per byte (bit set: >= 0), `x` flat with a multiple of 8 elements."""
+    if x.numel() % 8:
+        raise ValueError(f"pack_signs needs a multiple of 8 elements, got {x.numel()}")
+    bits = (x.reshape(-1, 8) >= 0).to(torch.uint8)
+    return (bits * _BITS.to(x.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """+1 / -1 for each bit of `packed` (8 per byte, the order `pack_signs` wrote)."""
+    bits = (packed.reshape(-1, 1) & _BITS.to(packed.device)) != 0
+    return bits.reshape(-1).to(dtype) * 2 - 1
+
+
+def _compress(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed signs, scale) of x + residual; the residual becomes what they miss."""
+    x = x + residual
+    scale = x.norm() / math.sqrt(x.numel())  # the signs carry x's norm (1-bit Adam's choice; see the docstring)
+    signs = torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
+    residual.copy_(x - scale * signs)
+    return pack_signs(x), scale.reshape(1)
+
+
+# ---- 1-bit all-reduce -----------------------------------------------------------------------------------
+def onebit_residual_sizes(numel: int, world: int) -> tuple[int, int]:
+    """(worker residual, server residual) element counts for a tensor of `numel` over `world` ranks: the
+    tensor padded to world parts of a multiple of 8 elements, and one part."""
+    part = math.ceil(numel / (8 * world)) * 8
+    return part * world, part
+
+
+def onebit_all_reduce(tensor: torch.Tensor, worker_residual: torch.Tensor, server_residual: torch.Tensor,
+                      group: Group | None = None) -> torch.Tensor:
+    """Average `tensor` (fp32, flat or not) over the group in place, 1 bit per element each way, with
+    error feedback through the two residuals (`onebit_residual_sizes`; zeros at the start, kept
+    between calls by the caller). Every rank ends with the same values."""
+    g = _group(group)
+    if tensor.dtype != torch.float32:
+        raise TypeError(f"onebit_all_reduce needs fp32, got {tensor.dtype}")
+    padded, part = onebit_residual_sizes(tensor.numel(), g.size)
+    if worker_residual.numel() != padded or server_residual.numel() != part:
+        raise ValueError(f"onebit_all_reduce of {tensor.numel()} elements over {g.size} ranks needs residuals of "
+                         f"{padded} and {part} elements, got {worker_residual.numel()} and {server_residual.numel()}")
+    x = torch.zeros(padded, dtype=torch.float32, device=tensor.device)
+    x[:tensor.numel()] = tensor.reshape(-1)
+    signs, scale = _compress(x, worker_residual.view(-1))
+    if g.size == 1:
+        mine = unpack_signs(signs) * scale
+    else:
+        recv = torch.empty_like(signs)
+        all_to_all(recv, signs, g)  # part r of every rank's signs to rank r
+        scales = torch.empty(g.size, dtype=torch.float32, device=tensor.device)
+        all_gather(scales, scale, g)
+        _sent(signs.numel() // g.size * (g.size - 1) + 4 * (g.size - 1))
+        mine = (unpack_signs(recv).view(g.size, part) * scales.view(-1, 1)).mean(dim=0)
+    signs2, scale2 = _compress(mine, server_residual.view(-1))
+    if g.size == 1:
+        whole = unpack_signs(signs2) * scale2
+    else:
+        all_signs = torch.empty(signs2.numel() * g.size, dtype=torch.uint8, device=tensor.device)
+        all_gather(all_signs, signs2, g)
+        scales2 = torch.empty(g.size, dtype=torch.float32, device=tensor.device)
+        all_gather(scales2, scale2, g)
+        _sent((signs2.numel() + 4) * (g.size - 1))
+        whole = (unpack_signs(all_signs).view(g.size, part) * scales2.view(-1, 1)).reshape(-1)
+    tensor.copy_(whole[:tensor.numel()].view_as(tensor))
+    return tensor
+
+
+# ---- int8 blocks ----------------------------------------------------------------------------------------
+def quantize_int8(x: torch.Tensor, block: int = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, fp32 scale per block) of flat `x` (a multiple of `block` elements): each block's
+    largest magnitude maps to 127, values round to the nearest step."""
+    if x.numel() % block:
+        raise ValueError(f"quantize_int8 needs a multiple of {block} elements, got {x.numel()}")
+    blocks = x.reshape(-1, block).float()
+    scale = blocks.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(-1), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, block: int = INT8_BLOCK) -> torch.Tensor:
+    return (q.reshape(-1, block).float() * scale.unsqueeze(1)).reshape(-1)
+
+
+def _blocks(numel: int, block: int) -> int:
+    return math.ceil(numel / block) * block
+
+
+def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group | None = None,
+                         block: int = INT8_BLOCK) -> torch.Tensor:
+    """Every rank's `shard` (equal sizes, fp32) into `output` in group order, sent as int8 blocks."""
+    g = _group(group)
+    n = shard.numel()
+    if output.numel() != n * g.size:
+        raise ValueError(f"quantized_all_gather of {n} elements per rank over {g.size} ranks needs an output of "
+                         f"{n * g.size}, got {output.numel()}")
+    size = _blocks(n, block)
+    x = torch.zeros(size, dtype=torch.float32, device=shard.device)
+    x[:n] = shard.reshape(-1)
+    q, scale = quantize_int8(x, block)
+    qs = torch.empty(size * g.size, dtype=torch.int8, device=shard.device)
+    scales = torch.empty(scale.numel() * g.size, dtype=torch.float32, device=shard.device)
+    all_gather(qs, q, g)
+    all_gather(scales, scale, g)
+    _sent((q.numel() + 4 * scale.numel()) * (g.size - 1))
+    parts = dequantize_int8(qs, scales, block).view(g.size, size)[:, :n]
+    output.view(-1).copy_(parts.reshape(-1))
+    return output
+
+
+def quantized_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Group | None = None,
+                             block: int = INT8_BLOCK) -> torch.Tensor:
+    """Sum `tensor` (fp32, group.size equal parts) over the group; this rank keeps part `rank` in `output`.
+    Each part travels as int8 blocks and the sum is taken in fp32."""
+    g = _group(group)
+    if tensor.numel() % g.size or output.numel() != tensor.numel() // g.size:
+        raise ValueError(f"quantized_reduce_scatter of {tensor.numel()} elements over {g.size} ranks needs equal "
+                         f"parts and an output of one part, got an output of {output.numel()}")
+    n = output.numel()
+    size = _blocks(n, block)
+    x = torch.zeros(g.size, size, dtype=torch.float32, device=tensor.device)
+    x[:, :n] = tensor.reshape(g.size, n)
+    q, scale = quantize_int8(x.reshape(-1), block)
+    if g.size == 1:
+        output.view(-1).copy_(dequantize_int8(q, scale, block)[:n])
+        return output
+    q_in, s_in = torch.empty_like(q), torch.empty_like(scale)
+    all_to_all(q_in, q, g)  # part r of every rank to rank r
+    all_to_all(s_in, scale, g)
+    _sent((q.numel() + 4 * scale.numel()) // g.size * (g.size - 1))
+    total = dequantize_int8(q_in, s_in, block).view(g.size, size).sum(dim=0)
+    output.view(-1).copy_(total[:n])
+    return output
