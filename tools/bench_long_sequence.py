@@ -17,8 +17,10 @@ give, so the benchmark measures instead of killing.)
   Each sequence length runs in a fresh interpreter; lengths double from `--start` until the peak
   passes the limit, then a bisection to `--grain` tokens finds the longest that fits.
 * **capstan**, `--cp` ranks (capstan.comm.testing.run_ranks: fresh interpreters, gloo, one thread each): `parallel.cp` over the
-  ranks (`--cp-mode`), ZeRO-3 chunks sharded over them, `memory.tiled_loss` (default), `memory.mlp_tile`,
-  `activation_checkpointing` and `activation_offload` to a disk directory (`--disk-dir`). It runs
+  ranks (`--cp-mode`), ZeRO (`--zero-stage`, 2 by default: a ZeRO-3 unit of this model's 12.9M-parameter
+  embedding gathered with its gradient buffers costs more than the sharded states save) over them, with
+  `--cpu-budget-mib` the states in chunks on disk, `memory.tiled_loss` (default), `memory.mlp_tile`, `activation_checkpointing` and
+  `activation_offload` to a disk directory (`--disk-dir`). It runs
   at `--ratios` times plain PyTorch's longest sequence (the better of the two peers) and reports
   whether each fits.
 
@@ -129,9 +131,10 @@ def capstan_config(a: argparse.Namespace, seq: int, disk: str) -> dict:
     return {"model": {"n_layers": a.layers, "n_heads": a.heads, "d_model": a.d_model, "seq_len": seq,
                       "vocab_size": VOCAB, "dropout": 0.0},
             "train": {"micro_batch_size": 1, "steps": 1, "warmup_steps": 0, "lr": 1e-3},
-            "parallel": {"cp": a.cp, "cp_mode": a.cp_mode, "zero_stage": 3},
+            "parallel": {"cp": a.cp, "cp_mode": a.cp_mode, "zero_stage": a.zero_stage},
             "memory": {"activation_checkpointing": True, "activation_offload": True, "mlp_tile": a.mlp_tile,
-                       "disk_dir": disk}}
+                       "disk_dir": disk, **({"offload": "disk", "cpu_budget": a.cpu_budget_mib << 20}
+                                            if a.cpu_budget_mib else {})}}
 
 
 def capstan_worker(cfg: dict, seq: int) -> dict:
@@ -175,6 +178,9 @@ def main() -> int:
     p.add_argument("--cp-mode", default="ulysses",
                    help="ulysses (the fused attention kernel; the faster, tools/bench_context.py) or ring")
     p.add_argument("--mlp-tile", type=int, default=4096)
+    p.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage over the cp ranks (the replicas)")
+    p.add_argument("--cpu-budget-mib", type=int, default=0,
+                   help="model states in chunks on disk with this much RAM per rank (0: in RAM)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the plain run (all the cores)")
     p.add_argument("--start", type=int, default=1024)
     p.add_argument("--grain", type=int, default=256)
@@ -183,18 +189,25 @@ def main() -> int:
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--plain-from", default=None, help="reuse the plain PyTorch search of an earlier --out file")
     a = p.parse_args()
     if a.smoke:
         a.layers, a.d_model, a.heads, a.limit_gib, a.start, a.grain, a.ratios = 2, 64, 2, 1.2, 256, 256, [4.0]
     limit = int(a.limit_gib * GIB)
     print(f"limit {a.limit_gib} GiB; model {a.layers} layers x d {a.d_model}, vocab {VOCAB}", flush=True)
-    plain, plain_rows = longest_plain(a, False, limit)
-    ckpt, ckpt_rows = longest_plain(a, True, limit)
+    if a.plain_from:  # the peers' search from an earlier run (same limit and model)
+        earlier = json.loads(Path(a.plain_from).read_text())
+        plain_rows, ckpt_rows = earlier["plain"], earlier["ckpt"]
+        plain = max([r["seq"] for r in plain_rows if r["rss_peak"] <= limit], default=0)
+        ckpt = max([r["seq"] for r in ckpt_rows if r["rss_peak"] <= limit], default=0)
+    else:
+        plain, plain_rows = longest_plain(a, False, limit)
+        ckpt, ckpt_rows = longest_plain(a, True, limit)
     best = max(plain, ckpt)
-    unit = 2 * a.cp * max(1, a.mlp_tile if a.mlp_tile else 1)  # ring: 2 cp chunks; whole MLP tiles
+    unit = 2 * a.cp  # ring: 2 cp chunks (Ulysses: cp); the MLP's last tile may be short
     rows = []
     for ratio in a.ratios:
-        seq = max(unit, int(best * ratio) // unit * unit)
+        seq = -(-int(best * ratio) // unit) * unit  # at least `ratio` times
         r = {"ratio": ratio, "seq": seq, **capstan_step(a, seq)}
         rows.append(r)
         print(f"  capstan cp {a.cp} seq {seq} ({seq / best:.1f}x): peak {r['rss_peak'] / GIB:.2f} GiB, "
