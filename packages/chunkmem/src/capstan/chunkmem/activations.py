@@ -32,11 +32,17 @@ from pathlib import Path
 
 import torch
 
-from .disk import DiskStore
+from .disk import ALIGN, DiskStore
 
 __all__ = ["ActivationOffload"]
 
 STAGING_BUFFERS = 2  # writes in flight at once (each holds one staging buffer until written)
+
+
+def _on_disk(nbytes: int) -> int:
+    """A tensor's bytes rounded up to the disk tier's alignment: every transfer is whole 4 KiB blocks, so
+    tensors of any size share one O_DIRECT file."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 @dataclass(eq=False)  # entries compare by identity (their fields hold tensors)
@@ -200,9 +206,10 @@ class ActivationOffload:
 
     def _offload_to_disk(self, x: torch.Tensor, entry: _Entry) -> None:
         assert self.store is not None
-        buf = self._staging_buffer(entry.nbytes)
-        buf.copy_(x.detach().reshape(-1).view(torch.uint8))
-        entry.slot, entry.staging = self._slot(entry.nbytes), buf
+        size = _on_disk(entry.nbytes)
+        buf = self._staging_buffer(size)
+        buf[:entry.nbytes].copy_(x.detach().reshape(-1).view(torch.uint8))
+        entry.slot, entry.staging = self._slot(size), buf
         entry.write = self.store.write_async(entry.slot, buf)
         self._writes.append(entry)
 
@@ -226,7 +233,8 @@ class ActivationOffload:
     def _start_read(self, entry: _Entry) -> None:
         assert self.store is not None
         self._finish_write(entry)  # never read a slot whose write is in flight
-        buf = self._take(self._staging, entry.nbytes, lambda: self.store.alloc(entry.nbytes, torch.uint8))  # type: ignore[union-attr]
+        size = _on_disk(entry.nbytes)
+        buf = self._take(self._staging, size, lambda: self.store.alloc(size, torch.uint8))  # type: ignore[union-attr]
         entry.staging = buf
         entry.read = self.store.read_async(entry.slot, buf)
 
@@ -235,7 +243,7 @@ class ActivationOffload:
             self._start_read(entry)
         entry.read.result()  # type: ignore[union-attr]
         entry.read = None
-        x.detach().reshape(-1).view(torch.uint8).copy_(entry.staging)  # type: ignore[arg-type]
+        x.detach().reshape(-1).view(torch.uint8).copy_(entry.staging[:entry.nbytes])  # type: ignore[index]
         self._idle(entry.staging)  # type: ignore[arg-type]
         entry.staging = None
 
@@ -307,7 +315,7 @@ class ActivationOffload:
             entry.host = None
         if entry.slot >= 0:
             with self._lock:
-                self._free_slots.setdefault(entry.nbytes, []).append(entry.slot)
+                self._free_slots.setdefault(_on_disk(entry.nbytes), []).append(entry.slot)
 
     def _prefetch_before(self, entry: _Entry) -> None:
         """Start moving back the entry offloaded just before `entry` (backward's next block)."""
