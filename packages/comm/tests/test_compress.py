@@ -133,11 +133,11 @@ def test_error_feedback_loses_nothing_over_many_calls(results: list[dict], name:
 def test_bytes_on_the_wire_follow_the_formula(results: list[dict], name: str, w: int) -> None:
     padded, part = comm.onebit_residual_sizes(1000, w)
     onebit = padded // 8 // w * (w - 1) + 4 * (w - 1) + (part // 8 + 4) * (w - 1)
-    int8 = (1024 + 4 * 4) * (w - 1)  # 1000 elements in 4 blocks of 256, a scale each
+    int8 = (1000 + 4 * 4) * (w - 1)  # 1000 elements in 4 blocks of 256 (the last shorter), a scale each
     for r in results:
         assert r[f"{name}/bytes"] == onebit
         assert r[f"{name}/gather_bytes"] == int8
-        assert r[f"{name}/rs_bytes"] == int8  # w parts of 1024 int8 + 4 scales, all but one sent
+        assert r[f"{name}/rs_bytes"] == int8  # w parts of 1000 int8 + 4 scales, all but one sent
     ring_fp32 = 2 * (w - 1) / w * 1000 * 4  # what a ring all-reduce of the fp32 tensor sends per rank
     assert ring_fp32 / onebit >= 25  # 32x but for the scales and the padding
 

@@ -22,7 +22,9 @@ live in chunks and be offloaded and checkpointed like any state.
 **int8 per element** (ZeRO++'s quantized weights and gradients, Wang et al. 2023): blocks of `block`
 elements (256 by default) each travel as int8 with one fp32 scale (absmax / 127), 1 + 4/256 bytes per
 element. Values already on a block's grid (integers times its scale, the largest at 127) arrive
-exactly. The reduce-scatter quantizes each destination's part, exchanges the parts with an
+exactly. `cuts` are offsets where blocks must break besides every `block` elements (with them each
+part carries len(cuts) more scale slots, so every part has the same size on the wire): a range
+between cuts then quantizes alike wherever it is, which keeps tp ranks' replicated parameters equal. The reduce-scatter quantizes each destination's part, exchanges the parts with an
 all-to-all and sums them dequantized in fp32 (so the sum itself is not rounded to int8).
 
 Every function counts the bytes this rank puts on the wire in `wire_bytes()` (payload, not headers),
@@ -32,6 +34,7 @@ and goes through the ordinary collectives (MPI, gloo or NCCL as they choose).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -134,68 +137,93 @@ def onebit_all_reduce(tensor: torch.Tensor, worker_residual: torch.Tensor, serve
 
 
 # ---- int8 blocks ----------------------------------------------------------------------------------------
-def quantize_int8(x: torch.Tensor, block: int = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values, fp32 scale per block) of flat `x` (a multiple of `block` elements): each block's
-    largest magnitude maps to 127, values round to the nearest step."""
-    if x.numel() % block:
-        raise ValueError(f"quantize_int8 needs a multiple of {block} elements, got {x.numel()}")
-    blocks = x.reshape(-1, block).float()
-    scale = blocks.abs().amax(dim=1) / 127.0
+def _block_ids(n: int, block: int, cuts: Sequence[int], device: torch.device) -> tuple[torch.Tensor, int]:
+    """The block of each of `n` elements (consecutive runs of `block`, also broken at each offset in
+    `cuts`), and a bound on their count that depends only on n, block and len(cuts)."""
+    i = torch.arange(n, device=device)
+    ids = i // block
+    for c in cuts:
+        if 0 < c < n:
+            ids += i >= c
+    return ids, math.ceil(n / block) + len(cuts)
+
+
+def quantize_int8(x: torch.Tensor, block: int = INT8_BLOCK,
+                  cuts: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, fp32 scale per block) of flat `x`: blocks of `block` elements (the last may be
+    shorter), also broken at the offsets `cuts`; each block's largest magnitude maps to 127, values
+    round to the nearest step. Blocks never straddle a cut, so a range between cuts quantizes the same
+    whatever lies beside it (tp ranks agree on replicated parameters)."""
+    x = x.reshape(-1).float()
+    ids, nb = _block_ids(x.numel(), block, cuts, x.device)
+    amax = torch.zeros(nb, dtype=torch.float32, device=x.device).scatter_reduce_(0, ids, x.abs(), "amax")
+    scale = amax / 127.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(blocks / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-    return q.reshape(-1), scale
+    q = torch.round(x / scale[ids]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
 
 
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, block: int = INT8_BLOCK) -> torch.Tensor:
-    return (q.reshape(-1, block).float() * scale.unsqueeze(1)).reshape(-1)
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, block: int = INT8_BLOCK,
+                    cuts: Sequence[int] = ()) -> torch.Tensor:
+    ids, _ = _block_ids(q.numel(), block, cuts, q.device)
+    return q.reshape(-1).float() * scale[ids]
 
 
-def _blocks(numel: int, block: int) -> int:
-    return math.ceil(numel / block) * block
+def _local(cuts: Sequence[int], start: int, n: int) -> list[int]:
+    """The cuts inside [start, start + n), relative to start."""
+    return [c - start for c in cuts if start < c < start + n]
+
+
+def _pad(cuts: list[int], count: int) -> list[int]:
+    return cuts + [0] * (count - len(cuts))  # (a cut at 0 breaks nothing: every part agrees on the count)
 
 
 def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group | None = None,
-                         block: int = INT8_BLOCK) -> torch.Tensor:
-    """Every rank's `shard` (equal sizes, fp32) into `output` in group order, sent as int8 blocks."""
+                         block: int = INT8_BLOCK, cuts: Sequence[int] = ()) -> torch.Tensor:
+    """Every rank's `shard` (equal sizes, fp32) into `output` in group order, sent as int8 blocks that
+    break at the offsets `cuts` of `output`."""
     g = _group(group)
     n = shard.numel()
     if output.numel() != n * g.size:
         raise ValueError(f"quantized_all_gather of {n} elements per rank over {g.size} ranks needs an output of "
                          f"{n * g.size}, got {output.numel()}")
-    size = _blocks(n, block)
-    x = torch.zeros(size, dtype=torch.float32, device=shard.device)
-    x[:n] = shard.reshape(-1)
-    q, scale = quantize_int8(x, block)
-    qs = torch.empty(size * g.size, dtype=torch.int8, device=shard.device)
+    q, scale = quantize_int8(shard, block, _pad(_local(cuts, g.rank * n, n), len(cuts)))
+    qs = torch.empty(n * g.size, dtype=torch.int8, device=shard.device)
     scales = torch.empty(scale.numel() * g.size, dtype=torch.float32, device=shard.device)
     all_gather(qs, q, g)
     all_gather(scales, scale, g)
     _sent((q.numel() + 4 * scale.numel()) * (g.size - 1))
-    parts = dequantize_int8(qs, scales, block).view(g.size, size)[:, :n]
-    output.view(-1).copy_(parts.reshape(-1))
+    for r in range(g.size):
+        part = _pad(_local(cuts, r * n, n), len(cuts))
+        output.view(-1)[r * n:(r + 1) * n] = dequantize_int8(qs[r * n:(r + 1) * n], scales.view(g.size, -1)[r],
+                                                             block, part)
     return output
 
 
 def quantized_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Group | None = None,
-                             block: int = INT8_BLOCK) -> torch.Tensor:
+                             block: int = INT8_BLOCK, cuts: Sequence[int] = ()) -> torch.Tensor:
     """Sum `tensor` (fp32, group.size equal parts) over the group; this rank keeps part `rank` in `output`.
-    Each part travels as int8 blocks and the sum is taken in fp32."""
+    Each part travels as int8 blocks (breaking at the offsets `cuts` of `tensor`) and the sum is taken
+    in fp32."""
     g = _group(group)
     if tensor.numel() % g.size or output.numel() != tensor.numel() // g.size:
         raise ValueError(f"quantized_reduce_scatter of {tensor.numel()} elements over {g.size} ranks needs equal "
                          f"parts and an output of one part, got an output of {output.numel()}")
     n = output.numel()
-    size = _blocks(n, block)
-    x = torch.zeros(g.size, size, dtype=torch.float32, device=tensor.device)
-    x[:, :n] = tensor.reshape(g.size, n)
-    q, scale = quantize_int8(x.reshape(-1), block)
+    flat = tensor.reshape(-1)
+    parts = [quantize_int8(flat[d * n:(d + 1) * n], block, _pad(_local(cuts, d * n, n), len(cuts)))
+             for d in range(g.size)]
+    mine = _pad(_local(cuts, g.rank * n, n), len(cuts))  # how every rank cut the part it sends here
     if g.size == 1:
-        output.view(-1).copy_(dequantize_int8(q, scale, block)[:n])
+        output.view(-1).copy_(dequantize_int8(*parts[0], block, mine))
         return output
+    q, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     q_in, s_in = torch.empty_like(q), torch.empty_like(scale)
     all_to_all(q_in, q, g)  # part r of every rank to rank r
     all_to_all(s_in, scale, g)
     _sent((q.numel() + 4 * scale.numel()) // g.size * (g.size - 1))
-    total = dequantize_int8(q_in, s_in, block).view(g.size, size).sum(dim=0)
-    output.view(-1).copy_(total[:n])
+    nb = scale.numel() // g.size
+    total = sum(dequantize_int8(q_in[r * n:(r + 1) * n], s_in[r * nb:(r + 1) * nb], block, mine)
+                for r in range(g.size))
+    output.view(-1).copy_(total)
     return output

@@ -74,6 +74,7 @@ class StepInfo:
     skipped: bool = False
     seconds: float = 0.0
     mem: dict[str, float] = field(default_factory=dict)
+    comm: dict[str, float] = field(default_factory=dict)  # comm.wire_bytes with parallel.compression
 
 
 GPU_SHARE = 0.9  # of the GPU memory free at start that chunks and activations may use (the rest: CUDA's own)
@@ -140,8 +141,11 @@ class Engine:
             # starts once its parameters got all their micro-batches' gradients, during the schedule's
             # last backwards; tied weights wait for the schedule's sum over their stages.
             micro, late = (self.accum, list(pipeline.executor.tied_params.values())) if pipeline else (0, [])
-            self.optimizer = ZeroOptimizer(model, groups, config.parallel.zero_stage, config.train, bucket_bytes,
-                                           config.parallel.zero2_collective, gather_bytes, micro, late)
+            p = config.parallel
+            self.optimizer = ZeroOptimizer(model, groups, p.zero_stage, config.train, bucket_bytes,
+                                           p.zero2_collective, gather_bytes, micro, late,
+                                           compression=p.compression, freeze_steps=p.compression_freeze_steps)
+            comm.reset_wire_bytes()
             # state_dict() between steps must see every rank's updated parameters.
             model.register_state_dict_pre_hook(lambda *args, **kwargs: self.optimizer.wait_params())
 
@@ -311,6 +315,8 @@ class Engine:
         info.seconds = time.perf_counter() - (self._step_start or time.perf_counter())
         self._step_start = None
         info.mem = self.memory_stats()
+        if self.config.parallel.compression != "none":  # what this rank sent through compressed collectives
+            info.comm = {"comm.wire_bytes": comm.reset_wire_bytes()}
         return info
 
     def _global_loss(self) -> float:

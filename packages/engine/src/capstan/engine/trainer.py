@@ -124,7 +124,7 @@ def _train_steps(cfg: Config, engine: Engine, groups: comm.Groups, batches: Iter
         record = {"step": info.step, "loss": info.loss, "lr": info.lr,
                   "tokens_per_s": derived["tokens_per_step"] / max(info.seconds, 1e-9),
                   "grad_norm": info.grad_norm, "loss_scale": info.loss_scale, "skipped": info.skipped,
-                  "step_s": info.seconds, **info.mem, **planned}
+                  "step_s": info.seconds, **info.mem, **info.comm, **planned}
         last = step + 1 == t.steps
         if t.eval_every and (info.step % t.eval_every == 0 or last):
             record["val_loss"] = engine.eval_batch(vals)

@@ -147,7 +147,12 @@ class StateView:
         raise NotImplementedError
 
     def finish_load(self) -> None:
-        """Called after every `write`."""
+        """Called after every `write` and after `optimizer_step` is set."""
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's own state outside the parameters' (1-bit Adam's error-feedback residuals), by key:
+        saved in its file and restored under the same layout only."""
+        return {}
 
     optimizer_step: int
 
@@ -182,8 +187,8 @@ class FlatView(StateView):
         pos, _ = self._offset[lp.name]
         a, b = lp.own
         # A copy in RAM (the buffers are on the GPU when the model trains there).
-        if field == "param":
-            return self.opt.flat_param[pos + a : pos + b].to("cpu", copy=True)
+        if field == "param":  # (int8 compression: the exact master shard, not the quantized gather)
+            return self.opt.exact_param(pos + a, pos + b).to("cpu", copy=True)
         return self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo].to("cpu", copy=True)
 
     def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
@@ -195,6 +200,12 @@ class FlatView(StateView):
         lo, hi = max(pos, self.opt.lo), min(pos + flat.numel(), self.opt.hi)
         if lo < hi:
             self._moment(field)[lo - self.opt.lo : hi - self.opt.lo].copy_(flat[lo - pos : hi - pos])
+
+    def finish_load(self) -> None:
+        self.opt.after_load()
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return self.opt.onebit.state_tensors() if self.opt.onebit is not None else {}
 
     @property  # type: ignore[override]
     def optimizer_step(self) -> int:

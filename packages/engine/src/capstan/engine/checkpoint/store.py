@@ -164,6 +164,9 @@ def _write_shard(engine: Engine, directory: Path, rank: int) -> dict[str, object
     rng += [(k, gen.get_state()) for k, gen in rng_generators(engine)]
     for key, state in rng:
         entries.append(Entry(key, tuple(state.shape), torch.uint8, lambda s=state: s))
+    local = view.local_state()  # this rank's own optimizer state (1-bit Adam's residuals)
+    for key, t in local.items():
+        entries.append(Entry(key, (t.numel(),), torch.float32, lambda t=t: t.detach().reshape(-1).to("cpu")))
     file = f"rank_{rank:05d}.safetensors"
     where, sha, size = write_safetensors(directory / file, entries, {"format": FORMAT, "rank": str(rank)})
     for piece in pieces:
@@ -173,7 +176,8 @@ def _write_shard(engine: Engine, directory: Path, rank: int) -> dict[str, object
     return {"rank": rank, "coord": {"dp": g.dp.rank, "pp": g.pp.rank, "tp": g.tp.rank, "cp": g.cp.rank}, "file": file,
             "sha256": sha, "bytes": size, "pieces": pieces,
             "params": {lp.name: lp.describe() for lp in view.params},
-            "rng": {k: list(where[k]) for k, _ in rng}, "optimizer_step": view.optimizer_step}
+            "rng": {k: list(where[k]) for k, _ in rng}, "local": {k: list(where[k]) for k in local},
+            "optimizer_step": view.optimizer_step}
 
 
 def _manifest(engine: Engine, directory: Path) -> dict[str, object]:
@@ -199,7 +203,7 @@ def _manifest(engine: Engine, directory: Path) -> dict[str, object]:
         "params": params,
         "numel": sum(_numel(d["shape"]) for d in params.values()),  # type: ignore[index]
         "files": {idx["file"]: {"rank": idx["rank"], "coord": idx["coord"], "sha256": idx["sha256"],
-                                "bytes": idx["bytes"], "rng": idx["rng"]} for idx in ranks},
+                                "bytes": idx["bytes"], "rng": idx["rng"], "local": idx["local"]} for idx in ranks},
         "pieces": [p for idx in ranks for p in idx["pieces"]],
     }
 
@@ -342,13 +346,17 @@ def _load(engine: Engine, path: Path) -> int:
             raise CheckpointError(f"checkpoint {directory}: {lp.name} has shape {tuple(desc['shape'])}, "
                                   f"this model's is {lp.full_shape}")
         _load_param(directory, manifest, index, view, lp, source)
-    view.finish_load()
     state = manifest["train_state"]
     view.optimizer_step = int(state["optimizer_step"])
+    view.finish_load()
     if engine.scaler is not None and state["scaler"] is not None:
         engine.scaler.load_state_dict(state["scaler"])
     if _same_layout(manifest["layout"], engine):
         _load_rng(engine, directory, manifest)
+        _load_local(view, directory, manifest, engine.groups.world.rank)
+    elif view.local_state():
+        comm.log_rank0(log, "checkpoint %s was saved under another layout: 1-bit Adam's error-feedback residuals "
+                       "start from zero", directory)
     engine.global_step = int(state["global_step"])
     return engine.global_step
 
@@ -360,6 +368,25 @@ def _load_param(directory: Path, manifest: dict, index: dict, view: object, lp: 
             raise CheckpointError(f"checkpoint {directory} has no {field} for {lp.name}")
         full = assemble(directory, manifest, pieces, source)
         view.write(lp, field, slice_tp(full, lp))  # type: ignore[attr-defined]
+
+
+def _load_local(view: object, directory: Path, manifest: dict, rank: int) -> None:
+    """Same layout: this rank's own optimizer state (`StateView.local_state`), where the checkpoint has it
+    (one saved without compression has none: the state stays as it starts, zero)."""
+    file = f"rank_{rank:05d}.safetensors"
+    stored = manifest["files"].get(file, {}).get("local", {})
+    for key, tensor in view.local_state().items():  # type: ignore[attr-defined]
+        if key not in stored:
+            continue
+        offset, nbytes, crc = stored[key]
+        try:
+            data = read_tensor(directory / file, offset, nbytes, "F32", crc)
+        except (OSError, EOFError, ValueError) as exc:
+            raise CheckpointError(str(exc)) from None
+        if data.numel() != tensor.numel():
+            raise CheckpointError(f"checkpoint {directory}: {key} of rank {rank} has {data.numel()} elements, "
+                                  f"this run's has {tensor.numel()}")
+        tensor.view(-1).copy_(data)
 
 
 def _load_rng(engine: Engine, directory: Path, manifest: dict) -> None:

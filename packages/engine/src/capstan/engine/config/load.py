@@ -312,12 +312,29 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
         raise ConfigError("memory.activation_offload moves the inputs of recomputed blocks: it needs "
                           "memory.activation_checkpointing = true and the reference GPT (a module of your own "
                           "passes keeper=capstan.chunkmem.ActivationOffload... to capstan.tensorpar.recompute)")
+    if p.compression != "none":
+        _check_compression(cfg, sources)
     if uses_chunks(cfg):
         _check_chunk_path(cfg, sources, reference_model)
     elif mem.cpu_budget is not None:
         raise ConfigError("memory.cpu_budget only applies to chunked memory: set memory.offload = \"cpu\" "
                           "or \"disk\" (or parallel.zero_stage = 3)")
     return cfg
+
+
+def _check_compression(cfg: Config, sources: Sources) -> None:
+    """parallel.compression where it is sound (and built): 1-bit Adam all-reduces the whole momentum on
+    every dp rank, so nothing may shard it; int8 compresses ZeRO's reduce-scatter and all-gather."""
+    p, mem = cfg.parallel, cfg.memory
+    where = f"zero_stage = {p.zero_stage} (from {_src(sources, 'parallel.zero_stage')}), offload = {mem.offload!r}"
+    if p.compression == "onebit" and (p.zero_stage != 0 or mem.offload != "none"):
+        raise ConfigError(f"parallel.compression = \"onebit\" needs parallel.zero_stage = 0 and memory.offload = "
+                          f"\"none\" (got {where}): 1-bit Adam all-reduces the whole momentum on every dp rank, "
+                          "which ZeRO and chunks shard")
+    if p.compression == "int8" and (p.zero_stage not in (1, 2) or mem.offload != "none"):
+        raise ConfigError(f"parallel.compression = \"int8\" needs parallel.zero_stage = 1 or 2 and memory.offload = "
+                          f"\"none\" (got {where}): it quantizes ZeRO 1/2's gradient reduce-scatter and parameter "
+                          "all-gather (ZeRO 0 has neither; ZeRO-3 and offload, through chunks, are not compressed yet)")
 
 
 def _check_bpe(cfg: Config) -> None:

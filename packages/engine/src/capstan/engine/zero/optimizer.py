@@ -49,6 +49,13 @@ pipeline parallelism each stage holds its own parameters (the reference GPT's
 head is untied), so the stages' sums add up over the pp group; a weight tied
 across stages (a user pipeline's LayerSpec `tied`) counts on the lowest stage
 that holds it only.
+
+``compression`` (``parallel.compression``, compression.py): "onebit" runs
+1-bit Adam at stage 0 (after the freeze the gradients stay local, so the norm
+for clipping is the root mean square of the ranks' own gradient norms, an upper
+bound of the averaged gradient's); "int8" reduces gradients with an int8
+reduce-scatter and gathers parameters with an int8 all-gather at stages 1/2,
+after backward (no buckets), keeping the master shard exact in `master`.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from torch import nn
 
 from ..config.schema import TrainConfig
 from .buckets import OverlappedBuckets, plan_all_reduce, plan_reduce_scatter
+from .compression import OneBitAdam, int8_all_gather, int8_reduce_scatter
 from .gather import ParamPrefetch
 
 __all__ = ["ZeroOptimizer", "Segment", "decays"]
@@ -99,13 +107,19 @@ class ZeroOptimizer:
 
     def __init__(self, model: nn.Module, groups: comm.Groups, stage: int, train: TrainConfig,
                  bucket_bytes: int = 0, zero2_collective: str = "all_reduce", gather_bytes: int = 0,
-                 pipeline_microbatches: int = 0, late_params: Sequence[torch.Tensor] = ()) -> None:
+                 pipeline_microbatches: int = 0, late_params: Sequence[torch.Tensor] = (),
+                 compression: str = "none", freeze_steps: int = 0) -> None:
         """pipeline_microbatches > 0: gradients come from a pipeline schedule, one `after_backward` per
         step after all its micro-batches; the buckets then count that many accumulations per parameter
         and start while the schedule's last backwards run. late_params: sent only after the schedule
-        (tied weights, summed over their stages at its end)."""
+        (tied weights, summed over their stages at its end). compression, freeze_steps: see the module
+        docstring and compression.py."""
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer handles ZeRO stages 0-2, got {stage}")
+        if (compression, stage == 0) in (("onebit", False), ("int8", True)) or compression not in (
+                "none", "onebit", "int8"):
+            raise ValueError(f"compression {compression!r} does not apply to ZeRO stage {stage}")
+        self.compression = compression
         self.groups, self.stage, self.train = groups, stage, train
         params = [p for p in model.parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in model.named_parameters()}  # for overflow diagnostics
@@ -153,11 +167,13 @@ class ZeroOptimizer:
         self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
         # Backward passes per optimizer step: the accumulation's micro-batches, or one pipeline schedule.
         self.passes = 1 if pipeline_microbatches else train.grad_accum_steps
-        overlap = bucket_bytes > 0 and dp > 1
+        self.onebit = (OneBitAdam([(seg.start, seg.end) for seg in self.segments], groups.replicas, freeze_steps, dev)
+                       if compression == "onebit" else None)
+        overlap = bucket_bytes > 0 and dp > 1 and compression != "int8"  # int8 reduces after backward
         # One backward per step with all-reduced buckets: the flat gradient's own shard range already
         # holds the averaged shard gradient, and nothing accumulates across micro-batches, so stage 2
         # uses it in place (no shard accumulator, no copy into it, no clearing the flat gradient twice).
-        in_place = overlap and self.passes == 1 and zero2_collective == "all_reduce"
+        in_place = overlap and self.passes == 1 and zero2_collective == "all_reduce" and compression == "none"
         self.shard_grad = torch.zeros(self.hi - self.lo, device=dev) if stage == 2 and not in_place else None
         self.overlap: OverlappedBuckets | None = None
         if overlap:
@@ -169,15 +185,25 @@ class ZeroOptimizer:
                                              self.shard_grad, (self.lo, self.hi), max(1, pipeline_microbatches),
                                              frozenset(i for i, q in enumerate(self.params) if id(q) in late_ids))
             self._arm()
+        # int8: this rank's exact fp32 master shard; flat_param holds what the quantized gather delivered.
+        self.master = self.flat_param[self.lo : self.hi].clone() if compression == "int8" else None
+        self.cuts = [seg.start for seg in self.segments[1:]] + [numel]  # int8 blocks break there
+        self._local_nonfinite = False  # int8: an inf/NaN seen before quantizing (which would hide it)
         self.prefetch: ParamPrefetch | None = None
-        if gather_bytes > 0 and dp > 1 and stage > 0:
+        if gather_bytes > 0 and dp > 1 and stage > 0 and compression == "none":
             self.prefetch = ParamPrefetch(model, self.params, _offsets(self.params), self.flat_param, groups.replicas,
                                           max(1, gather_bytes // 4))
 
     def _arm(self) -> None:
-        """Communicate in the next backward? Stage 2 always; stages 0/1 on the accumulation's last micro-batch."""
+        """Communicate in the next backward? Stage 2 always; stages 0/1 on the accumulation's last
+        micro-batch; never once 1-bit Adam compresses (the gradients then stay on their rank)."""
         if self.overlap is not None:
-            self.overlap.armed = self.stage == 2 or self.micro == self.passes - 1
+            self.overlap.armed = (self.stage == 2 or self.micro == self.passes - 1) and not self.compressing
+
+    @property
+    def compressing(self) -> bool:
+        """1-bit Adam past its freeze: the next step averages the momentum in 1 bit, not the gradients."""
+        return self.onebit is not None and self.onebit.compressing(self.step_count)
 
     # ---- gradients ------------------------------------------------------------------------------
     def _repoint_grads(self) -> None:
@@ -199,15 +225,37 @@ class ZeroOptimizer:
             self._arm()
             if ran or self.stage < 2:
                 return
-        if self.stage == 2:
+        if self.stage == 2 and self.compression == "int8":
+            self._int8_reduce(self.shard_grad, accumulate=True)  # type: ignore[arg-type]
+            self.flat_grad.zero_()
+        elif self.stage == 2:
             part = torch.empty(self.hi - self.lo, device=self.device)
             comm.reduce_scatter(part, self.flat_grad, op="avg", group=self.groups.replicas, overwrite_input=True)  # cleared next
             self.shard_grad.add_(part)  # type: ignore[union-attr]
             self.flat_grad.zero_()
 
+    def _int8_reduce(self, out: torch.Tensor, accumulate: bool) -> None:
+        """This rank's shard of the dp average of the flat gradient, reduced in int8, into (or onto) `out`;
+        an inf/NaN is noted first (quantizing would turn it into a finite value)."""
+        self._local_nonfinite = self._local_nonfinite or kernels.has_nonfinite(self.flat_grad)
+        part = torch.empty(self.hi - self.lo, device=self.device)
+        int8_reduce_scatter(self.flat_grad, part, self.groups.replicas, self.cuts)
+        if accumulate:
+            out.add_(part)
+        else:
+            out.copy_(part)
+
     def reduce_gradients(self) -> None:
-        """Average gradients over dp at the end of gradient accumulation."""
+        """Average gradients over dp at the end of gradient accumulation (1-bit Adam past its freeze:
+        nothing; its step averages the momentum)."""
         micro, self.micro = self.micro, 0
+        if self.compressing:
+            self._arm()
+            return
+        if self.compression == "int8":
+            if self.stage == 1:
+                self._int8_reduce(self.flat_grad[self.lo : self.hi], accumulate=False)
+            return
         if self.overlap is not None:
             self._arm()
             if self.stage == 2 or micro == self.passes:
@@ -240,13 +288,16 @@ class ZeroOptimizer:
         total = torch.tensor([local], dtype=torch.float64)
         if self.stage > 0:
             comm.all_reduce(total, group=self.groups.replicas)
+        elif self.compressing:  # each rank's own gradient: the root mean square of their norms
+            comm.all_reduce(total, op="avg", group=self.groups.replicas)
         comm.all_reduce(total, group=self.groups.tp)
         comm.all_reduce(total, group=self.groups.pp)  # pipeline stages hold disjoint parameters
         return math.sqrt(float(total.item()))
 
     def has_overflow(self) -> bool:
         """True if any rank's gradients hold inf/NaN (all ranks then skip the step together)."""
-        flag = torch.tensor([1.0 if kernels.has_nonfinite(self._shard_grad()) else 0.0])
+        bad = self._local_nonfinite or kernels.has_nonfinite(self._shard_grad())
+        flag = torch.tensor([1.0 if bad else 0.0])
         comm.all_reduce(flag, op="max", group=self.groups.replicas)
         comm.all_reduce(flag, op="max", group=self.groups.tp)
         comm.all_reduce(flag, op="max", group=self.groups.pp)
@@ -264,6 +315,7 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         self.micro = 0
+        self._local_nonfinite = False
         self._arm()
         self.flat_grad.zero_()
         if self.shard_grad is not None:
@@ -273,20 +325,46 @@ class ZeroOptimizer:
     def step(self, lr: float, grad_scale: float) -> None:
         """AdamW on this rank's shard (grad_scale folds clipping and 1/loss_scale), then all-gather."""
         self.wait_params()
-        self.step_count += 1
         t = self.train
+        if self.onebit is not None and self.compressing:
+            self.step_count += 1
+            pieces = [(a, b, t.weight_decay if seg.decay else 0.0) for seg, a, b in self._pieces()]
+            self.onebit.step(self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq, pieces=pieces,
+                             step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
+                             grad_scale=grad_scale)
+            return
+        self.step_count += 1
         g = self._shard_grad()
+        # int8: Adam steps the exact master shard, then every rank gathers the quantized shards.
+        param = self.master if self.master is not None else self.flat_param[self.lo : self.hi]
         for seg, a, b in self._pieces():
             sl = slice(a - self.lo, b - self.lo)
-            kernels.adam_update(self.flat_param[a:b], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
+            kernels.adam_update(param[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
                                 step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
                                 weight_decay=t.weight_decay if seg.decay else 0.0, adamw=True,
                                 grad_scale=grad_scale)
-        if self.prefetch is not None:
+        if self.master is not None:
+            int8_all_gather(self.flat_param, self.master, self.groups.replicas, self.cuts)
+        elif self.prefetch is not None:
             self.prefetch.start()  # waited for by the next forward's pre-hooks (gather.py)
         elif self.stage > 0:
             shard = self.flat_param[self.lo : self.hi].clone()  # the collective must not alias its output
             comm.all_gather(self.flat_param, shard, group=self.groups.replicas)
+
+    def exact_param(self, a: int, b: int) -> torch.Tensor:
+        """Flat elements [a, b) of the parameters at full precision (int8: from the master shard, which
+        must hold them; else the buffer)."""
+        if self.master is not None and self.lo <= a <= b <= self.hi:
+            return self.master[a - self.lo : b - self.lo]
+        return self.flat_param[a:b]
+
+    def after_load(self) -> None:
+        """A checkpoint was written into flat_param: int8 takes its master shard from it and, past the
+        first step, computes with the quantized gather of it, as the run that saved it did."""
+        if self.master is not None:
+            self.master.copy_(self.flat_param[self.lo : self.hi])
+            if self.step_count > 0:
+                int8_all_gather(self.flat_param, self.master, self.groups.replicas, self.cuts)
 
     def wait_params(self) -> None:
         """Finish the overlapped parameter all-gather: every rank's parameters are current afterwards."""
@@ -298,6 +376,10 @@ class ZeroOptimizer:
         tensors = [self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq]
         if self.shard_grad is not None:
             tensors.append(self.shard_grad)
+        if self.master is not None:
+            tensors.append(self.master)
+        if self.onebit is not None:
+            tensors += list(self.onebit.state_tensors().values())
         return sum(x.numel() * x.element_size() for x in tensors)
 
 
