@@ -1,7 +1,7 @@
-"""Two "hosts" on one machine: network namespaces joined by a veth pair (root only).
+"""Two "hosts" on one machine: network namespaces on one switch (capstan.comm.testing.netns; root only).
 
-Namespace A holds 10.77.0.1, namespace B 10.77.0.2 (a /24 on the veth pair, whose two ends are both
-named `cveth` inside their namespaces, so one GLOO_SOCKET_IFNAME serves every rank; lo up in each).
+Namespace A holds 10.77.0.1, namespace B 10.77.0.2 (a /24; each host's interface is named `cveth`
+inside its namespace, so one GLOO_SOCKET_IFNAME serves every rank; lo up in each).
 Four ranks, two per namespace, train the tiny reference GPT in fp32 with tp=2 inside each "host" and
 dp=2 across; the losses must match a one-process run of the same global batch (grad_accum_steps=2).
 
@@ -11,6 +11,10 @@ dp=2 across; the losses must match a one-process run of the same global batch (g
   (hostfile `10.77.0.1 slots=2`, `10.77.0.2 slots=2`); Open MPI starts its daemon on 10.77.0.2
   through an ssh-like agent script that does `ip netns exec B sh -c "<command>"` (PRRTE's
   plm_ssh_agent), with PRRTE's and the TCP BTL's traffic pinned to `cveth` (docs/launch.md).
+* test_onebit_adam_across_a_100_mbit_link does the same over links limited to 100 Mbit/s by tc
+  (the slow cluster of tools/bench_slow_network.py), training with 1-bit Adam past its freeze:
+  every step reports the bytes it sent (none before the freeze, the formula's after), and the
+  losses stay within 10% of the one-process run's.
 """
 
 from __future__ import annotations
@@ -18,10 +22,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,63 +31,25 @@ import pytest
 
 from capstan.comm.testing import mpirun_flavor, requires_mpirun
 from capstan.comm.testing.harness import _clean_env
+from capstan.comm.testing.netns import IFNAME, netns_reason, shaping, simulated_hosts
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "examples" / "tiny.toml")
 CLI = [sys.executable, "-m", "capstan.engine.cli"]
 STEPS = 10
 ADDR = ["10.77.0.1", "10.77.0.2"]
-IFNAME = "cveth"  # both ends of the veth pair, each inside its own namespace
 
-
-def _netns_reason() -> str | None:
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None:
-        return "needs the `ip` command (iproute2)"
-    probe = f"cpprobe{uuid.uuid4().hex[:6]}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-_REASON = _netns_reason()
+_REASON = netns_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
 @contextlib.contextmanager
-def _two_hosts() -> Iterator[list[str]]:
-    """Namespaces [A, B] (unique names) joined by a veth pair; every process left in them is killed
-    and both are deleted on the way out."""
-    tag = uuid.uuid4().hex[:6]
-    ns = [f"cpa{tag}", f"cpb{tag}"]
-    veth = [f"cva{tag}", f"cvb{tag}"]
-    try:
-        for n in ns:
-            _ip("netns", "add", n)
-        _ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
-        for n, v, a in zip(ns, veth, ADDR):
-            _ip("link", "set", v, "netns", n)
-            _ip("-n", n, "link", "set", v, "name", IFNAME)
-            _ip("-n", n, "addr", "add", f"{a}/24", "dev", IFNAME)
-            _ip("-n", n, "link", "set", IFNAME, "up")
-            _ip("-n", n, "link", "set", "lo", "up")
-        yield ns
-    finally:
-        for n in ns:
-            pids = subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
-            for pid in pids:  # only processes this test started live in its namespaces
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), 9)
-        for n in ns:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)  # deletes its end of the veth pair
-        subprocess.run(["ip", "link", "del", veth[0]], capture_output=True)  # in case it never moved
+def _two_hosts(rate: str | None = None) -> Iterator[list[str]]:
+    """Namespaces [A, B] holding ADDR, on one switch (links limited to `rate`); everything started in
+    them is killed and they are deleted on the way out."""
+    with simulated_hosts(2, rate=rate) as hosts:
+        assert [h.address for h in hosts] == ADDR
+        yield [h.namespace for h in hosts]
 
 
 def _train(run_dir: Path, *extra: str) -> list[str]:
@@ -156,44 +120,68 @@ exec ip netns exec "$ns" sh -c "$*"
 """
 
 
+def _launch_across(tmp_path: Path, ns: list[str], run_dir: Path, *extra: str) -> str:
+    """`capstan launch --hostfile` inside namespace A, two ranks per "host" (tp = 2 in each, dp = 2
+    across); returns its output after asserting that it succeeded through the agent."""
+    agent = tmp_path / "agent.sh"
+    agent.write_text(AGENT.format(a=ADDR[0], na=ns[0], b=ADDR[1], nb=ns[1]))
+    agent.chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{ADDR[0]} slots=2\n{ADDR[1]} slots=2\n")
+    # Only the agent is strictly needed (lo and cveth are the only interfaces in each namespace);
+    # the two if_include options pin PRRTE's out-of-band and MPI's TCP traffic to cveth, as on
+    # hosts with several interfaces.
+    mpirun_opts = ["--prtemca", "plm_ssh_agent", str(agent),  # daemons on other "hosts" via the agent
+                   "--prtemca", "prte_if_include", IFNAME,
+                   "--mca", "btl_tcp_if_include", IFNAME]
+    # MASTER_ADDR/MASTER_PORT: the namespaces share one hostname, so without them rank 0 would
+    # take the world for one host and advertise 127.0.0.1.
+    env = _clean_env({"MASTER_ADDR": ADDR[0], "MASTER_PORT": "29512", "GLOO_SOCKET_IFNAME": IFNAME,
+                      "CAPSTAN_COMM_TIMEOUT": "60", "CAPSTAN_COMM_BACKEND": "gloo"})
+    cmd = ["ip", "netns", "exec", ns[0], *CLI, "launch", "-np", "4", "--hostfile", str(hostfile),
+           *[f"--mpirun-arg={x}" for x in mpirun_opts], "--", "capstan",
+           *_train(run_dir, "--set", "parallel.tp=2", *extra)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=80)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        raise AssertionError(f"capstan launch timed out:\n{out[-4000:]}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    assert "world 4 = dp 2 x tp 2 x pp 1" in out
+    assert ADDR[1] in (tmp_path / "agent.sh.log").read_text()  # the daemon on B came through the agent
+    return out
+
+
 @requires_mpirun()
 @pytest.mark.skipif(mpirun_flavor() != "openmpi", reason="the remote agent options are Open MPI's (PRRTE)")
 def test_capstan_launch_hostfile_across_namespaces(tmp_path: Path) -> None:
     with _two_hosts() as ns:
-        agent = tmp_path / "agent.sh"
-        agent.write_text(AGENT.format(a=ADDR[0], na=ns[0], b=ADDR[1], nb=ns[1]))
-        agent.chmod(0o755)
-        hostfile = tmp_path / "hosts"
-        hostfile.write_text(f"{ADDR[0]} slots=2\n{ADDR[1]} slots=2\n")
-        # Only the agent is strictly needed (lo and cveth are the only interfaces in each namespace);
-        # the two if_include options pin PRRTE's out-of-band and MPI's TCP traffic to cveth, as on
-        # hosts with several interfaces.
-        mpirun_opts = ["--prtemca", "plm_ssh_agent", str(agent),  # daemons on other "hosts" via the agent
-                       "--prtemca", "prte_if_include", IFNAME,
-                       "--mca", "btl_tcp_if_include", IFNAME]
         multi = tmp_path / "multi"
-        # MASTER_ADDR/MASTER_PORT: the namespaces share one hostname, so without them rank 0 would
-        # take the world for one host and advertise 127.0.0.1.
-        env = _clean_env({"MASTER_ADDR": ADDR[0], "MASTER_PORT": "29512", "GLOO_SOCKET_IFNAME": IFNAME,
-                          "CAPSTAN_COMM_TIMEOUT": "60", "CAPSTAN_COMM_BACKEND": "gloo"})
-        cmd = ["ip", "netns", "exec", ns[0], *CLI, "launch", "-np", "4", "--hostfile", str(hostfile),
-               *[f"--mpirun-arg={x}" for x in mpirun_opts], "--", "capstan",
-               *_train(multi, "--set", "parallel.tp=2")]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=80)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, _ = proc.communicate()
-            raise AssertionError(f"capstan launch timed out:\n{out[-4000:]}") from None
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-        assert proc.returncode == 0, out[-4000:]
-        assert "world 4 = dp 2 x tp 2 x pp 1" in out
-        assert ADDR[1] in (tmp_path / "agent.sh.log").read_text()  # the daemon on B came through the agent
+        _launch_across(tmp_path, ns, multi)
         a, b = _one_process(tmp_path), _losses(multi)
         assert len(a) == len(b) == STEPS
         assert b == pytest.approx(a, rel=1e-5), (a, b)
+
+
+@requires_mpirun()
+@pytest.mark.skipif(mpirun_flavor() != "openmpi", reason="the remote agent options are Open MPI's (PRRTE)")
+@pytest.mark.skipif(shaping() is None, reason="tc cannot shape links here (neither netem nor tbf)")
+def test_onebit_adam_across_a_100_mbit_link(tmp_path: Path) -> None:
+    freeze = 3
+    with _two_hosts(rate="100mbit") as ns:
+        multi = tmp_path / "multi"
+        _launch_across(tmp_path, ns, multi, "--set", "parallel.compression=\"onebit\"",
+                       "--set", f"parallel.compression_freeze_steps={freeze}")
+    records = [json.loads(x) for x in (multi / "metrics.jsonl").read_text().splitlines()]
+    wire = [r["comm.wire_bytes"] for r in records]
+    assert wire[:freeze] == [0] * freeze and len(set(wire[freeze:])) == 1 and wire[-1] > 0, wire
+    a, b = _one_process(tmp_path), [r["loss"] for r in records]
+    assert b[:freeze] == pytest.approx(a[:freeze], rel=1e-5)  # exact AdamW until the freeze
+    assert b != pytest.approx(a, rel=1e-5) and b == pytest.approx(a, rel=1e-1), (a, b)

@@ -20,6 +20,14 @@ parameters are transient:
 * memory-saving mode: the same per chunk instead of per group, by broadcast
   from the owner and reduce to the owner, so only one remote chunk (and one
   gradient chunk) is resident at a time, for N times the collectives.
+* ``quantized`` (the engine's ``parallel.compression = "int8"``, ZeRO++'s
+  qwZ and qgZ): the normal mode's unit all-gathers and gradient
+  reduce-scatters travel as int8 blocks with a scale each
+  (`comm.quantized_all_gather` / `comm.quantized_reduce_scatter`, summed in
+  fp32); an owner keeps its chunk exact and computes with it, the others
+  with its dequantized copy. Chunk lists never mix tp-sliced and replicated
+  parameters, so tp ranks quantize replicated chunks alike. The
+  memory-saving mode's broadcasts and reduces are not compressed.
 
 Every collective is triggered by the access sequence alone, which is the
 same on every rank, so all ranks call them in the same order. Transient
@@ -63,13 +71,14 @@ class ShardedChunkedModel(ChunkedModel):
     _gathers = True
 
     def __init__(self, module: nn.Module, manager: ChunkManager, chunk_size: int | None, group: Group,
-                 memory_saving: bool = False, **kwargs: object) -> None:
+                 memory_saving: bool = False, quantized: bool = False, **kwargs: object) -> None:
         # With a device tier the gathered units, the gradient buffers and the reductions live on the
         # device (counted in its tier), where the hooks compute; optimizer chunks stay in RAM.
         self._on_dev = manager.dev is not None
         self._buf_device = manager.device if manager.device is not None else torch.device("cpu")
         self.group = group
         self.memory_saving = memory_saving
+        self.quantized = quantized  # int8 unit gathers and gradient reduce-scatters (module docstring)
         self._span = 1 if memory_saving else group.size  # chunks per transient unit
         self._gathered: dict[tuple[int, int], torch.Tensor] = {}  # (param group, unit) -> buffer
         self.unit_gathers = 0  # units materialized so far (all-gathers, or broadcasts in memory-saving mode)
@@ -282,7 +291,11 @@ class ShardedChunkedModel(ChunkedModel):
         else:
             mine = next(i for i in indices if self.owned(i))
             own = self.manager.access(self.chunks[ChunkKind.PARAM][g][mine].chunk_id, compute=self._on_dev)
-            comm.all_gather(buf, own.payload.narrow(0, 0, width), group=self.group)  # type: ignore[union-attr]
+            mine_payload = own.payload.narrow(0, 0, width)  # type: ignore[union-attr]
+            if self.quantized:
+                comm.quantized_all_gather(buf, mine_payload, group=self.group)
+            else:
+                comm.all_gather(buf, mine_payload, group=self.group)
             self.manager.release(own.chunk_id)
         self.collective_elements += width
         self._gathered[key] = buf
@@ -378,16 +391,24 @@ class ShardedChunkedModel(ChunkedModel):
             grad_id = self.chunks[ChunkKind.GRAD][g][mine].chunk_id
             if self.manager.reads_as_zeros(grad_id):  # this step's first reduction: straight into the chunk
                 grad = self.manager.access(grad_id, overwrite=True, compute=self._on_dev).payload.narrow(0, 0, width)  # type: ignore[union-attr]
-                comm.reduce_scatter(grad, buf, op="avg", group=self.group, overwrite_input=True)
+                self._reduce_scatter(grad, buf)
                 self.manager.release(grad_id)
             else:  # the unit was flushed before in this step (partly filled, or an earlier micro-batch)
                 self.manager.reserve_transient(width * 4, f"reduced gradient chunk of unit {key}", self._on_dev)
                 shard = torch.empty(width, device=self._buf_device)
-                comm.reduce_scatter(shard, buf, op="avg", group=self.group, overwrite_input=True)  # buf is freed next
+                self._reduce_scatter(shard, buf)  # buf is freed next
                 self._add_grad(g, mine, shard, width)
                 del shard
                 self.manager.release_transient(width * 4, self._on_dev)
         self._give_buffer(buf)
+
+    def _reduce_scatter(self, out: torch.Tensor, buf: torch.Tensor) -> None:
+        """This rank's part of the group average of `buf` into `out` (`buf` may be overwritten)."""
+        if self.quantized:
+            comm.quantized_reduce_scatter(out, buf, group=self.group)
+            out.div_(self.group.size)
+        else:
+            comm.reduce_scatter(out, buf, op="avg", group=self.group, overwrite_input=True)
 
     def _add_grad(self, g: int, index: int, reduced: torch.Tensor, width: int) -> None:
         """Add a reduced gradient into the owned GRAD chunk `index` (copy it, if the chunk holds none)."""
@@ -423,15 +444,22 @@ class ShardedChunkedModel(ChunkedModel):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        # Remote values come from the gathered PARAM chunks (16-bit in mixed precision).
-        for home in self.homes.values():
-            self._gather(home.group, self._unit(home.index))
-            chunk: Chunk = self.chunk_of(home, ChunkKind.PARAM)
-            if self.owned(home.index):
-                chunk = self.manager.access(chunk.chunk_id)
-                out[home.name] = chunk.view(home.slot).to("cpu", torch.float32, copy=True)
-                self.manager.release(chunk.chunk_id)
-            else:  # a copy in RAM: the gathered buffer is reused (or on the device)
-                out[home.name] = chunk.view(home.slot).to("cpu", torch.float32, copy=True)
-        self.drop_remote()
+        # Remote values come from the gathered PARAM chunks (16-bit in mixed precision), gathered exactly
+        # (not quantized): every rank gets the owners' values.
+        quantized, self.quantized = self.quantized, False
+        try:
+            if quantized:
+                self.drop_remote()  # units gathered in int8 must not stand in for the exact values
+            for home in self.homes.values():
+                self._gather(home.group, self._unit(home.index))
+                chunk: Chunk = self.chunk_of(home, ChunkKind.PARAM)
+                if self.owned(home.index):
+                    chunk = self.manager.access(chunk.chunk_id)
+                    out[home.name] = chunk.view(home.slot).to("cpu", torch.float32, copy=True)
+                    self.manager.release(chunk.chunk_id)
+                else:  # a copy in RAM: the gathered buffer is reused (or on the device)
+                    out[home.name] = chunk.view(home.slot).to("cpu", torch.float32, copy=True)
+            self.drop_remote()
+        finally:
+            self.quantized = quantized
         return out

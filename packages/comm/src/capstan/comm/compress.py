@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .alltoall import all_to_all
@@ -49,6 +50,16 @@ __all__ = ["onebit_all_reduce", "onebit_residual_sizes", "pack_signs", "unpack_s
 INT8_BLOCK = 256
 _WIRE = [0]
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_SIGN_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _sign_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: the +1 / -1 of each bit of every byte value (unpacking is then one embedding lookup)."""
+    key = (device, dtype)
+    if key not in _SIGN_TABLES:
+        bits = torch.arange(256).unsqueeze(1) >> torch.arange(8) & 1
+        _SIGN_TABLES[key] = (bits * 2 - 1).to(device=device, dtype=dtype)
+    return _SIGN_TABLES[key]
 
 
 def wire_bytes() -> int:
@@ -71,26 +82,34 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """Eight signs per byte (bit set: >= 0), `x` flat with a multiple of 8 elements."""
     if x.numel() % 8:
         raise ValueError(f"pack_signs needs a multiple of 8 elements, got {x.numel()}")
+    if x.device.type == "cpu":  # numpy's packbits: ~3x faster than the tensor ops below
+        return torch.from_numpy(np.packbits((x.reshape(-1) >= 0).numpy(), bitorder="little"))
     bits = (x.reshape(-1, 8) >= 0).to(torch.uint8)
     return (bits * _BITS.to(x.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """+1 / -1 for each bit of `packed` (8 per byte, the order `pack_signs` wrote)."""
-    bits = (packed.reshape(-1, 1) & _BITS.to(packed.device)) != 0
-    return bits.reshape(-1).to(dtype) * 2 - 1
+    table = _sign_table(packed.device, dtype)
+    return torch.nn.functional.embedding(packed.reshape(-1).long(), table).reshape(-1)
 
 
 def _compress(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed signs, scale) of x + residual; the residual becomes what they miss."""
-    x = x + residual
-    scale = x.norm() / math.sqrt(x.numel())  # the signs carry x's norm (1-bit Adam's choice; see the docstring)
-    signs = torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
-    residual.copy_(x - scale * signs)
-    return pack_signs(x), scale.reshape(1)
+    """(packed signs, scale) of x + residual; the residual becomes what they miss. In place on the
+    residual: x + residual, then minus scale x the signs."""
+    y = torch.add(x, residual, out=residual)
+    scale = y.norm() / math.sqrt(y.numel())  # the signs carry y's norm (1-bit Adam's choice; see the docstring)
+    packed = pack_signs(y)
+    y.sub_(unpack_signs(packed, y.dtype).mul_(scale))
+    return packed, scale.reshape(1)
 
 
 # ---- 1-bit all-reduce -----------------------------------------------------------------------------------
+def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """A one-element fp32 scale as its 4 bytes, [1, 4] (sent behind the signs it scales)."""
+    return scale.reshape(1).to(torch.float32).view(torch.uint8).view(1, 4)
+
+
 def onebit_residual_sizes(numel: int, world: int) -> tuple[int, int]:
     """(worker residual, server residual) element counts for a tensor of `numel` over `world` ranks: the
     tensor padded to world parts of a multiple of 8 elements, and one part."""
@@ -116,57 +135,74 @@ def onebit_all_reduce(tensor: torch.Tensor, worker_residual: torch.Tensor, serve
     if g.size == 1:
         mine = unpack_signs(signs) * scale
     else:
-        recv = torch.empty_like(signs)
-        all_to_all(recv, signs, g)  # part r of every rank's signs to rank r
-        scales = torch.empty(g.size, dtype=torch.float32, device=tensor.device)
-        all_gather(scales, scale, g)
-        _sent(signs.numel() // g.size * (g.size - 1) + 4 * (g.size - 1))
-        mine = (unpack_signs(recv).view(g.size, part) * scales.view(-1, 1)).mean(dim=0)
+        # One exchange per stage: each part's signs travel with their sender's scale (4 bytes) behind them.
+        send = torch.cat([signs.view(g.size, part // 8), _scale_bytes(scale).expand(g.size, 4)], dim=1)
+        recv = torch.empty_like(send)
+        all_to_all(recv, send, g)  # part r of every rank's signs (and its scale) to rank r
+        _sent((part // 8 + 4) * (g.size - 1))
+        scales = recv[:, part // 8:].contiguous().view(torch.float32)  # [w, 1]
+        mine = (unpack_signs(recv[:, :part // 8]).view(g.size, part) * scales).mean(dim=0)
     signs2, scale2 = _compress(mine, server_residual.view(-1))
     if g.size == 1:
         whole = unpack_signs(signs2) * scale2
     else:
-        all_signs = torch.empty(signs2.numel() * g.size, dtype=torch.uint8, device=tensor.device)
-        all_gather(all_signs, signs2, g)
-        scales2 = torch.empty(g.size, dtype=torch.float32, device=tensor.device)
-        all_gather(scales2, scale2, g)
-        _sent((signs2.numel() + 4) * (g.size - 1))
-        whole = (unpack_signs(all_signs).view(g.size, part) * scales2.view(-1, 1)).reshape(-1)
+        mine2 = torch.cat([signs2, _scale_bytes(scale2).view(-1)])
+        every = torch.empty(mine2.numel() * g.size, dtype=torch.uint8, device=tensor.device).view(g.size, -1)
+        all_gather(every.view(-1), mine2, g)
+        _sent((part // 8 + 4) * (g.size - 1))
+        scales2 = every[:, part // 8:].contiguous().view(torch.float32)  # [w, 1]
+        whole = (unpack_signs(every[:, :part // 8]).view(g.size, part) * scales2).reshape(-1)
     tensor.copy_(whole[:tensor.numel()].view_as(tensor))
     return tensor
 
 
 # ---- int8 blocks ----------------------------------------------------------------------------------------
-def _block_ids(n: int, block: int, cuts: Sequence[int], device: torch.device) -> tuple[torch.Tensor, int]:
-    """The block of each of `n` elements (consecutive runs of `block`, also broken at each offset in
-    `cuts`), and a bound on their count that depends only on n, block and len(cuts)."""
-    i = torch.arange(n, device=device)
-    ids = i // block
-    for c in cuts:
-        if 0 < c < n:
-            ids += i >= c
-    return ids, math.ceil(n / block) + len(cuts)
+def _runs(n: int, block: int, cuts: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """Runs of equal blocks covering n elements: (start, blocks, block length, index of the first
+    scale). Pieces between cuts are cut into blocks of `block` from their start, the last shorter; the
+    scales number at most ceil(n / block) + len(cuts)."""
+    edges = sorted({0, n, *(c for c in cuts if 0 < c < n)})
+    out, k = [], 0
+    for a, b in zip(edges[:-1], edges[1:], strict=True):
+        full = (b - a) // block
+        if full:
+            out.append((a, full, block, k))
+            k += full
+        if (b - a) % block:
+            out.append((a + full * block, 1, (b - a) % block, k))
+            k += 1
+    return out
 
 
 def quantize_int8(x: torch.Tensor, block: int = INT8_BLOCK,
                   cuts: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values, fp32 scale per block) of flat `x`: blocks of `block` elements (the last may be
-    shorter), also broken at the offsets `cuts`; each block's largest magnitude maps to 127, values
-    round to the nearest step. Blocks never straddle a cut, so a range between cuts quantizes the same
-    whatever lies beside it (tp ranks agree on replicated parameters)."""
+    """(int8 values, fp32 scale per block) of flat `x`: blocks of `block` elements (the last of each
+    piece shorter), breaking at the offsets `cuts`; each block's largest magnitude maps to 127, values
+    round to the nearest step. There are ceil(n / block) + len(cuts) scales (unused ones 1). Blocks
+    never straddle a cut, so a range between cuts quantizes the same whatever lies beside it (tp ranks
+    agree on replicated parameters)."""
     x = x.reshape(-1).float()
-    ids, nb = _block_ids(x.numel(), block, cuts, x.device)
-    amax = torch.zeros(nb, dtype=torch.float32, device=x.device).scatter_reduce_(0, ids, x.abs(), "amax")
-    scale = amax / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(x / scale[ids]).clamp_(-127, 127).to(torch.int8)
+    n = x.numel()
+    q = torch.empty(n, dtype=torch.int8, device=x.device)
+    scale = torch.ones(math.ceil(n / block) + len(cuts), dtype=torch.float32, device=x.device)
+    for start, count, length, k in _runs(n, block, cuts):
+        blocks = x[start:start + count * length].view(count, length)
+        s = blocks.abs().amax(dim=1) / 127.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        scale[k:k + count] = s
+        y = torch.div(blocks, s.unsqueeze(1)).round_().clamp_(-127, 127)
+        q[start:start + count * length] = y.view(-1).to(torch.int8)
     return q, scale
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, block: int = INT8_BLOCK,
                     cuts: Sequence[int] = ()) -> torch.Tensor:
-    ids, _ = _block_ids(q.numel(), block, cuts, q.device)
-    return q.reshape(-1).float() * scale[ids]
+    q = q.reshape(-1)
+    out = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
+    for start, count, length, k in _runs(q.numel(), block, cuts):
+        blocks = q[start:start + count * length].view(count, length)
+        torch.mul(blocks, scale[k:k + count].unsqueeze(1), out=out[start:start + count * length].view(count, length))
+    return out
 
 
 def _local(cuts: Sequence[int], start: int, n: int) -> list[int]:

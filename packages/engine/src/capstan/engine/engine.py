@@ -142,9 +142,11 @@ class Engine:
             # last backwards; tied weights wait for the schedule's sum over their stages.
             micro, late = (self.accum, list(pipeline.executor.tied_params.values())) if pipeline else (0, [])
             p = config.parallel
+            # Compression acts on the dp (x cp) axis: with one replica there is nothing to send.
+            compression = p.compression if groups.replicas.size > 1 else "none"
             self.optimizer = ZeroOptimizer(model, groups, p.zero_stage, config.train, bucket_bytes,
                                            p.zero2_collective, gather_bytes, micro, late,
-                                           compression=p.compression, freeze_steps=p.compression_freeze_steps)
+                                           compression=compression, freeze_steps=p.compression_freeze_steps)
             comm.reset_wire_bytes()
             # state_dict() between steps must see every rank's updated parameters.
             model.register_state_dict_pre_hook(lambda *args, **kwargs: self.optimizer.wait_params())
@@ -205,7 +207,7 @@ class Engine:
         overlap = self._overlap_optimizer()
         if self.groups.replicas.size > 1:  # ZeRO-3 through chunks: each dp (x cp) rank owns 1/dp of them
             self.module = ShardedChunkedModel(model, self.manager, mem.chunk_size, group=self.groups.replicas,
-                                              **kwargs)
+                                              quantized=self.config.parallel.compression == "int8", **kwargs)
         else:
             self.module = ChunkedModel(model, self.manager, mem.chunk_size, report_grads=overlap, **kwargs)
         self.optimizer = ChunkAdam(self.module, groups=adam, overlap=overlap)

@@ -331,10 +331,10 @@ def _check_compression(cfg: Config, sources: Sources) -> None:
         raise ConfigError(f"parallel.compression = \"onebit\" needs parallel.zero_stage = 0 and memory.offload = "
                           f"\"none\" (got {where}): 1-bit Adam all-reduces the whole momentum on every dp rank, "
                           "which ZeRO and chunks shard")
-    if p.compression == "int8" and (p.zero_stage not in (1, 2) or mem.offload != "none"):
-        raise ConfigError(f"parallel.compression = \"int8\" needs parallel.zero_stage = 1 or 2 and memory.offload = "
-                          f"\"none\" (got {where}): it quantizes ZeRO 1/2's gradient reduce-scatter and parameter "
-                          "all-gather (ZeRO 0 has neither; ZeRO-3 and offload, through chunks, are not compressed yet)")
+    if p.compression == "int8" and p.zero_stage == 0 and mem.offload == "none":
+        raise ConfigError(f"parallel.compression = \"int8\" needs parallel.zero_stage 1-3 or offload (got {where}): "
+                          "it quantizes ZeRO's gradient reduce-scatter and parameter all-gather, which ZeRO 0's "
+                          "all-reduce does not have (1-bit Adam, \"onebit\", compresses ZeRO 0)")
 
 
 def _check_bpe(cfg: Config) -> None:

@@ -9,9 +9,9 @@
   parameters step with the averaged momentum over the frozen variance. The
   gradients themselves never cross the network after the freeze.
   Every dp rank ends each step with the same momentum and parameters.
-  Each segment of the flat buffer (tp-sliced / replicated, decayed or not) is
-  compressed on its own: a scale taken over the replicated parameters alone
-  is the same on every tp rank, so they stay identical across tp.
+  At tp > 1 the tp-sliced and the replicated parameters are compressed apart
+  (`ZeroOptimizer.regions`): a scale taken over the replicated parameters
+  alone is the same on every tp rank, so they stay identical across tp.
 * `int8_reduce_scatter` / `int8_all_gather` ("int8", ZeRO++'s qgZ and qwZ,
   Wang et al. 2023): ZeRO 1/2's gradient reduction and the all-gather of the
   updated parameters travel as int8 blocks with a scale each. The optimizer
@@ -55,7 +55,7 @@ class OneBitAdam:
         return steps_taken >= self.freeze_steps
 
     def average_momentum(self, exp_avg: torch.Tensor) -> None:
-        """Every rank's momentum replaced by their 1-bit average, segment by segment (`exp_avg` is the
+        """Every rank's momentum replaced by their 1-bit average, region by region (`exp_avg` is the
         flat momentum, indexed like the parameter buffer)."""
         for (a, b), w, s in zip(self.ranges, self.worker, self.server):
             comm.onebit_all_reduce(exp_avg[a:b], w, s, group=self.group)

@@ -167,8 +167,10 @@ class ZeroOptimizer:
         self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
         # Backward passes per optimizer step: the accumulation's micro-batches, or one pipeline schedule.
         self.passes = 1 if pipeline_microbatches else train.grad_accum_steps
-        self.onebit = (OneBitAdam([(seg.start, seg.end) for seg in self.segments], groups.replicas, freeze_steps, dev)
-                       if compression == "onebit" else None)
+        # Compressed collectives run per region: at tp > 1 the tp-sliced and the replicated parameters
+        # apart (a scale over replicated values alone is the same on every tp rank), else all in one.
+        self.regions = _regions(self.segments, groups.tp.size)
+        self.onebit = OneBitAdam(self.regions, groups.replicas, freeze_steps, dev) if compression == "onebit" else None
         overlap = bucket_bytes > 0 and dp > 1 and compression != "int8"  # int8 reduces after backward
         # One backward per step with all-reduced buckets: the flat gradient's own shard range already
         # holds the averaged shard gradient, and nothing accumulates across micro-batches, so stage 2
@@ -187,7 +189,7 @@ class ZeroOptimizer:
             self._arm()
         # int8: this rank's exact fp32 master shard; flat_param holds what the quantized gather delivered.
         self.master = self.flat_param[self.lo : self.hi].clone() if compression == "int8" else None
-        self.cuts = [seg.start for seg in self.segments[1:]] + [numel]  # int8 blocks break there
+        self.cuts = [b for _, b in self.regions]  # int8 blocks break at the regions' ends
         self._local_nonfinite = False  # int8: an inf/NaN seen before quantizing (which would hide it)
         self.prefetch: ParamPrefetch | None = None
         if gather_bytes > 0 and dp > 1 and stage > 0 and compression == "none":
@@ -381,6 +383,18 @@ class ZeroOptimizer:
         if self.onebit is not None:
             tensors += list(self.onebit.state_tensors().values())
         return sum(x.numel() * x.element_size() for x in tensors)
+
+
+def _regions(segments: list[Segment], tp: int) -> list[tuple[int, int]]:
+    """The flat ranges compressed on their own: runs of segments alike in being tp-sliced (one run at
+    tp = 1)."""
+    out: list[tuple[int, int, bool]] = []
+    for seg in segments:
+        if out and out[-1][1] == seg.start and (tp == 1 or out[-1][2] == seg.sliced):
+            out[-1] = (out[-1][0], seg.end, out[-1][2])
+        else:
+            out.append((seg.start, seg.end, seg.sliced))
+    return [(a, b) for a, b, _ in out]
 
 
 def _offsets(params: list[torch.Tensor]) -> list[int]:
