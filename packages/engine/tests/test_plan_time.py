@@ -82,6 +82,30 @@ def test_data_parallel_adds_its_collectives_by_zero_stage() -> None:
                                                                  + Link(1e-4, 2e9).seconds(grads / 2, 1))
 
 
+def test_compression_sends_what_the_compressed_collectives_send_and_adds_their_passes() -> None:
+    from capstan.engine.plan import memory_plan
+    from capstan.engine.plan.time import INT8_BYTES, INT8_PASSES, ONEBIT_PASSES
+
+    n, ar, ag = SHAPE.params, Link(1e-4, 1e9), Link(1e-4, 2e9)
+    onebit = step_time(SHAPE, _machine(2), Layout(micro=2, compression="onebit"))
+    assert onebit.part("data-parallel collectives") == pytest.approx(ar.seconds(n / 16, 1) + ag.seconds(n / 16, 1))
+    assert onebit.part("compression") == pytest.approx(ONEBIT_PASSES * 4 * n / 1e10)
+    int8 = step_time(SHAPE, _machine(2), Layout(micro=2, accum=2, zero_stage=2, compression="int8"))
+    part = n / 2 * INT8_BYTES
+    assert int8.part("data-parallel collectives") == pytest.approx(2 * ar.seconds(part, 1) + ag.seconds(part, 1))
+    assert int8.part("compression") == pytest.approx(3 * INT8_PASSES * 4 * n / 1e10)
+    # memory: 1-bit Adam's residuals (every parameter and 1/dp), int8's exact master shard (1/dp)
+    machine = _machine(2)
+    plain = memory_plan(SHAPE, machine, Layout(micro=2, dp=2)).total("ram")
+    assert memory_plan(SHAPE, machine, Layout(micro=2, dp=2, compression="onebit")).total("ram") == plain + 4 * n + 2 * n
+    z1 = memory_plan(SHAPE, machine, Layout(micro=2, dp=2, zero_stage=1)).total("ram")
+    assert memory_plan(SHAPE, machine, Layout(micro=2, dp=2, zero_stage=1, compression="int8")).total("ram") == z1 + 2 * n
+    with pytest.raises(PlanError, match="needs zero_stage 1-3 or offload"):
+        Layout(compression="int8")
+    with pytest.raises(PlanError, match="needs zero_stage 0 and offload none"):
+        Layout(zero_stage=1, compression="onebit")
+
+
 def test_tensor_parallel_halves_compute_and_adds_four_all_reduces_per_block() -> None:
     one = step_time(SHAPE, _machine(1), Layout(micro=2))
     two = step_time(SHAPE, _machine(2), Layout(micro=2, tp=2))

@@ -53,6 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lay.add_argument("--offload", choices=("none", "cpu", "disk"))
     lay.add_argument("--precision", choices=("fp32", "bf16", "fp16"))
     lay.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"))
+    lay.add_argument("--compression", choices=("none", "onebit", "int8"),
+                     help="compressed data parallelism (docs/parallelism.md, \"Slow networks\")")
     lay.add_argument("--recompute", action="store_true", default=None, help="activation checkpointing")
     lay.add_argument("--sequence-parallel", action="store_true", default=None)
     lay.add_argument("--cpu-budget", help="bytes of chunks in RAM (offload disk), e.g. 64GB")
@@ -106,7 +108,7 @@ def _request(args: argparse.Namespace) -> tuple[object, dict, dict]:
         raise PlanError(f"no model: give --model, --config, or all of --layers --hidden --heads --vocab --seq "
                         f"(missing {', '.join('--' + k for k in missing)})")
     for k in ("dp", "tp", "pp", "zero_stage", "micro", "accum", "virtual_stages", "offload", "precision", "schedule",
-              "recompute", "sequence_parallel"):
+              "recompute", "sequence_parallel", "compression"):
         if getattr(args, k) is not None:
             layout_kw[k] = getattr(args, k)
     for k in ("cpu_budget", "gpu_budget"):

@@ -206,12 +206,18 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         # several backwards; one pipeline schedule is one): zero/optimizer.py; all-reduce buckets are
         # views of the flat gradient (buckets.py)
         backwards = 1 if layout.pp > 1 else layout.accum
-        accumulator = layout.zero_stage == 2 and not (dp > 1 and layout.bucket_bytes > 0 and backwards == 1)
+        accumulator = layout.zero_stage == 2 and not (dp > 1 and layout.bucket_bytes > 0 and backwards == 1
+                                                      and layout.compression == "none")  # int8 reduces after backward
         grads = 4 * params + (4 * params // dp if accumulator else 0)
         items += [Item("parameters (fp32 flat buffer)", compute, 4 * params),
                   Item("gradients (fp32 flat buffer" + (" + shard accumulator)" if accumulator else ")"),
                        compute, grads),
                   Item(f"Adam moments (fp32{', sharded over dp' if layout.zero_stage >= 1 else ''})", compute, moments)]
+        if dp > 1 and layout.compression == "int8":  # zero/optimizer.py: Adam steps it, the buffer holds the gather
+            items.append(Item("int8 compression: the exact fp32 master shard", compute, 4 * params // dp))
+        if dp > 1 and layout.compression == "onebit":  # zero/compression.py: a worker and a server residual
+            items.append(Item("1-bit Adam residuals (fp32: every parameter, and 1/dp)", compute,
+                              4 * params + 4 * params // dp))
     else:
         lists = chunk_lists(shape, layout, layers)  # exactly as the engine packs them, padding included
         states = lists.state_bytes()

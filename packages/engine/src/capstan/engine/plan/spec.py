@@ -149,6 +149,7 @@ class Layout:
     data_bytes: int = 0  # training text read into RAM (capstan's data.max_bytes for a text source)
     tiled_loss: bool = True  # memory.tiled_loss: the head's logits a tile at a time
     activation_offload: bool = False  # memory.activation_offload: recomputed blocks' inputs on disk (or host RAM)
+    compression: str = "none"  # parallel.compression: "onebit" (1-bit Adam past its freeze) or "int8" (ZeRO++-style)
 
     def __post_init__(self) -> None:
         _positive("layout", tp=self.tp, pp=self.pp, micro=self.micro, accum=self.accum,
@@ -158,12 +159,18 @@ class Layout:
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"layout.zero_stage = {self.zero_stage}: expected 0, 1, 2 or 3")
         for key, allowed in (("offload", ("none", "cpu", "disk")), ("precision", ("fp32", "bf16", "fp16")),
-                             ("schedule", ("gpipe", "1f1b", "interleaved"))):
+                             ("schedule", ("gpipe", "1f1b", "interleaved")),
+                             ("compression", ("none", "onebit", "int8"))):
             if getattr(self, key) not in allowed:
                 raise PlanError(f"layout.{key} = {getattr(self, key)!r}: expected one of {', '.join(allowed)}")
         for key in ("cpu_budget", "gpu_budget"):
             if getattr(self, key) is not None:
                 _positive("layout", **{key: getattr(self, key)})
+        if self.compression == "onebit" and (self.zero_stage != 0 or self.offload != "none"):
+            raise PlanError("layout.compression = \"onebit\" (1-bit Adam) needs zero_stage 0 and offload none")
+        if self.compression == "int8" and self.zero_stage == 0 and self.offload == "none":
+            raise PlanError("layout.compression = \"int8\" compresses ZeRO's reduce-scatter and all-gather: it needs "
+                            "zero_stage 1-3 or offload")
         if self.activation_offload and not self.recompute:
             raise PlanError("layout.activation_offload moves recomputed blocks' inputs: it needs layout.recompute")
         if self.offload == "disk" and self.cpu_budget is None:

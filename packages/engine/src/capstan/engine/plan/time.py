@@ -26,6 +26,13 @@ What a step costs on the slowest pipeline stage, as the engine runs it:
 * **Disk I/O** (offload disk): the bytes `chunks.disk_traffic` replays at the measured disk rates. A
   full budget makes every read wait for room, and room waits for the write-back, so both count.
 * **Host<->device copies** on a GPU with offload (estimated, never validated: rates.py).
+* **Compression** (``layout.compression``, ZeRO 0-2): the collectives carry what the compressed ones
+  send (1-bit Adam past its freeze: the momentum's signs, twice, (w-1)/w of n/8 bytes each; int8: one
+  byte and 4/256 of a scale per element), and the packing costs passes over the fp32 values at the
+  measured memory bandwidth (`ONEBIT_PASSES`, `INT8_PASSES`: counted from comm/compress.py's tensor
+  operations; on tools/bench_slow_network.py's 3.4M-parameter model at loopback speed 1-bit Adam's
+  step was 56 ms longer than exact training's with 2 ranks per core, ~28 ms per rank, where 20 passes
+  at ~10 GB/s predict 27 ms). Estimated: not in validate_plan's table.
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ from .spec import Layout, Machine, ModelShape, PlanError, virtual_parts
 __all__ = ["StepTime", "step_time"]
 
 _HOOK_PASSES = 4  # chunk accesses per parameter and micro-batch with hooks: forward, re-access, gradient, release
+ONEBIT_PASSES = 20  # fp32 passes per element of one 1-bit all-reduce plus the momentum step (module docstring)
+INT8_PASSES = 8  # fp32 passes per element of one int8 reduce-scatter or all-gather (quantize, then dequantize)
+INT8_BYTES = 1 + 4 / 256  # bytes per element on the wire: the int8 value and its block's share of a scale
 
 
 @dataclass(frozen=True)
@@ -196,6 +206,21 @@ def _simulated(layout: Layout, compute: list[LayerCost], recompute: list[float],
     return [max((end for _, end, _ in busy), default=0.0) for busy in result.busy]
 
 
+def _compressed(layout: Layout, params: int, link: Link, gather: Link, rates: Rates, slow: float) -> dict[str, float]:
+    """The flat path's data-parallel collectives and compression work under layout.compression (module
+    docstring): 1-bit Adam past its freeze, or int8 reductions (per micro-batch at ZeRO 2) and gather."""
+    dp = layout.dp
+    bandwidth = rates.memory_bandwidth or 1e10
+    if layout.compression == "onebit":
+        sent = (dp - 1) / dp * params / 8  # one stage's signs; the scales are a few bytes
+        return {"data-parallel collectives": link.seconds(sent, 1) + gather.seconds(sent, 1),
+                "compression": ONEBIT_PASSES * 4 * params / bandwidth * slow}
+    reductions = layout.accum if layout.zero_stage == 2 and layout.pp == 1 else 1
+    part = (dp - 1) / dp * params * INT8_BYTES
+    return {"data-parallel collectives": reductions * link.seconds(part, 1) + gather.seconds(part, 1),
+            "compression": (reductions + 1) * INT8_PASSES * 4 * params / bandwidth * slow}
+
+
 def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates, layers: list[int],
                 slow: float, threads: int) -> dict[str, float]:
     """Data-parallel collectives, optimizer, disk I/O and chunk hooks of one stage's step."""
@@ -212,6 +237,8 @@ def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rate
         local = params / (dp if layout.zero_stage >= 1 else 1)
         clear = 8 * params / rates.memory_bandwidth if rates.memory_bandwidth else 0.0  # zero_grad of the flat buffer
         out["optimizer"] = (local / rates.adam["fp32"] + (local / rates.adam["sumsq"] if clip else 0.0) + clear) * slow
+        if link is not None and layout.compression != "none":
+            return {**out, **_compressed(layout, params, link, gather, rates, slow)}
         if link is not None:
             grads = 4 * params
             buckets = max(1, -(-grads // layout.bucket_bytes))
