@@ -328,14 +328,14 @@ class ZeroOptimizer:
         """AdamW on this rank's shard (grad_scale folds clipping and 1/loss_scale), then all-gather."""
         self.wait_params()
         t = self.train
-        if self.onebit is not None and self.compressing:
-            self.step_count += 1
+        compressing = self.compressing  # (decided by the steps taken before this one)
+        self.step_count += 1
+        if self.onebit is not None and compressing:
             pieces = [(a, b, t.weight_decay if seg.decay else 0.0) for seg, a, b in self._pieces()]
             self.onebit.step(self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq, pieces=pieces,
                              step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
                              grad_scale=grad_scale)
             return
-        self.step_count += 1
         g = self._shard_grad()
         # int8: Adam steps the exact master shard, then every rank gathers the quantized shards.
         param = self.master if self.master is not None else self.flat_param[self.lo : self.hi]
