@@ -38,7 +38,9 @@ MODELS = {  # name -> [model] keys
     "A": {"n_layers": 4, "d_model": 256, "n_heads": 8, "seq_len": 128},  # 3.3M parameters
     "B": {"n_layers": 6, "d_model": 384, "n_heads": 8, "seq_len": 128},  # 10.8M
     "C": {"n_layers": 8, "d_model": 512, "n_heads": 8, "seq_len": 256},  # 25.5M
+    "D": {"n_layers": 4, "d_model": 256, "n_heads": 8, "seq_len": 2048},  # 3.7M, a long sequence
 }
+LONG = {"train.micro_batch_size": 1}  # model D's rows: one 2048-token sequence per rank and step
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,12 @@ ROWS = [
         "dp 2, ZeRO-3 chunks on disk, 160 MiB in RAM per rank"),
     Row("C-pp2-rc", "C", 2, {"parallel.pp": 2, "train.grad_accum_steps": 4, "memory.activation_checkpointing": True,
                              "train.micro_batch_size": 2}, "pp 2, 4 micro-batches of 2, recompute"),
+    Row("D-1", "D", 1, {**LONG}, "one rank, 2048 tokens"),
+    Row("D-cp2", "D", 2, {**LONG, "parallel.cp": 2}, "cp 2 (Ulysses)"),
+    Row("D-cp2-ring", "D", 2, {**LONG, "parallel.cp": 2, "parallel.cp_mode": "ring"}, "cp 2 (ring)"),
+    Row("D-cp2-rc-tile", "D", 2, {**LONG, "parallel.cp": 2, "memory.activation_checkpointing": True,
+                                  "memory.mlp_tile": 256}, "cp 2, recompute, MLP tiles of 256"),
+    Row("D-cp2-z3", "D", 2, {**LONG, "parallel.cp": 2, "parallel.zero_stage": 3}, "cp 2, ZeRO-3 over the cp ranks"),
 ]
 
 BASE = {"train.micro_batch_size": 8, "train.warmup_steps": 2, "train.eval_every": 0, "data.max_bytes": 2_000_000,

@@ -117,6 +117,87 @@ def test_tensor_parallel_halves_compute_and_adds_four_all_reduces_per_block() ->
     assert two.part("tensor-parallel collectives") == pytest.approx(blocks + ends)
 
 
+def test_context_parallel_splits_the_tokens_and_adds_its_exchanges() -> None:
+    """cp = 2: the profiled cost of a rank's half of each sequence, Ulysses' eight all-to-alls per block
+    (the ring's key/value hops instead), and gradients reduced over the two cp ranks."""
+    rates = _rates(all_to_all={2: Link(1e-4, 5e8)})
+    ulysses, ring = Layout(micro=2, cp=2), Layout(micro=2, cp=2, cp_mode="ring")
+    for lay in (ulysses, ring):  # a rank's share as costs.measure_layers profiles it: half of one rank's
+        for kind in KINDS:
+            c = COST[kind]
+            rates.layers[layer_key(kind, SHAPE, lay, 1)] = LayerCost(c.forward, c.backward)
+    machine = replace(local_machine(), ranks_per_node=2, rates=rates)
+    t = step_time(SHAPE, machine, ulysses)
+    assert t.part("forward and backward") == pytest.approx(sum(COST[k].forward + COST[k].backward
+                                                               for k in ("embed", "norm", "head"))
+                                                           + 4 * (COST["block"].forward + COST["block"].backward))
+    unit = 2 * SHAPE.seq // 2 * SHAPE.hidden * 4  # bytes of this rank's q (or k, v, output), fp32
+    a2a = Link(1e-4, 5e8).seconds(4 * unit / 2, 4)  # four all-to-alls, half of each leaving the rank
+    assert t.part("context-parallel exchanges") == pytest.approx(4 * 2 * a2a)
+    assert t.part("data-parallel collectives") == pytest.approx(Link(1e-4, 1e9).seconds(4 * SHAPE.params, 1))
+    assert t.tokens_per_s == pytest.approx(2 * SHAPE.seq / t.seconds)  # one replica: cp ranks share a sequence
+    rc = step_time(SHAPE, machine, replace(ulysses, recompute=True))
+    assert rc.part("context-parallel exchanges") == pytest.approx(4 * 3 * a2a)  # the forward's again
+    r = step_time(SHAPE, machine, ring)
+    p2p = Link(1e-5, 4e9)
+    hops = p2p.seconds(2 * unit, 1)  # one key/value block forward, one backward, two hops of their fp32 gradients
+    assert r.part("context-parallel exchanges") == pytest.approx(4 * (2 * hops + p2p.seconds(2 * 2 * unit, 2)))
+
+
+def test_context_parallel_and_the_tiled_mlp_cut_activations_and_shard_over_dp_x_cp() -> None:
+    from capstan.engine.plan import memory_plan
+
+    shape = ModelShape(layers=4, hidden=64, heads=4, vocab=256, seq=512)
+    machine = replace(local_machine(), ranks_per_node=2)
+
+    def acts(lay: Layout, what: str = "activations") -> int:
+        return sum(i.bytes for i in memory_plan(shape, machine, lay).items if i.what.startswith(what))
+
+    one, cp2 = acts(Layout(dp=2)), acts(Layout(cp=2))
+    assert cp2 * 2 == one  # half the tokens per rank
+    sbh = 512 // 2 * 64 * 4  # fp32
+    assert cp2 == 4 * (8 + 24) * sbh // 2  # four blocks of 8 + 24 s b h (16-bit units)
+    tiled = acts(Layout(cp=2, mlp_tile=64))
+    assert tiled == 4 * (8 + 8) * sbh // 2  # the MLP's hidden is not kept, one tile at a time is rebuilt
+    assert acts(Layout(cp=2, mlp_tile=64), "tiled MLP") == 4 * 64 * 4 * 64 * 4
+    assert acts(Layout(cp=2, mlp_tile=256)) == cp2  # a tile as long as a rank's tokens: no tiling
+    z1 = memory_plan(shape, machine, Layout(cp=2, zero_stage=1))
+    moments = [i.bytes for i in z1.items if i.what.startswith("Adam moments")]
+    assert moments == [8 * z1.params_per_rank // 2]  # sharded over the two cp ranks (dp = 1)
+    assert "cp2u" in __import__("capstan.engine.plan.memory", fromlist=["x"]).runtime_family(z1.layout)
+
+
+def test_a_context_parallel_rank_is_profiled_with_local_exchanges() -> None:
+    """costs.measure_layers runs one cp rank's layers in one process (the all-to-all and the ring's
+    exchange as local copies): its share of a sequence, and the ring's score tiles as the memory model's."""
+    from capstan.engine.plan import memory
+    from capstan.engine.plan.costs import measure_layers
+    from capstan.tensorpar.context import RING_TILE
+
+    assert memory.RING_TILE == RING_TILE  # the planner's torch-free copy
+    shape = ModelShape(layers=2, hidden=32, heads=4, vocab=64, seq=64)
+    for mode in ("ulysses", "ring"):
+        costs = measure_layers(shape, Layout(cp=2, cp_mode=mode, mlp_tile=16))
+        assert all(0 < c.forward < 1 and 0 < c.backward < 1 for c in costs.values()), (mode, costs)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Layout(cp=0), "layout.cp = 0: must be a positive number"),
+    (lambda: Layout(cp=2, cp_mode="zigzag"), "layout.cp_mode = 'zigzag': expected one of ulysses, ring"),
+    (lambda: Layout(cp=2, dropout=True), "layout.cp > 1 needs dropout off"),
+    (lambda: Layout(mlp_tile=-1), "layout.mlp_tile = -1: must be 0"),
+    (lambda: step_time(SHAPE, _machine(4), Layout(cp=4, tp=2)), "layout tp x pp x cp = 2 x 1 x 4 does not divide"),
+    (lambda: step_time(ModelShape(layers=2, hidden=96, heads=6, vocab=256, seq=32), _machine(4), Layout(cp=4)),
+     "needs the heads per tp rank (6) and model.seq (32) divisible by layout.cp = 4"),
+    (lambda: step_time(ModelShape(layers=2, hidden=64, heads=4, vocab=256, seq=36), _machine(4), Layout(cp=4,
+                                                                                                        cp_mode="ring")),
+     "needs model.seq = 36 divisible by 2 x cp = 8"),
+])
+def test_bad_context_parallel_layouts_are_one_clear_error(make: object, message: str) -> None:
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make()
+
+
 def test_a_pipeline_of_one_micro_batch_runs_its_stages_one_after_another() -> None:
     for schedule in ("gpipe", "1f1b"):
         one = step_time(SHAPE, _machine(1), Layout(micro=2))

@@ -22,7 +22,9 @@ only; attention is where the sequence meets itself, done one of two ways (`paral
   pairs. Backward passes the blocks around again with their key/value gradients, which arrive home
   after a last hop. The sequence must divide by 2 cp; heads need not divide by cp. Each chunk pair is
   computed in tiles of `ring_tile` queries x `ring_tile` keys (flash attention's tiling, with the
-  same online softmax), so a rank's scores are ring_tile^2 per head however long the sequence.
+  same online softmax), so a rank's scores are ring_tile^2 per head however long the sequence. A
+  tile's softmax steps run in place (`_scores`), so forward holds one tile of scores and backward two;
+  one tensor per step left up to six alive and fragmented the heap (docs/plan.md, model D).
 
 `positions` gives a rank's token positions (the position embedding and the loss use them), `shard`
 takes a rank's tokens out of a full sequence, `gather` puts the ranks' tokens back in order (tests).
@@ -215,12 +217,10 @@ class _RingAttention(torch.autograd.Function):
             for i, j, diag in _pairs(me, src, n):
                 for qa, qb, ka, kb, mask in _tiles(c, tile, diag, q.device):
                     kt, vt = kv[0, :, :, j * c + ka:j * c + kb], kv[1, :, :, j * c + ka:j * c + kb]
-                    s = torch.matmul(qs[i][:, :, qa:qb], kt.transpose(-2, -1)).to(dtype) * scale
-                    if mask is not None:
-                        s = s.masked_fill(mask, float("-inf"))
+                    s = _scores(qs[i][:, :, qa:qb], kt, scale, mask, dtype)
                     old_max = run_max[i][:, :, qa:qb]
                     new_max = torch.maximum(old_max, s.amax(-1))
-                    p = torch.exp(s - new_max.unsqueeze(-1))
+                    p = s.sub_(new_max.unsqueeze(-1)).exp_()  # in place: one tile of scores alive at a time
                     rescale = torch.exp(old_max - new_max)
                     run_sum[i][:, :, qa:qb] = run_sum[i][:, :, qa:qb] * rescale + p.sum(-1)
                     out[i][:, :, qa:qb] = (out[i][:, :, qa:qb] * rescale.unsqueeze(-1)
@@ -257,13 +257,11 @@ class _RingAttention(torch.autograd.Function):
                     rows, cols = slice(i * c + qa, i * c + qb), slice(j * c + ka, j * c + kb)
                     qt, gt = q[:, :, rows], grad[:, :, rows]
                     kt, vt = kv[0, :, :, cols], kv[1, :, :, cols]
-                    s = torch.matmul(qt, kt.transpose(-2, -1)).to(dtype) * scale
-                    if mask is not None:
-                        s = s.masked_fill(mask, float("-inf"))
-                    p = torch.exp(s - lse[:, :, rows].unsqueeze(-1))  # the forward's probabilities
+                    s = _scores(qt, kt, scale, mask, dtype)
+                    p = s.sub_(lse[:, :, rows].unsqueeze(-1)).exp_()  # the forward's probabilities
                     dkv[1, :, :, cols] += torch.matmul(p.transpose(-2, -1), gt.to(dtype))
                     dp = torch.matmul(gt.to(dtype), vt.to(dtype).transpose(-2, -1))
-                    ds = p * (dp - delta[:, :, rows].unsqueeze(-1)) * scale
+                    ds = dp.sub_(delta[:, :, rows].unsqueeze(-1)).mul_(p).mul_(scale)  # two tiles alive, not six
                     dq[:, :, rows] += torch.matmul(ds, kt.to(dtype))
                     dkv[0, :, :, cols] += torch.matmul(ds.transpose(-2, -1), qt.to(dtype))
             # the block's gradients go on with it; after the last step one more hop brings them home
@@ -275,6 +273,18 @@ class _RingAttention(torch.autograd.Function):
                 handle.wait()
                 kv = recv
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    """A tile's scaled, masked scores q k^T in `dtype`, computed in place on a tensor of its own (the
+    softmax steps after it work in place too, so a tile costs one [queries x keys] tensor, not one per op)."""
+    s = torch.matmul(q, k.transpose(-2, -1))
+    s = s.to(dtype) if s.dtype != dtype else s
+    s.mul_(scale)
+    if mask is not None:
+        s.masked_fill_(mask, float("-inf"))
+    return s
 
 
 def _tiles(c: int, tile: int, diag: bool, device: torch.device

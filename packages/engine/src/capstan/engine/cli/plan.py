@@ -48,8 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mach.add_argument("--quick", action="store_true",
                       help="with --calibrate: a rougher calibration (collectives of 2 ranks only, 32 MiB of disk)")
     lay = p.add_argument_group("layout (docs/config.md names)")
-    for name in ("dp", "tp", "pp", "zero-stage", "micro", "accum", "virtual-stages"):
+    for name in ("dp", "tp", "pp", "cp", "zero-stage", "micro", "accum", "virtual-stages"):
         lay.add_argument(f"--{name}", type=int)
+    lay.add_argument("--cp-mode", choices=("ulysses", "ring"), help="how attention crosses the cp ranks")
+    lay.add_argument("--mlp-tile", type=int, help="tokens per tile of each block's MLP (0: off)")
     lay.add_argument("--offload", choices=("none", "cpu", "disk"))
     lay.add_argument("--precision", choices=("fp32", "bf16", "fp16"))
     lay.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"))
@@ -107,8 +109,8 @@ def _request(args: argparse.Namespace) -> tuple[object, dict, dict]:
     elif not args.calibrate:
         raise PlanError(f"no model: give --model, --config, or all of --layers --hidden --heads --vocab --seq "
                         f"(missing {', '.join('--' + k for k in missing)})")
-    for k in ("dp", "tp", "pp", "zero_stage", "micro", "accum", "virtual_stages", "offload", "precision", "schedule",
-              "recompute", "sequence_parallel", "compression"):
+    for k in ("dp", "tp", "pp", "cp", "cp_mode", "mlp_tile", "zero_stage", "micro", "accum", "virtual_stages",
+              "offload", "precision", "schedule", "recompute", "sequence_parallel", "compression"):
         if getattr(args, k) is not None:
             layout_kw[k] = getattr(args, k)
     for k in ("cpu_budget", "gpu_budget"):
@@ -146,7 +148,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _calibrate(args, shape, Layout(**layout_kw))
     layout = Layout(**layout_kw)
-    machine, saved = _machine(args, machine_kw, (layout.dp or 1) * layout.tp * layout.pp)
+    machine, saved = _machine(args, machine_kw, (layout.dp or 1) * layout.tp * layout.pp * layout.cp)
     local = saved is not None and machine.device is None
     if args.search:
         code = _search(args, shape, machine, layout, local)
@@ -198,14 +200,17 @@ def _print_plan(args: argparse.Namespace, shape: object, machine: object, plan: 
 
 def _describe(lay: object) -> str:
     extra = f", cpu_budget {lay.cpu_budget / 2**20:.0f} MiB" if lay.offload == "disk" and lay.cpu_budget else ""
-    return (f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp}, ZeRO {lay.zero_stage}, offload {lay.offload}{extra}, "
+    cp = f" x cp {lay.cp} ({lay.cp_mode})" if lay.cp > 1 else ""
+    tile = f", MLP tiles of {lay.mlp_tile}" if lay.mlp_tile else ""
+    return (f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp}{cp}, ZeRO {lay.zero_stage}, offload {lay.offload}{extra}{tile}, "
             f"{lay.precision}, micro {lay.micro} x accum {lay.accum}{', recompute' if lay.recompute else ''}")
 
 
 def _search(args: argparse.Namespace, shape: object, machine: object, layout: object, local: bool) -> int:
     from ..plan import PlanError, search
 
-    batch = args.global_batch or layout.micro * layout.accum * (layout.dp or machine.world // (layout.tp * layout.pp))
+    batch = args.global_batch or layout.micro * layout.accum * (layout.dp or machine.world // (layout.tp * layout.pp
+                                                                                              * layout.cp))
     if batch < 1:
         raise PlanError(f"--global-batch {batch}: must be a positive number of sequences")
     result = search(shape, machine, batch, layout, measure=local)

@@ -162,10 +162,12 @@ def _job(layout: Layout, run_dir: Path, size: dict) -> str:
     lines = ["[model]", f"n_layers = {layers}", "n_heads = 4", f"d_model = {size['d_model']}",
              f"seq_len = {size['seq_len']}", "[data]", "max_bytes = 100_000", "[train]", "steps = 4", "warmup_steps = 1",
              f"micro_batch_size = {size['micro']}", f"grad_accum_steps = {accum}", "[parallel]", f"dp = {layout.dp}",
-             f"tp = {layout.tp}", f"pp = {layout.pp}", f"zero_stage = {layout.zero_stage}",
+             f"tp = {layout.tp}", f"pp = {layout.pp}", f"cp = {layout.cp}", f'cp_mode = "{layout.cp_mode}"',
+             f"zero_stage = {layout.zero_stage}",
              f'schedule = "{layout.schedule}"', f"virtual_stages = {layout.virtual_stages}",
              f"sequence_parallel = {str(layout.sequence_parallel).lower()}", "[memory]",
              f'offload = "{layout.offload}"', f"activation_checkpointing = {str(layout.recompute).lower()}",
+             f"mlp_tile = {layout.mlp_tile}",
              f'disk_dir = "{run_dir / "chunks"}"', "[precision]", f'dtype = "{layout.precision}"',
              "[log]", f'run_dir = "{run_dir}"', "every = 100"]
     if layout.offload == "disk":  # half the states in RAM (at least what the chunks need at once)
@@ -201,7 +203,7 @@ def _overhead_at(layout: Layout, rates: Rates, disk_dir: str | os.PathLike, size
         bare = replace(rates, host_overhead=0, runtime={}, layout_overhead={}, layout_slack={})
         save_machine(replace(local_machine(), host_overhead=0, rates=bare), machine)
         config.write_text(_job(layout, run, size))
-        world = layout.dp * layout.tp * layout.pp
+        world = layout.dp * layout.tp * layout.pp * layout.cp
         cmd = build_command([sys.executable, "-m", "capstan.engine.cli", "train", "--config", str(config),
                              "--plan", str(machine)], world)
         env = {k: v for k, v in os.environ.items() if k != "CAPSTAN_RENDEZVOUS_FILE"}
@@ -229,7 +231,8 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
     layouts = list(shapes)
     profiles = {}  # one profile per distinct (shape, tp slice, micro-batch, precision, sp, dropout)
     for shape, layout in shapes:
-        key = (shape, layout.tp, layout.micro, layout.precision, layout.sequence_parallel, layout.dropout)
+        key = (shape, layout.tp, layout.micro, layout.precision, layout.sequence_parallel, layout.dropout, layout.cp,
+               layout.cp_mode if layout.cp > 1 else "", layout.mlp_tile)
         profiles.setdefault(key, (shape, replace(layout, dp=0)))
     shapes = list(profiles.values())
     log(f"calibrating: collectives under mpirun -np {' and '.join(map(str, sorted({2, *ranks, cores} - {1})))} "
@@ -239,6 +242,7 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
     threads = probes[2]["threads"]
     collective = {n: _fit(p["all_reduce"], 2 * (n - 1) / n) for n, p in probes.items()}
     gather = {n: _fit(p["all_gather"], (n - 1)) for n, p in probes.items()}  # wire: (n-1) x the input
+    all_to_all = {n: _fit(p["all_to_all"], (n - 1) / n) for n, p in probes.items() if len(p.get("all_to_all", {})) > 1}
     p2p = _fit(probes[2]["p2p"], 1.0)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -261,7 +265,7 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
     rates = Rates(source=f"capstan plan --calibrate on this machine, {time.strftime('%Y-%m-%d %H:%M')}",
                   threads=threads, cores=cores, flops={"fp32": fp32, "bf16": bf16, "fp16": bf16},
                   memory_bandwidth=cpu["memory_bandwidth"], adam=cpu["adam"], disk_read=read, disk_write=write,
-                  collective=collective, gather=gather, p2p=p2p, contention=max(1.0, contention),
+                  collective=collective, gather=gather, all_to_all=all_to_all, p2p=p2p, contention=max(1.0, contention),
                   host_overhead=max(p["rss"] for p in probes.values()),
                   runtime={k: int(v) for k, v in runtime.items() if k != "step_overhead_s"},
                   step_overhead=runtime["step_overhead_s"], per_access=per_access,

@@ -44,7 +44,7 @@ __all__ = ["ChunkLists", "Traffic", "chunk_lists", "disk_traffic", "stage_module
 class ChunkLists:
     """One stage's chunk lists: `counts[g]` chunks of `capacities[g]` elements in parameter group g
     (padded to a multiple of dp when dp > 1: ZeRO-3 through chunks), and which chunks each module uses,
-    in execution order. `layout.dp` must be resolved."""
+    in execution order. `layout.dp` must be resolved (the shard is dp x cp)."""
 
     chunk_size: int
     counts: tuple[int, ...]  # chunks per list
@@ -149,7 +149,7 @@ def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int
             specs[g].append(ModuleSpec(f"m{m}", tuple(ps)))
         where.append([(g, f"m{m}.p{k}") for k, (g, _) in enumerate(params)])
     used = [g for g in range(4) if specs[g]]
-    shard = layout.dp if layout.dp > 1 else 1  # chunks are sharded whenever dp > 1 (engine: ShardedChunkedModel)
+    shard = max(1, layout.replicas)  # chunks are sharded over dp x cp whenever it is > 1 (engine: ShardedChunkedModel)
     pad = (lambda n: -(-n // shard) * shard) if shard > 1 else (lambda n: n)
     size = layout.chunk_size or auto_chunk_size([specs[g] for g in used], pad=pad)
     counts, capacities, index_of = [], [], {}

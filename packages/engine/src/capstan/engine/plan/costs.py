@@ -44,26 +44,30 @@ def layer_key(kind: str, shape: ModelShape, layout: Layout, threads: int, busy: 
     once on the node while it was measured (`busy`: 1 alone, else every core running a rank)."""
     sp = ".sp" if layout.sequence_parallel else ""
     drop = ".drop" if layout.dropout else ""
+    cp = f".cp{layout.cp}{layout.cp_mode[0]}" if layout.cp > 1 else ""
+    tile = f".mt{layout.mlp_tile}" if layout.mlp_tile else ""
     return (f"{kind}.h{shape.hidden}.a{shape.heads}.v{shape.vocab}.s{shape.seq}.f{shape.ffn_mult}.tp{layout.tp}"
-            f".b{layout.micro}.{layout.precision}{sp}{drop}.t{threads}" + (f".busy{busy}" if busy > 1 else ""))
+            f".b{layout.micro}.{layout.precision}{sp}{drop}{cp}{tile}.t{threads}" + (f".busy{busy}" if busy > 1 else ""))
 
 
-def block_flops(shape: ModelShape, tp: int, micro: int) -> float:
-    """Forward FLOPs of one block on one tensor-parallel rank (module docstring)."""
+def block_flops(shape: ModelShape, tp: int, micro: int, cp: int = 1) -> float:
+    """Forward FLOPs of one block on one tensor-parallel rank (module docstring); with context parallelism
+    the rank's seq / cp tokens, and 1/cp of the attention over the whole sequence."""
     b, s, h = micro, shape.seq, shape.hidden
-    return (2 * b * s * h * h * (4 + 2 * shape.ffn_mult) + 4 * b * s * s * h) / tp
+    return (2 * b * s // cp * h * h * (4 + 2 * shape.ffn_mult) + 4 * b * s * s * h / cp) / tp
 
 
 def _from_flops(shape: ModelShape, layout: Layout, rates: Rates) -> dict[str, LayerCost]:
     rate = rates.flops.get(layout.precision) or rates.flops.get("fp32")
     if not rate:
         raise ValueError(f"no compute rate for {layout.precision} ({rates.source})")
-    b, s, h = layout.micro, shape.seq, shape.hidden
+    b, s, h = layout.micro, shape.seq // layout.cp, shape.hidden
     e = 2 if layout.precision in ("bf16", "fp16") else 4
     moved = 4 * b * s * h * e / max(rates.memory_bandwidth, 1.0)  # read and write the hidden states, twice
     head = 2 * b * s * h * shape.vocab / layout.tp / rate
-    block = block_flops(shape, layout.tp, layout.micro) / rate
-    return {"embed": LayerCost(moved, moved), "block": LayerCost(block, 2 * block),
+    block = block_flops(shape, layout.tp, layout.micro, layout.cp) / rate
+    tiles = 2 * b * s * h * h * 2 * shape.ffn_mult / layout.tp / rate if layout.mlp_tile else 0.0  # MLP rebuilt
+    return {"embed": LayerCost(moved, moved), "block": LayerCost(block, 2 * block + tiles),
             "norm": LayerCost(moved, moved), "head": LayerCost(head + moved, 2 * head + moved)}
 
 
@@ -91,11 +95,13 @@ def layer_costs(shape: ModelShape, layout: Layout, rates: Rates, measure: bool =
 
 @contextlib.contextmanager
 def _local_collectives() -> Iterator[None]:
-    """capstan.comm's all_reduce / all_gather / reduce_scatter as local stand-ins of the same shapes, so
-    one process can run one tensor-parallel rank's layers (only their compute is profiled)."""
+    """capstan.comm's collectives and point-to-point exchange as local stand-ins of the same shapes, so one
+    process can run one tensor- and context-parallel rank's layers (only their compute is profiled): an
+    all-to-all or a ring exchange hands back what was sent (other ranks' values in the real run, the
+    same amount of work)."""
     from capstan import comm
 
-    saved = comm.all_reduce, comm.all_gather, comm.reduce_scatter
+    saved = comm.all_reduce, comm.all_gather, comm.reduce_scatter, comm.all_to_all, comm.exchange
 
     def all_reduce(tensor, op="sum", group=None, async_op=False):  # noqa: ANN001, ANN202
         return tensor
@@ -109,11 +115,25 @@ def _local_collectives() -> Iterator[None]:
         output.copy_(tensor.reshape(-1)[: output.numel()].view_as(output))
         return output
 
+    def all_to_all(output, tensor, group=None):  # noqa: ANN001, ANN202
+        return output.copy_(tensor)
+
+    class _Done:
+        def wait(self) -> None:
+            pass
+
+    def exchange(ops, group=None):  # noqa: ANN001, ANN202
+        sends = [op.tensor for op in ops if op.kind == "send"]
+        for op, sent in zip([op for op in ops if op.kind == "recv"], sends):
+            op.tensor.copy_(sent)
+        return _Done()
+
     comm.all_reduce, comm.all_gather, comm.reduce_scatter = all_reduce, all_gather, reduce_scatter
+    comm.all_to_all, comm.exchange = all_to_all, exchange
     try:
         yield
     finally:
-        comm.all_reduce, comm.all_gather, comm.reduce_scatter = saved
+        comm.all_reduce, comm.all_gather, comm.reduce_scatter, comm.all_to_all, comm.exchange = saved
 
 
 def _median_seconds(fn, budget: float = 0.4, least: int = 5, most: int = 50) -> float:  # noqa: ANN001
@@ -152,21 +172,24 @@ def measure_layers(shape: ModelShape, layout: Layout, threads: int = 1) -> dict[
     """Profile the reference GPT's layers at one tensor-parallel rank's shapes (module docstring)."""
     from capstan.comm.groups import Group
     from capstan.tensorpar import GPTConfig
+    from capstan.tensorpar.context import ContextParallel
     from capstan.tensorpar.gpt import gpt_layer_factories, gpt_loss
 
     depth = min(shape.layers, STACK)
     cfg = GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, d_model=shape.hidden, n_heads=shape.heads,
-                    n_layers=depth, dropout=0.1 if layout.dropout else 0.0, ffn_mult=shape.ffn_mult)
+                    n_layers=depth, dropout=0.1 if layout.dropout else 0.0, ffn_mult=shape.ffn_mult,
+                    mlp_tile=layout.mlp_tile)
     group = Group("tp", tuple(range(layout.tp)), 0)
+    cp = ContextParallel.of(Group("cp", tuple(range(layout.cp)), 0), layout.cp_mode)  # rank 0's share of the work
     sp = layout.sequence_parallel
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with _local_collectives():
-            made = [make() for make in gpt_layer_factories(cfg, group, 0, sequence_parallel=sp)]
+            made = [make() for make in gpt_layer_factories(cfg, group, 0, sequence_parallel=sp, cp=cp)]
             embed, blocks, norm, head = made[0], made[1:-2], made[-2], made[-1]
             loss = gpt_loss(cfg, group)
-            b, s, h = layout.micro, shape.seq, shape.hidden
+            b, s, h = layout.micro, shape.seq // layout.cp, shape.hidden  # this rank's tokens
             local_s = s // layout.tp if sp else s
             ids = torch.randint(0, shape.vocab, (b, s))
             hidden = torch.randn(b, local_s, h, requires_grad=True)

@@ -92,6 +92,7 @@ class MemoryPlan:
 
 
 TILE_ELEMENTS = 1 << 22  # logits per tile of the tiled loss (capstan.tensorpar.tiled_loss, kept torch-free here)
+RING_TILE = 1024  # queries and keys per tile of ring attention (capstan.tensorpar.context.RING_TILE, likewise)
 
 
 def _fmt(n: float) -> str:
@@ -113,12 +114,16 @@ def _stage_parts(shape: ModelShape, layout: Layout) -> list[list[int]]:
 
 
 def _block_activations(shape: ModelShape, layout: Layout, micro: int) -> tuple[int, int]:
-    """(bytes one block keeps for backward, bytes while it is rebuilt under recompute) per micro-batch."""
-    s, h, a, t = shape.seq, shape.hidden, shape.heads // layout.tp, layout.tp
+    """(bytes one block keeps for backward, bytes while it is rebuilt under recompute) per micro-batch, for
+    this rank's seq / cp tokens (Ulysses' head-split q, k, v hold the same elements as the sequence-split
+    ones; the ring's saved q, k, v, output and log-sum-exp are the fused kernel's)."""
+    s, h, a, t = shape.seq // layout.cp, shape.hidden, shape.heads // layout.tp, layout.tp
     sbh = s * micro * h
     e = 2 if layout.precision in ("bf16", "fp16") else 4
     replicated = 8 * sbh * e // 2  # norm inputs, the first linears' inputs (16-bit: 8 s b h)
-    sliced = 24 * sbh * e // 2  # q, k, v, attention output, MLP hidden (16-bit: 24 s b h in all)
+    sliced = 8 * sbh * e // 2  # q, k, v, attention output (16-bit: 8 s b h)
+    if not _mlp_tiled(shape, layout):
+        sliced += 16 * sbh * e // 2  # the MLP's hidden before and after GELU (16-bit: 16 s b h)
     if layout.dropout:
         replicated += 2 * sbh  # two residual dropout masks, a byte each
         sliced += (2 * e + 1) * a * s * s * micro  # explicit attention: scores, probabilities, mask
@@ -129,13 +134,43 @@ def _block_activations(shape: ModelShape, layout: Layout, micro: int) -> tuple[i
     return kept, full
 
 
+def _mlp_tiled(shape: ModelShape, layout: Layout) -> bool:
+    """Whether the MLP runs in tiles (tensorpar.blocks.ParallelMLP: more tokens than one tile)."""
+    tokens = shape.seq // layout.cp // (layout.tp if layout.sequence_parallel else 1)
+    return 0 < layout.mlp_tile < tokens
+
+
+def _mlp_tile_bytes(shape: ModelShape, layout: Layout) -> int:
+    """One MLP tile rebuilt in backward: its hidden before and after GELU and their gradients."""
+    tokens = layout.mlp_tile * (layout.tp if layout.sequence_parallel else 1) * layout.micro
+    e = 2 if layout.precision in ("bf16", "fp16") else 4
+    return 4 * tokens * shape.ffn_mult * shape.hidden // layout.tp * e
+
+
+def _cp_transient(shape: ModelShape, layout: Layout) -> int:
+    """Context parallelism's buffers during a block's backward: the ring's key/value block, the one
+    arriving, their fp32 gradients and the one arriving, the fp32 query gradient, and two fp32 tiles of
+    scores (probabilities and their gradient: context.py works in place); for Ulysses the all-to-all's
+    send and receive copies of a tensor of the rank's q, k, v or output size."""
+    if layout.cp == 1:
+        return 0
+    e = 2 if layout.precision in ("bf16", "fp16") else 4
+    unit = shape.seq // layout.cp * layout.micro * shape.hidden // layout.tp
+    if layout.cp_mode == "ring":
+        tile = min(RING_TILE, shape.seq // (2 * layout.cp))
+        scores = 2 * layout.micro * shape.heads // layout.tp * tile * tile * 4
+        return unit * (2 * 2 * e + 2 * 2 * 4 + 4) + scores
+    return 2 * unit * e
+
+
 def runtime_family(layout: Layout) -> str:
     """The name under which `capstan plan --calibrate` keeps what a run of this kind holds besides its
     tensors (Rates.layout_overhead): the same ranks and axes, ZeRO stage, offload, precision, recompute."""
     lay = layout
     return (f"dp{lay.dp}.tp{lay.tp}.pp{lay.pp}.z{lay.zero_stage}.{lay.offload}.{lay.precision}"
             + (".rc" if lay.recompute else "") + (".sp" if lay.sequence_parallel else "")
-            + (".acc" if lay.accum > 1 and lay.pp == 1 else ""))
+            + (".acc" if lay.accum > 1 and lay.pp == 1 else "")
+            + (f".cp{lay.cp}{lay.cp_mode[0]}" if lay.cp > 1 else "") + (".mt" if lay.mlp_tile else ""))
 
 
 def _runtime(machine: Machine, layout: Layout, chunked: bool, tensors: int) -> list[Item]:
@@ -192,7 +227,7 @@ def memory_plan(shape: ModelShape, machine: Machine, layout: Layout) -> MemoryPl
 
 def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int, layers: list[int],
                 weights: list[int], last: int, compute: str) -> MemoryPlan:
-    dp, gpu = layout.dp, machine.device is not None
+    dp, gpu = layout.replicas, machine.device is not None  # gradients reduced and states sharded over dp x cp
     params = sum(weights[i] for i in layers)
     largest_layer = max(weights[i] for i in layers)
     items: list[Item] = []
@@ -273,9 +308,16 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         items.append(Item("one block's activations while it is recomputed", act_tier, rebuilt))
     if blocks:  # backward allocates the gradients of a block's activations while they are still kept
         items.append(Item("backward: one block's activation gradients", act_tier, rebuilt or kept))
+    if blocks and _mlp_tiled(shape, layout):
+        items.append(Item(f"tiled MLP: one {layout.mlp_tile}-token tile rebuilt in backward, with its gradients",
+                          act_tier, _mlp_tile_bytes(shape, layout)))
+    if blocks and layout.cp > 1:
+        items.append(Item("context parallelism: " + ("the ring's key/value blocks and their gradients in flight"
+                                                     if layout.cp_mode == "ring" else "Ulysses' all-to-all buffers"),
+                          act_tier, _cp_transient(shape, layout)))
     if last in layers:
         vocab = -(-shape.vocab // layout.tp) * layout.tp // layout.tp
-        tokens = shape.seq * layout.micro
+        tokens = shape.seq // layout.cp * layout.micro
         if layout.tiled_loss:  # tensorpar/tiled_loss.py: a tile's logits, unit gradients of the head kept
             tile = min(tokens, max(1, TILE_ELEMENTS // vocab))
             items.append(Item("tiled loss: one tile's logits and softmax (fp32), the head's unit gradients "

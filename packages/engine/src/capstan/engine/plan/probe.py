@@ -6,8 +6,8 @@ Every rank starts comm as `capstan train` does (MPI under mpirun), then rank 0 w
 
 * `threads`: torch's threads per rank under the launcher, and `rss`: the largest resident set of a
   rank before any model exists (interpreter, torch, MPI, capstan: `Rates.host_overhead`);
-* `all_reduce`, `all_gather`: median seconds per call of capstan.comm on fp32 tensors of 4 KiB to
-  16 MiB, the slowest rank's (each call after a barrier);
+* `all_reduce`, `all_gather`, `all_to_all`: median seconds per call of capstan.comm on fp32 tensors
+  of 4 KiB to 16 MiB, the slowest rank's (each call after a barrier);
 * `p2p` (2 ranks): median seconds of a send from rank 0 to rank 1 and back, halved;
 * `block_together` (cores >= ranks): a block's forward and backward with every rank running it at
   once; calibrate.py divides it by the same alone (`Rates.contention`);
@@ -75,7 +75,7 @@ def main(out: str, shapes_file: str | None = None) -> None:
     rss = torch.tensor([_vm_rss()], dtype=torch.float64)
     comm.all_reduce(rss, "max")
     result: dict = {"ranks": n, "threads": torch.get_num_threads(), "rss": int(rss.item()),
-                    "all_reduce": {}, "all_gather": {}}
+                    "all_reduce": {}, "all_gather": {}, "all_to_all": {}}
     for size in SIZES:
         elems = size // 4
         reps = max(5, min(60, int(4e7 // size)))
@@ -83,6 +83,9 @@ def main(out: str, shapes_file: str | None = None) -> None:
         out_t = torch.empty(elems * n)
         result["all_reduce"][size] = _timed(lambda t=t: comm.all_reduce(t), reps)
         result["all_gather"][size] = _timed(lambda t=t, o=out_t: comm.all_gather(o, t), reps)
+        if elems % n == 0:
+            back = torch.empty_like(t)
+            result["all_to_all"][size] = _timed(lambda t=t, o=back: comm.all_to_all(o, t), reps)
     if n == 2:
         result["p2p"] = {}
         for size in SIZES:

@@ -58,6 +58,7 @@ class Rates:
     disk_write: float = 0.0
     collective: dict[int, Link] = field(default_factory=dict)  # ranks in the group -> all-reduce on one node
     gather: dict[int, Link] = field(default_factory=dict)  # ranks in the group -> all-gather on one node
+    all_to_all: dict[int, Link] = field(default_factory=dict)  # ranks in the group -> all-to-all on one node
     inter_node: Link | None = None
     p2p: Link | None = None
     host_device: float = 0.0  # B/s host<->device (0: no device)
@@ -71,10 +72,11 @@ class Rates:
     layers: dict[str, LayerCost] = field(default_factory=dict)  # profiled layer costs, by costs.layer_key
 
     def link(self, ranks: int, nodes: int = 1, op: str = "all_reduce") -> Link:
-        """The link of a collective (`op`: all_reduce, all_gather) over `ranks` spread on `nodes` nodes."""
+        """The link of a collective (`op`: all_reduce, all_gather, all_to_all) over `ranks` spread on `nodes`
+        nodes; the all-reduce's where the op was not measured (a machine file from before it was)."""
         if nodes > 1 and self.inter_node is not None:
             return self.inter_node
-        table = self.gather if op == "all_gather" and self.gather else self.collective
+        table = {"all_gather": self.gather, "all_to_all": self.all_to_all}.get(op) or self.collective
         if ranks in table:
             return table[ranks]
         if not table:
@@ -83,14 +85,14 @@ class Rates:
 
     def to_json(self) -> dict:
         out = asdict(self)
-        for key in ("collective", "gather"):
+        for key in ("collective", "gather", "all_to_all"):
             out[key] = {str(k): asdict(v) for k, v in getattr(self, key).items()}
         return out
 
     @classmethod
     def from_json(cls, data: dict) -> Rates:
         data = dict(data)
-        for key in ("collective", "gather"):
+        for key in ("collective", "gather", "all_to_all"):
             data[key] = {int(k): Link(**v) for k, v in data.get(key, {}).items()}
         for key in ("inter_node", "p2p"):
             if data.get(key) is not None:
@@ -109,6 +111,6 @@ def gpu_rates(device_flops: float, device_bandwidth: float, intra: float, inter:
                  memory_bandwidth=device_bandwidth,
                  # flat buffers step on the device (fused AdamW reads and writes ~28 B per parameter); chunks on the host
                  adam={"fp32": device_bandwidth / 28, "sumsq": device_bandwidth / 4, "host": HOST_ADAM},
-                 disk_read=disk_read, disk_write=disk_write, collective=near,
+                 disk_read=disk_read, disk_write=disk_write, collective=near, all_to_all=near,
                  inter_node=Link(2e-5, inter) if inter else None, p2p=Link(1e-5, intra or 1e11),
                  host_device=PCIE_BANDWIDTH)

@@ -46,11 +46,8 @@ def shape_layout(cfg: object, world: int | None = None) -> tuple[ModelShape, Lay
     if m.hf:
         raise PlanError("model.hf: the planner models the reference GPT; give the sizes of your model with "
                         "--layers --hidden --heads --vocab --seq")
-    if p.cp > 1 or mem.mlp_tile:
-        raise PlanError("the planner does not model context parallelism (parallel.cp) or the tiled MLP "
-                        f"(memory.mlp_tile) yet; got cp = {p.cp}, mlp_tile = {mem.mlp_tile}")
     shape = ModelShape(layers=m.n_layers, hidden=m.d_model, heads=m.n_heads, vocab=m.vocab_size, seq=m.seq_len)
-    dp = p.dp or (world // (p.tp * p.pp) if world else 0)
+    dp = p.dp or (world // (p.tp * p.pp * p.cp) if world else 0)
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, offload=mem.offload,
                     micro=t.micro_batch_size, accum=t.grad_accum_steps, recompute=mem.activation_checkpointing,
                     precision=cfg.precision.dtype, sequence_parallel=p.sequence_parallel,  # type: ignore[attr-defined]
@@ -58,7 +55,8 @@ def shape_layout(cfg: object, world: int | None = None) -> tuple[ModelShape, Lay
                     cpu_budget=mem.cpu_budget, gpu_budget=mem.gpu_budget, bucket_bytes=int(p.bucket_mb * 2**20),
                     chunk_size=mem.chunk_size, eviction=mem.eviction, grad_clip=t.grad_clip > 0,
                     data_bytes=0 if str(cfg.data.source).endswith(".bin") else cfg.data.max_bytes,  # type: ignore[attr-defined]
-                    tiled_loss=mem.tiled_loss, activation_offload=mem.activation_offload, compression=p.compression)
+                    tiled_loss=mem.tiled_loss, activation_offload=mem.activation_offload, compression=p.compression,
+                    cp=p.cp, cp_mode=p.cp_mode, mlp_tile=mem.mlp_tile)
     return shape, layout
 
 
@@ -122,7 +120,8 @@ class RunPlan:
         if p is None:
             return ""
         lay = p.memory.layout
-        lines = [f"plan: dp {lay.dp} x tp {lay.tp} x pp {lay.pp}, per rank (stage {p.memory.stage}):",
+        cp = f" x cp {lay.cp} ({lay.cp_mode})" if lay.cp > 1 else ""
+        lines = [f"plan: dp {lay.dp} x tp {lay.tp} x pp {lay.pp}{cp}, per rank (stage {p.memory.stage}):",
                  p.memory.table()]
         if p.time is not None:
             lines += ["plan: step time (" + p.time.source + "):", p.time.table()]

@@ -7,7 +7,8 @@
 Candidates: dp x tp x pp = the machine's ranks (tp dividing the heads and inside a node, pp no more than
 the layers), ZeRO 0-3, offload none / cpu / disk (disk with the largest RAM budget the rest of the
 rank's memory leaves), micro-batch x accumulation x dp = the global batch, recompute on and off, 1F1B
-for pipelines. The precision and the sequence length are the job's, not searched. A layout that does
+for pipelines. The precision, the sequence length and its context-parallel split (cp, cp_mode, mlp_tile)
+are the job's, not searched: every candidate keeps `base`'s. A layout that does
 not fit is kept only to say, when none fits, how much of which tier is missing at least (and, on a
 GPU machine, how many devices the model states alone need).
 """
@@ -50,9 +51,9 @@ def candidate_layouts(shape: ModelShape, machine: Machine, global_batch: int, ba
     world = machine.world
     out = []
     for tp, pp in itertools.product(_divisors(world), repeat=2):
-        if world % (tp * pp) or shape.heads % tp or tp > machine.per_node or pp > shape.layers:
+        if world % (tp * pp * base.cp) or shape.heads % tp or tp > machine.per_node or pp > shape.layers:
             continue
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * base.cp)
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
@@ -60,11 +61,12 @@ def candidate_layouts(shape: ModelShape, machine: Machine, global_batch: int, ba
             accum = per_rank // micro
             if pp > 1 and accum < pp:
                 continue  # fewer micro-batches than stages: the pipeline is mostly bubble
+            replicas = dp * base.cp  # ZeRO shards over dp x cp
             for zero, offload, recompute in itertools.product((0, 1, 2, 3), ("none", "cpu", "disk"), (False, True)):
-                if (zero and dp == 1) or (offload != "none" and zero not in (0, 3)) or (zero == 3 and offload == "none"
-                                                                                          and dp == 1):
+                if (zero and replicas == 1) or (offload != "none" and zero not in (0, 3)) or (
+                        zero == 3 and offload == "none" and replicas == 1):
                     continue
-                if offload != "none" and zero == 0 and dp > 1:
+                if offload != "none" and zero == 0 and replicas > 1:
                     continue  # chunks with dp > 1 are ZeRO-3 (sharded) whatever the stage says: tried as 3
                 out.append(replace(base, dp=dp, tp=tp, pp=pp, zero_stage=zero, offload=offload, micro=micro,
                                    accum=accum, recompute=recompute, schedule="1f1b", virtual_stages=1,

@@ -125,7 +125,8 @@ class Machine:
 @dataclass(frozen=True)
 class Layout:
     """How a run is laid out (the same names as capstan's config: docs/config.md). dp = 0: the rest
-    of the machine's ranks after tp x pp."""
+    of the machine's ranks after tp x pp x cp. With cp > 1 a rank computes seq / cp tokens of each
+    sequence, and gradients are reduced (ZeRO states sharded) over the dp x cp `replicas`."""
 
     dp: int = 0
     tp: int = 1
@@ -150,17 +151,27 @@ class Layout:
     tiled_loss: bool = True  # memory.tiled_loss: the head's logits a tile at a time
     activation_offload: bool = False  # memory.activation_offload: recomputed blocks' inputs on disk (or host RAM)
     compression: str = "none"  # parallel.compression: "onebit" (1-bit Adam past its freeze) or "int8" (ZeRO++-style)
+    cp: int = 1  # parallel.cp: context-parallel ranks per replica, each holding seq / cp of every sequence
+    cp_mode: str = "ulysses"  # parallel.cp_mode: "ulysses" (all-to-all to head-split) or "ring" (key/value blocks)
+    mlp_tile: int = 0  # memory.mlp_tile: tokens per recomputed tile of each block's MLP (0: off)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same parameters and reduce gradients together (ZeRO shards over them): dp x cp."""
+        return self.dp * self.cp
 
     def __post_init__(self) -> None:
-        _positive("layout", tp=self.tp, pp=self.pp, micro=self.micro, accum=self.accum,
+        _positive("layout", tp=self.tp, pp=self.pp, cp=self.cp, micro=self.micro, accum=self.accum,
                   virtual_stages=self.virtual_stages)
+        if self.mlp_tile < 0:
+            raise PlanError(f"layout.mlp_tile = {self.mlp_tile}: must be 0 (off) or a positive number of tokens")
         if self.dp < 0:
             raise PlanError(f"layout.dp = {self.dp}: must be 0 (the rest of the ranks) or positive")
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"layout.zero_stage = {self.zero_stage}: expected 0, 1, 2 or 3")
         for key, allowed in (("offload", ("none", "cpu", "disk")), ("precision", ("fp32", "bf16", "fp16")),
                              ("schedule", ("gpipe", "1f1b", "interleaved")),
-                             ("compression", ("none", "onebit", "int8"))):
+                             ("compression", ("none", "onebit", "int8")), ("cp_mode", ("ulysses", "ring"))):
             if getattr(self, key) not in allowed:
                 raise PlanError(f"layout.{key} = {getattr(self, key)!r}: expected one of {', '.join(allowed)}")
         for key in ("cpu_budget", "gpu_budget"):
@@ -171,6 +182,8 @@ class Layout:
         if self.compression == "int8" and self.zero_stage == 0 and self.offload == "none":
             raise PlanError("layout.compression = \"int8\" compresses ZeRO's reduce-scatter and all-gather: it needs "
                             "zero_stage 1-3 or offload")
+        if self.cp > 1 and self.dropout:
+            raise PlanError("layout.cp > 1 needs dropout off (the engine's context parallelism has no dropout streams)")
         if self.activation_offload and not self.recompute:
             raise PlanError("layout.activation_offload moves recomputed blocks' inputs: it needs layout.recompute")
         if self.offload == "disk" and self.cpu_budget is None:
@@ -178,13 +191,14 @@ class Layout:
 
     def resolved(self, shape: ModelShape, machine: Machine) -> Layout:
         """This layout with dp filled in, checked against the model and the machine."""
-        world = machine.world
-        if world % (self.tp * self.pp):
-            raise PlanError(f"layout tp x pp = {self.tp} x {self.pp} does not divide the machine's {world} ranks")
-        dp = self.dp or world // (self.tp * self.pp)
-        if dp * self.tp * self.pp != world:
-            raise PlanError(f"layout dp x tp x pp = {dp} x {self.tp} x {self.pp} = {dp * self.tp * self.pp} ranks, "
-                            f"but the machine has {world}")
+        world, fixed = machine.world, self.tp * self.pp * self.cp
+        names, sizes = ("tp x pp x cp", f"{self.tp} x {self.pp} x {self.cp}") if self.cp > 1 else \
+            ("tp x pp", f"{self.tp} x {self.pp}")
+        if world % fixed:
+            raise PlanError(f"layout {names} = {sizes} does not divide the machine's {world} ranks")
+        dp = self.dp or world // fixed
+        if dp * fixed != world:
+            raise PlanError(f"layout dp x {names} = {dp} x {sizes} = {dp * fixed} ranks, but the machine has {world}")
         if shape.heads % self.tp:
             raise PlanError(f"model.heads = {shape.heads} is not divisible by layout.tp = {self.tp}")
         if self.tp > machine.per_node:
@@ -196,6 +210,16 @@ class Layout:
                             "layers (embedding, blocks, norm, head)")
         if self.sequence_parallel and (self.tp == 1 or shape.seq % self.tp):
             raise PlanError(f"layout.sequence_parallel needs tp > 1 dividing model.seq = {shape.seq}")
+        if self.cp > 1:  # capstan.tensorpar.context.check_context_sizes, kept torch-free here
+            if self.cp_mode == "ulysses" and (shape.heads // self.tp % self.cp or shape.seq % self.cp):
+                raise PlanError(f"layout.cp_mode = \"ulysses\" needs the heads per tp rank ({shape.heads // self.tp}) "
+                                f"and model.seq ({shape.seq}) divisible by layout.cp = {self.cp}")
+            if self.cp_mode == "ring" and shape.seq % (2 * self.cp):
+                raise PlanError(f"layout.cp_mode = \"ring\" needs model.seq = {shape.seq} divisible by 2 x cp = "
+                                f"{2 * self.cp}")
+            if self.sequence_parallel and (shape.seq // self.cp) % self.tp:
+                raise PlanError(f"layout.sequence_parallel needs tp = {self.tp} dividing a cp rank's "
+                                f"{shape.seq // self.cp} tokens")
         return replace(self, dp=dp)
 
 

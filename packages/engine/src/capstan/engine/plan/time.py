@@ -13,6 +13,10 @@ What a step costs on the slowest pipeline stage, as the engine runs it:
   two in backward, of b·s·h activations in the compute dtype; one more for the embedding and the
   head, three of b·s for the vocab-parallel loss; with sequence parallelism an all-gather and a
   reduce-scatter in place of each all-reduce). They block the compute stream, so they add up.
+* **Context parallelism** (cp > 1): each rank computes its seq / cp tokens of every layer and 1/cp of
+  the attention over the whole sequence (profiled that way: costs.py), plus the exchanges between the
+  cp ranks inside attention (`_cp_comm`: Ulysses' all-to-alls at the measured all-to-all rate, the
+  ring's key/value blocks at the point-to-point rate). Gradients are reduced over dp x cp.
 * **The pipeline** (pp > 1): the schedule simulated with these costs per stage and instruction
   (capstan.pipeline.simulate), activations and their gradients sent point to point; the bubble is
   what the slowest stage spends waiting.
@@ -105,7 +109,7 @@ def _tp_comm(shape: ModelShape, layout: Layout, layers: list[int], link: Link) -
         return 0.0, 0.0
     n = layout.tp
     e = 2 if layout.precision in ("bf16", "fp16") else 4
-    act = layout.micro * shape.seq * shape.hidden * e
+    act = layout.micro * shape.seq // layout.cp * shape.hidden * e
     wire = 2 * (n - 1) / n * act  # an all-reduce, or an all-gather plus a reduce-scatter
     calls = 2 if layout.sequence_parallel else 1
     kinds = [_kind(shape, i) for i in layers]
@@ -116,13 +120,41 @@ def _tp_comm(shape: ModelShape, layout: Layout, layers: list[int], link: Link) -
         fwd += link.seconds(wire, calls)
     if "head" in kinds:
         bwd += link.seconds(wire, calls)
-        fwd += link.seconds(3 * 2 * (n - 1) / n * layout.micro * shape.seq * 4, 3)  # the loss's three
+        fwd += link.seconds(3 * 2 * (n - 1) / n * layout.micro * shape.seq // layout.cp * 4, 3)  # the loss's three
     return fwd, bwd
 
 
+def _cp_comm(shape: ModelShape, machine: Machine, rates: Rates, layout: Layout, layers: list[int]
+             ) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's context-parallel traffic in these layers' blocks
+    (tensorpar/context.py): Ulysses' four all-to-alls of a q/k/v/output-sized tensor per attention forward
+    and four in backward; the ring's cp - 1 key/value blocks in forward, and in backward cp - 1 blocks plus
+    cp hops of their fp32 gradients. Recompute runs the forward's again in backward. Through MPI on a CPU
+    nothing progresses in the background, so the exchanges add to the compute."""
+    n = layout.cp
+    blocks = sum(1 for i in layers if _kind(shape, i) == "block")
+    if n == 1 or not blocks:
+        return 0.0, 0.0
+    e = 2 if layout.precision in ("bf16", "fp16") else 4
+    unit = layout.micro * shape.seq // n * shape.hidden // layout.tp  # elements of this rank's q (or k, v, output)
+    spans_nodes = layout.tp * n > machine.per_node
+    if layout.cp_mode == "ulysses":
+        link = rates.link(n, nodes=2 if spans_nodes else 1, op="all_to_all")
+        fwd = link.seconds(4 * (n - 1) / n * unit * e, 4)
+        bwd = fwd
+    else:
+        link = (rates.inter_node if spans_nodes and rates.inter_node else rates.p2p) or rates.link(2)
+        fwd = link.seconds((n - 1) * 2 * unit * e, n - 1)
+        bwd = fwd + link.seconds(n * 2 * unit * 4, n)
+    if layout.recompute:
+        bwd += fwd
+    return blocks * fwd, blocks * bwd
+
+
 def _dp_link(machine: Machine, rates: Rates, layout: Layout, op: str = "all_reduce") -> Link:
-    spans_nodes = layout.tp * layout.dp > machine.per_node
-    return rates.link(layout.dp, nodes=2 if spans_nodes else 1, op=op)
+    """The link of the data-parallel reductions: over dp x cp (the ranks holding the same parameters)."""
+    spans_nodes = layout.tp * layout.replicas > machine.per_node
+    return rates.link(layout.replicas, nodes=2 if spans_nodes else 1, op=op)
 
 
 def step_time(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates | None = None, *,
@@ -142,7 +174,8 @@ def step_time(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates 
     tp_link = rates.link(layout.tp) if layout.tp > 1 else Link(0.0, 1.0)
     compute: list[LayerCost] = []  # per virtual stage, one micro-batch, collectives excluded
     recompute: list[float] = []
-    tp: list[tuple[float, float]] = []
+    tp: list[tuple[float, float]] = []  # tensor- and context-parallel traffic inside the layers
+    cpc: list[tuple[float, float]] = []
     for layers in parts:
         kinds = [_kind(shape, i) for i in layers]
         f = sum(costs[k].forward for k in kinds) * slow
@@ -150,9 +183,11 @@ def step_time(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates 
         r = kinds.count("block") * costs["block"].forward * slow if layout.recompute else 0.0
         compute.append(LayerCost(f, b))
         recompute.append(r)
-        tp.append(_tp_comm(shape, layout, layers, tp_link))
+        t_f, t_b = _tp_comm(shape, layout, layers, tp_link)
+        cpc.append(_cp_comm(shape, machine, rates, layout, layers))
+        tp.append((t_f + cpc[-1][0], t_b + cpc[-1][1]))
     pp, v, m = layout.pp, layout.virtual_stages, layout.accum
-    hidden_bytes = layout.micro * shape.seq * shape.hidden * 4  # the residual stream stays fp32 under autocast
+    hidden_bytes = layout.micro * shape.seq // layout.cp * shape.hidden * 4  # the residual stream stays fp32
     p2p = (rates.p2p or tp_link).seconds(hidden_bytes) if pp > 1 else 0.0
     if pp == 1:
         pipe_end = [m * (compute[0].forward + compute[0].backward + recompute[0] + sum(tp[0]))]
@@ -168,11 +203,13 @@ def step_time(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates 
     mine = [c * pp + worst for c in range(v)]
     fb = m * sum(compute[k].forward + compute[k].backward for k in mine)
     rc = m * sum(recompute[k] for k in mine)
-    tpc = m * sum(sum(tp[k]) for k in mine)
+    cps = m * sum(sum(cpc[k]) for k in mine)
+    tpc = m * sum(sum(tp[k]) for k in mine) - cps
     sends = m * p2p * sum((k < pp * v - 1) + (k > 0) for k in mine) if pp > 1 else 0.0
-    bubble = max(0.0, pipe_end[worst] - fb - rc - tpc - sends)
+    bubble = max(0.0, pipe_end[worst] - fb - rc - tpc - cps - sends) if pp > 1 else 0.0
     overhead = rates.step_overhead * slow
     named = [("forward and backward", fb), ("recompute", rc), ("tensor-parallel collectives", tpc),
+             ("context-parallel exchanges", cps),
              ("pipeline transfers", sends), ("pipeline bubble", bubble), *stage_parts[worst].items(),
              ("engine overhead", overhead)]
     seconds = totals[worst] + overhead
@@ -209,7 +246,7 @@ def _simulated(layout: Layout, compute: list[LayerCost], recompute: list[float],
 def _compressed(layout: Layout, params: int, link: Link, gather: Link, rates: Rates, slow: float) -> dict[str, float]:
     """The flat path's data-parallel collectives and compression work under layout.compression (module
     docstring): 1-bit Adam past its freeze, or int8 reductions (per micro-batch at ZeRO 2) and gather."""
-    dp = layout.dp
+    dp = layout.replicas
     bandwidth = rates.memory_bandwidth or 1e10
     if layout.compression == "onebit":
         sent = (dp - 1) / dp * params / 8  # one stage's signs; the scales are a few bytes
@@ -226,7 +263,7 @@ def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rate
     """Data-parallel collectives, optimizer, disk I/O and chunk hooks of one stage's step."""
     weights = shape.layer_params(layout.tp)
     params = sum(weights[i] for i in layers)
-    dp, m = layout.dp, layout.accum
+    dp, m = layout.replicas, layout.accum  # the data-parallel reductions span dp x cp
     chunked = layout.zero_stage == 3 or layout.offload != "none"
     out = {"data-parallel collectives": 0.0, "optimizer": 0.0, "disk I/O": 0.0, "chunk hooks": 0.0,
            "host<->device copies": 0.0}
