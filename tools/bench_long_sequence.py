@@ -3,6 +3,8 @@
     hatch run python tools/bench_long_sequence.py                      # 4 GiB, 4 layers x d 256, GPT-2 vocabulary
     hatch run python tools/bench_long_sequence.py --limit-gib 3 --ratios 16 32
     hatch run python tools/bench_long_sequence.py --smoke             # tiny: checks the machinery in a minute
+    hatch run python tools/bench_long_sequence.py --only-seq 1048576 --layers 1 --d-model 32 --heads 2 --vocab 256
+                                                                      # one capstan step at 1M tokens, no peers
 
 The model is the reference GPT (`--layers`, `--d-model`, `--heads`, GPT-2's 50257-token vocabulary),
 batch 1, fp32, AdamW, one step on random tokens. "Under the limit" means the peak resident memory of
@@ -129,7 +131,7 @@ def longest_plain(a: argparse.Namespace, ckpt: bool, limit: int) -> tuple[int, l
 
 def capstan_config(a: argparse.Namespace, seq: int, disk: str) -> dict:
     return {"model": {"n_layers": a.layers, "n_heads": a.heads, "d_model": a.d_model, "seq_len": seq,
-                      "vocab_size": VOCAB, "dropout": 0.0},
+                      "vocab_size": a.vocab, "dropout": 0.0},
             "train": {"micro_batch_size": 1, "steps": 1, "warmup_steps": 0, "lr": 1e-3},
             "parallel": {"cp": a.cp, "cp_mode": a.cp_mode, "zero_stage": a.zero_stage},
             "memory": {"activation_checkpointing": True, "activation_offload": True, "mlp_tile": a.mlp_tile,
@@ -146,7 +148,7 @@ def capstan_worker(cfg: dict, seq: int) -> dict:
 
     torch.set_num_threads(1)
     engine = initialize(config=cfg)
-    ids = torch.randint(0, VOCAB, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, cfg["model"]["vocab_size"], (1, seq + 1), generator=torch.Generator().manual_seed(0))
     t0 = time.perf_counter()
     info = engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]))
     seconds = time.perf_counter() - t0
@@ -190,7 +192,12 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--plain-from", default=None, help="reuse the plain PyTorch search of an earlier --out file")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="capstan's vocabulary (the peers keep GPT-2's)")
+    p.add_argument("--only-seq", type=int, nargs="+", default=None,
+                   help="no peers: one capstan step at each of these sequence lengths (peak RSS, seconds, loss)")
     a = p.parse_args()
+    if a.only_seq:
+        return only_capstan(a)
     if a.smoke:
         a.layers, a.d_model, a.heads, a.limit_gib, a.start, a.grain, a.ratios = 2, 64, 2, 1.2, 256, 256, [4.0]
     limit = int(a.limit_gib * GIB)
@@ -228,6 +235,23 @@ def main() -> int:
         Path(a.out).write_text(json.dumps({"args": vars(a), "plain": plain_rows, "ckpt": ckpt_rows,
                                            "capstan": rows}, indent=1, default=str))
     return 0 if all(r["rss_peak"] <= limit for r in rows) else 1
+
+
+def only_capstan(a: argparse.Namespace) -> int:
+    """`--only-seq`: capstan's step at given lengths, no limit and no peers (the 1M-token step)."""
+    print(f"| model | tokens | ranks | peak RSS (sum) | per rank | step s | loss | offloaded per rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    for seq in a.only_seq:
+        r = capstan_step(a, seq)
+        if "error" in r:
+            print(f"seq {seq}: failed: {r['error']}")
+            return 1
+        per = ", ".join(f"{b / GIB:.2f}" for b in r["per_rank"])
+        off = r["act"].get("mem.act.offloaded_peak_bytes", 0) / 2**20
+        print(f"| {a.layers} x d {a.d_model}, {a.heads} heads, vocab {a.vocab} | {seq} | cp {a.cp} ({a.cp_mode}) | "
+              f"{r['rss_peak'] / GIB:.2f} GiB | {per} GiB | {r['seconds']:.1f} | {r['loss']:.4f} | {off:.0f} MiB |",
+              flush=True)
+    return 0
 
 
 if __name__ == "__main__":
