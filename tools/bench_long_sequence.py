@@ -239,7 +239,7 @@ def main() -> int:
 
 def only_capstan(a: argparse.Namespace) -> int:
     """`--only-seq`: capstan's step at given lengths, no limit and no peers (the 1M-token step)."""
-    print(f"| model | tokens | ranks | peak RSS (sum) | per rank | step s | loss | offloaded per rank |")
+    print("| model | tokens | ranks | peak RSS (sum) | per rank | step s | loss | offloaded per rank |")
     print("|---|---|---|---|---|---|---|---|")
     for seq in a.only_seq:
         r = capstan_step(a, seq)
