@@ -279,8 +279,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor |
             dtype: torch.dtype) -> torch.Tensor:
     """A tile's scaled, masked scores q k^T in `dtype`, computed in place on a tensor of its own (the
     softmax steps after it work in place too, so a tile costs one [queries x keys] tensor, not one per op)."""
-    s = torch.matmul(q, k.transpose(-2, -1))
-    s = s.to(dtype) if s.dtype != dtype else s
+    s = torch.matmul(q, k.transpose(-2, -1)).to(dtype)  # the matmul's own tensor when already `dtype`
     s.mul_(scale)
     if mask is not None:
         s.masked_fill_(mask, float("-inf"))

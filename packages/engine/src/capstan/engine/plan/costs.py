@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .memory import mlp_tiled
 from .rates import LayerCost, Rates
 from .spec import Layout, ModelShape
 
@@ -66,9 +67,7 @@ def _from_flops(shape: ModelShape, layout: Layout, rates: Rates) -> dict[str, La
     moved = 4 * b * s * h * e / max(rates.memory_bandwidth, 1.0)  # read and write the hidden states, twice
     head = 2 * b * s * h * shape.vocab / layout.tp / rate
     block = block_flops(shape, layout.tp, layout.micro, layout.cp) / rate
-    from .memory import _mlp_tiled
-
-    tiled = _mlp_tiled(shape, layout)  # tiles shorter than the rank's tokens: the MLP is rebuilt in backward
+    tiled = mlp_tiled(shape, layout)  # tiles shorter than the rank's tokens: the MLP is rebuilt in backward
     tiles = 2 * b * s * h * h * 2 * shape.ffn_mult / layout.tp / rate if tiled else 0.0
     return {"embed": LayerCost(moved, moved), "block": LayerCost(block, 2 * block + tiles),
             "norm": LayerCost(moved, moved), "head": LayerCost(head + moved, 2 * head + moved)}

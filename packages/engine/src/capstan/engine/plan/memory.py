@@ -119,10 +119,10 @@ def _block_activations(shape: ModelShape, layout: Layout, micro: int) -> tuple[i
     ones; the ring's saved q, k, v, output and log-sum-exp are the fused kernel's)."""
     s, h, a, t = shape.seq // layout.cp, shape.hidden, shape.heads // layout.tp, layout.tp
     sbh = s * micro * h
-    e = 2 if layout.precision in ("bf16", "fp16") else 4
+    e = _elem(layout)
     replicated = 8 * sbh * e // 2  # norm inputs, the first linears' inputs (16-bit: 8 s b h)
     sliced = 8 * sbh * e // 2  # q, k, v, attention output (16-bit: 8 s b h)
-    if not _mlp_tiled(shape, layout):
+    if not mlp_tiled(shape, layout):
         sliced += 16 * sbh * e // 2  # the MLP's hidden before and after GELU (16-bit: 16 s b h)
     if layout.dropout:
         replicated += 2 * sbh  # two residual dropout masks, a byte each
@@ -134,7 +134,12 @@ def _block_activations(shape: ModelShape, layout: Layout, micro: int) -> tuple[i
     return kept, full
 
 
-def _mlp_tiled(shape: ModelShape, layout: Layout) -> bool:
+def _elem(layout: Layout) -> int:
+    """Bytes per activation element: 2 in bf16/fp16 (autocast), else 4."""
+    return 2 if layout.precision in ("bf16", "fp16") else 4
+
+
+def mlp_tiled(shape: ModelShape, layout: Layout) -> bool:
     """Whether the MLP runs in tiles (tensorpar.blocks.ParallelMLP: more tokens than one tile)."""
     tokens = shape.seq // layout.cp // (layout.tp if layout.sequence_parallel else 1)
     return 0 < layout.mlp_tile < tokens
@@ -143,7 +148,7 @@ def _mlp_tiled(shape: ModelShape, layout: Layout) -> bool:
 def _mlp_tile_bytes(shape: ModelShape, layout: Layout) -> int:
     """One MLP tile rebuilt in backward: its hidden before and after GELU and their gradients."""
     tokens = layout.mlp_tile * (layout.tp if layout.sequence_parallel else 1) * layout.micro
-    e = 2 if layout.precision in ("bf16", "fp16") else 4
+    e = _elem(layout)
     return 4 * tokens * shape.ffn_mult * shape.hidden // layout.tp * e
 
 
@@ -154,7 +159,7 @@ def _cp_transient(shape: ModelShape, layout: Layout) -> int:
     send and receive copies of a tensor of the rank's q, k, v or output size."""
     if layout.cp == 1:
         return 0
-    e = 2 if layout.precision in ("bf16", "fp16") else 4
+    e = _elem(layout)
     unit = shape.seq // layout.cp * layout.micro * shape.hidden // layout.tp
     if layout.cp_mode == "ring":
         tile = min(RING_TILE, shape.seq // (2 * layout.cp))
@@ -308,7 +313,7 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         items.append(Item("one block's activations while it is recomputed", act_tier, rebuilt))
     if blocks:  # backward allocates the gradients of a block's activations while they are still kept
         items.append(Item("backward: one block's activation gradients", act_tier, rebuilt or kept))
-    if blocks and _mlp_tiled(shape, layout):
+    if blocks and mlp_tiled(shape, layout):
         items.append(Item(f"tiled MLP: one {layout.mlp_tile}-token tile rebuilt in backward, with its gradients",
                           act_tier, _mlp_tile_bytes(shape, layout)))
     if blocks and layout.cp > 1:
