@@ -14,6 +14,11 @@ tbf limits the rate alone where it does not, and the table says which) started t
     onebit    1-bit Adam, ZeRO 0, exact for `--freeze` steps
     exact-z2  compression none, ZeRO 2 (reduce-scatter of gradients, all-gather of parameters)
     int8      int8 ZeRO 2
+    exact-disk  compression none, states offloaded to disk under `--budget` (ZeRO-3 through chunks)
+    onebit-disk 1-bit Adam, states offloaded to disk under `--budget` (chunks replicated on every rank,
+                the residuals among them)
+
+The disk modes run where `--modes` names them (not by default).
 
 Every mode sees the same batches. tokens/s is the median over the steps after the freeze (the same
 window for every mode); loss is the last step's and the mean of the last five. The issue's targets:
@@ -34,11 +39,20 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"exact-z0": (0, "none"), "onebit": (0, "onebit"), "exact-z2": (2, "none"), "int8": (2, "int8")}
+MODES = {"exact-z0": (0, "none", "none"), "onebit": (0, "onebit", "none"), "exact-z2": (2, "none", "none"),
+         "int8": (2, "int8", "none"), "exact-disk": (3, "none", "disk"), "onebit-disk": (0, "onebit", "disk")}
+DEFAULT_MODES = "exact-z0,onebit,exact-z2,int8"
+PAIRS = (("onebit", "exact-z0"), ("int8", "exact-z2"), ("onebit-disk", "exact-disk"))
 
 
 def config_toml(a: argparse.Namespace, mode: str, run_dir: Path) -> str:
-    stage, compression = MODES[mode]
+    stage, compression, offload = MODES[mode]
+    memory = "" if offload == "none" else f"""
+[memory]
+offload = "{offload}"
+cpu_budget = "{a.budget}"
+disk_dir = "{run_dir / 'chunks'}"
+"""
     return f"""
 [model]
 n_layers = {a.layers}
@@ -61,7 +75,7 @@ dtype = "fp32"
 [log]
 every = {a.steps}
 run_dir = "{run_dir}"
-"""
+{memory}"""
 
 
 def run_mode(a: argparse.Namespace, hosts: list, mode: str, work: Path, port: int) -> list[dict]:
@@ -97,6 +111,8 @@ def summarize(records: list[dict], skip: int) -> dict:
             "step_s": statistics.median(r["step_s"] for r in steady),
             "wire_bytes": statistics.median(r.get("comm.wire_bytes", 0) for r in steady),
             "final_loss": losses[-1], "last5_loss": sum(losses[-5:]) / len(losses[-5:]),
+            "ram_peak": max(r.get("mem.cpu.peak_bytes", 0) for r in records),
+            "disk_peak": max(r.get("mem.disk.peak_bytes", 0) for r in records),
             "losses": losses, "step_times": [r["step_s"] for r in records]}
 
 
@@ -129,7 +145,8 @@ def main() -> None:
     p.add_argument("--rates", default="100mbit,1gbit")
     p.add_argument("--peer-factor", type=int, default=4, help="exact modes also at this times the last rate")
     p.add_argument("--delay-ms", type=float, default=0.0, help="added each way where netem exists")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=DEFAULT_MODES)
+    p.add_argument("--budget", default="24MiB", help="memory.cpu_budget of the disk modes (per rank)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--seq", type=int, default=64)
@@ -177,18 +194,19 @@ def main() -> None:
                 results[rate][mode] = s
                 print(f"{rate:>9} {mode:>9}: {s['tokens_per_s']:8.0f} tok/s  step {s['step_s']:.3f} s  "
                       f"wire {s['wire_bytes'] / 2**20:7.2f} MiB  final loss {s['final_loss']:.4f} "
-                      f"(last 5 {s['last5_loss']:.4f})  [{time.perf_counter() - t0:.0f} s]", flush=True)
+                      f"(last 5 {s['last5_loss']:.4f})  chunks RAM/disk peak {s['ram_peak'] / 2**20:.1f}/"
+                      f"{s['disk_peak'] / 2**20:.1f} MiB  [{time.perf_counter() - t0:.0f} s]", flush=True)
     print("\nratios (tokens/s):")
     for rate in rates:
         r = results[rate]
-        for mode, base in (("onebit", "exact-z0"), ("int8", "exact-z2")):
+        for mode, base in PAIRS:
             if mode in r and base in r:
                 print(f"{rate:>9} {mode} / {base}: {r[mode]['tokens_per_s'] / r[base]['tokens_per_s']:.2f}x   "
                       f"final loss {r[mode]['final_loss'] / r[base]['final_loss'] - 1:+.2%} "
                       f"(last 5 {r[mode]['last5_loss'] / r[base]['last5_loss'] - 1:+.2%})")
     if a.peer_factor:
         last, peer_r = results[rates[-1]], results[plan[-1][0]]
-        for mode, base in (("onebit", "exact-z0"), ("int8", "exact-z2")):
+        for mode, base in PAIRS:
             if mode in last and base in peer_r:
                 print(f"{rates[-1]} {mode} / {plan[-1][0]} {base}: "
                       f"{last[mode]['tokens_per_s'] / peer_r[base]['tokens_per_s']:.2f}x")

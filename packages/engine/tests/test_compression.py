@@ -56,7 +56,7 @@ def _run(config: dict, steps: int = STEPS, save_at: int = 0, directory: str = ""
     out = {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos],
            "wire": [i.comm.get("comm.wire_bytes", 0) for i in infos], "saved": saved}
     if engine.chunked:  # ZeRO-3: the elements this rank moved through unit gathers and reductions
-        elements = engine.module.collective_elements  # (read before the snapshot's own gathers)
+        elements = getattr(engine.module, "collective_elements", 0)  # (read before the snapshot's own gathers)
         out.update(params=torch.cat([t.reshape(-1) for t in engine.parameters_snapshot().values()]).tolist(),
                    elements=elements)
     else:

@@ -102,8 +102,17 @@ def test_compression_sends_what_the_compressed_collectives_send_and_adds_their_p
     assert memory_plan(SHAPE, machine, Layout(micro=2, dp=2, zero_stage=1, compression="int8")).total("ram") == z1 + 2 * n
     with pytest.raises(PlanError, match="needs zero_stage 1-3 or offload"):
         Layout(compression="int8")
-    with pytest.raises(PlanError, match="needs zero_stage 0 and offload none"):
+    with pytest.raises(PlanError, match="needs zero_stage 0"):
         Layout(zero_stage=1, compression="onebit")
+    # with offload the chunks are replicated (ReplicatedChunkedModel): fp32 gradient chunks and the two
+    # residual lists (4 + 4/dp bytes per chunk element) beside the moments; the same 1-bit traffic
+    chunked = Layout(micro=2, dp=2, offload="cpu", compression="onebit")
+    lists = chunk_lists(SHAPE, chunked.resolved(SHAPE, machine), list(range(SHAPE.layers + 3)))
+    single = memory_plan(SHAPE, _machine(1), Layout(micro=2, offload="cpu")).total("ram")
+    assert lists.shard == 1 and lists.bytes_per_element() == 16 + 4 + 2
+    assert memory_plan(SHAPE, machine, chunked).total("ram") == single + 6 * lists.elements
+    onebit_chunks = step_time(SHAPE, _machine(2), chunked)
+    assert onebit_chunks.part("data-parallel collectives") == pytest.approx(onebit.part("data-parallel collectives"))
 
 
 def test_tensor_parallel_halves_compute_and_adds_four_all_reduces_per_block() -> None:

@@ -17,6 +17,10 @@ access trace of a warm-up step (furthest-next-use eviction, prefetch).
 `ShardedChunkedModel(net, manager, chunk_size, group=groups.dp)` shards the
 chunks over a data-parallel group (ZeRO-3 through chunks).
 
+`ReplicatedChunkedModel(net, manager, chunk_size, group=groups.dp, onebit=True)` with
+`OneBitChunkAdam(model, freeze_steps=K)` keeps every chunk on every rank and
+trains with 1-bit Adam, its error-feedback residuals in chunks (onebit.py).
+
 `ChunkedModel(..., dtype=torch.bfloat16)` keeps 16-bit parameters with fp32
 masters; without gradient accumulation a gradient reuses its parameter's
 16-bit slot (14 bytes per parameter).
@@ -39,8 +43,10 @@ from .layout import (LayoutError, ModuleSpec, ParamSpec, auto_chunk_size, list_c
                      search_chunk_size, utilization)
 from .manager import BudgetError, ChunkManager
 from .model import ChunkedModel
+from .onebit import OneBitChunkAdam, frozen_variance_step
 from .optim import AdamGroup, ChunkAdam
 from .precision import DynamicLossScaler, LossScaleError
+from .replicated import ReplicatedChunkedModel
 from .sharding import ShardedChunkedModel
 from .states import ChunkKind, ChunkState, StateError, TensorState
 from .tiers import Tier
@@ -48,7 +54,7 @@ from .tiers import Tier
 __all__ = [
     "ActivationOffload", "AdamGroup", "Belady", "BudgetError", "Chunk", "ChunkAdam", "ChunkKind", "ChunkManager", "ChunkState",
     "ChunkedModel", "DiskStore", "DynamicLossScaler", "DiskTierError", "EvictionPolicy", "LRU", "LayoutError",
-    "LossScaleError", "ModuleSpec",
-    "ParamSpec", "ShardedChunkedModel", "StateError", "TensorSlot", "TensorState", "Tier", "make_policy", "plan_layout",
-    "auto_chunk_size", "list_capacity", "search_chunk_size", "utilization",
+    "LossScaleError", "ModuleSpec", "OneBitChunkAdam",
+    "ParamSpec", "ReplicatedChunkedModel", "ShardedChunkedModel", "StateError", "TensorSlot", "TensorState", "Tier", "make_policy", "plan_layout",
+    "auto_chunk_size", "frozen_variance_step", "list_capacity", "search_chunk_size", "utilization",
 ]

@@ -252,9 +252,14 @@ class ChunkedModel(nn.Module):
             plan = plan_layout(specs[g], self.chunk_size)
             size = list_capacity(plan, self.chunk_size)  # a small group's chunks are small
             plan += [[] for _ in range(self._padded_count(len(plan)) - len(plan))]
+            stateful = self._state_capacities(size)
             for index, members in enumerate(plan):
                 init = torch.zeros(size)
                 for kind in self.chunks:
+                    if kind in stateful:  # a state of its own beside the list, holding no parameter
+                        self.chunks[kind][g].append(Chunk(next_id, kind, torch.float32, stateful[kind]))
+                        next_id += 1
+                        continue
                     dtype = self.dtype if kind is ChunkKind.PARAM else torch.float32
                     chunk = Chunk(next_id, kind, dtype, size)
                     next_id += 1
@@ -316,6 +321,11 @@ class ChunkedModel(nn.Module):
         if self.grad_chunks:
             kinds.append(ChunkKind.GRAD)
         return kinds + [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ]
+
+    def _state_capacities(self, size: int) -> dict[ChunkKind, int]:
+        """Chunk kinds among `kinds()` that hold a state of their own rather than the parameters' (1-bit
+        Adam's residuals, replicated.py), with their capacity beside a list of `size`-element chunks."""
+        return {}
 
     def _needs_grad_chunks(self) -> bool:
         """Sharding always reduces gradients into chunks of their own."""

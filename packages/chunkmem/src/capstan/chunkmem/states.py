@@ -41,6 +41,9 @@ class ChunkKind(enum.Enum):
     EXP_AVG = "exp_avg"
     EXP_AVG_SQ = "exp_avg_sq"
     GRAD = "grad"  # separate gradient chunks (fp32 mode, or gradient accumulation)
+    # 1-bit Adam's error-feedback residuals (replicated.py): per-rank state of no tensor, sized by the list
+    ONEBIT_WORKER = "onebit_worker"
+    ONEBIT_SERVER = "onebit_server"
 
 
 _ALLOWED: dict[TensorState, set[TensorState]] = {

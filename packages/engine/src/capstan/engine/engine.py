@@ -7,7 +7,9 @@ Two state holders sit behind the same three calls
   parallelism with ZeRO 0/1/2, tensor parallelism through tensorpar's layers;
 * capstan.chunkmem (`ChunkedModel` + `ChunkAdam`): parameters, gradients and
   Adam moments in chunks with a RAM budget and a disk tier; sharded over dp
-  (`ShardedChunkedModel`, ZeRO-3) when dp > 1; the gradient norm is weighted
+  (`ShardedChunkedModel`, ZeRO-3) when dp > 1, or replicated on every dp rank
+  under 1-bit Adam (`ReplicatedChunkedModel`, `OneBitChunkAdam`, whose
+  residuals are chunks too); the gradient norm is weighted
   per (tp-sliced?, decayed?) chunk list and reduced over tp and pp.
 
 With ``parallel.pp > 1`` the model is this rank's `PipelineStage` (pipe.py):
@@ -160,6 +162,8 @@ class Engine:
             ChunkedModel,
             ChunkManager,
             DiskStore,
+            OneBitChunkAdam,
+            ReplicatedChunkedModel,
             ShardedChunkedModel,
         )
 
@@ -205,12 +209,19 @@ class Engine:
             dummy = torch.zeros(t.micro_batch_size, tokens, dtype=torch.long)
             kwargs.update(order="trace", example_inputs=(dummy,))
         overlap = self._overlap_optimizer()
-        if self.groups.replicas.size > 1:  # ZeRO-3 through chunks: each dp (x cp) rank owns 1/dp of them
-            self.module = ShardedChunkedModel(model, self.manager, mem.chunk_size, group=self.groups.replicas,
-                                              quantized=self.config.parallel.compression == "int8", **kwargs)
+        p, replicas = self.config.parallel, self.groups.replicas
+        if replicas.size > 1 and p.compression == "onebit":  # every rank the whole momentum: replicated chunks
+            self.module = ReplicatedChunkedModel(model, self.manager, mem.chunk_size, group=replicas, onebit=True,
+                                                 **kwargs)
+            self.optimizer = OneBitChunkAdam(self.module, groups=adam, freeze_steps=p.compression_freeze_steps)
+        elif replicas.size > 1:  # ZeRO-3 through chunks: each dp (x cp) rank owns 1/dp of them
+            self.module = ShardedChunkedModel(model, self.manager, mem.chunk_size, group=replicas,
+                                              quantized=p.compression == "int8", **kwargs)
         else:
             self.module = ChunkedModel(model, self.manager, mem.chunk_size, report_grads=overlap, **kwargs)
-        self.optimizer = ChunkAdam(self.module, groups=adam, overlap=overlap)
+        if not isinstance(self.module, ReplicatedChunkedModel):
+            self.optimizer = ChunkAdam(self.module, groups=adam, overlap=overlap)
+        comm.reset_wire_bytes()
         self._stepping = False
 
     def _overlap_optimizer(self) -> bool:
@@ -219,7 +230,9 @@ class Engine:
 
         mem = self.config.memory
         why = None
-        if self.groups.replicas.size > 1:
+        if self.groups.replicas.size > 1 and self.config.parallel.compression == "onebit":
+            why = "1-bit Adam averages the momentum after backward"
+        elif self.groups.replicas.size > 1:
             why = (f"dp = {self.groups.replicas.size} shards the chunks (ZeRO-3), and sharded gradients reach their "
                    "owners late")
         elif mem.cpu_budget is not None or mem.offload == "disk":

@@ -149,10 +149,18 @@ class StateView:
     def finish_load(self) -> None:
         """Called after every `write` and after `optimizer_step` is set."""
 
-    def local_state(self) -> dict[str, torch.Tensor]:
-        """This rank's own state outside the parameters' (1-bit Adam's error-feedback residuals), by key:
-        saved in its file and restored under the same layout only."""
+    def local_keys(self) -> dict[str, int]:
+        """This rank's own state outside the parameters' (1-bit Adam's error-feedback residuals): key ->
+        fp32 elements. Saved in its file and restored under the same layout only."""
         return {}
+
+    def read_local(self, key: str) -> torch.Tensor:
+        """A copy in RAM of local state `key` (`local_keys`)."""
+        raise KeyError(key)
+
+    def write_local(self, key: str, value: torch.Tensor) -> None:
+        """Set local state `key` from `value` (as many elements as `local_keys` says)."""
+        raise KeyError(key)
 
     optimizer_step: int
 
@@ -204,8 +212,17 @@ class FlatView(StateView):
     def finish_load(self) -> None:
         self.opt.after_load()
 
-    def local_state(self) -> dict[str, torch.Tensor]:
+    def _local(self) -> dict[str, torch.Tensor]:
         return self.opt.onebit.state_tensors() if self.opt.onebit is not None else {}
+
+    def local_keys(self) -> dict[str, int]:
+        return {k: t.numel() for k, t in self._local().items()}
+
+    def read_local(self, key: str) -> torch.Tensor:
+        return self._local()[key].detach().reshape(-1).to("cpu", copy=True)
+
+    def write_local(self, key: str, value: torch.Tensor) -> None:
+        self._local()[key].view(-1).copy_(value.reshape(-1))
 
     @property  # type: ignore[override]
     def optimizer_step(self) -> int:
@@ -220,19 +237,23 @@ class ChunkView(StateView):
     """A `ChunkedModel` / `ShardedChunkedModel` with its `ChunkAdam` (ZeRO-3, offload)."""
 
     def __init__(self, engine: Engine) -> None:
+        from capstan.chunkmem import OneBitChunkAdam, ReplicatedChunkedModel
         from capstan.chunkmem.state_io import owned_homes
 
         self.model, self.opt = engine.module, engine.optimizer
+        self._onebit = self.opt if isinstance(self.opt, OneBitChunkAdam) else None
         g = engine.groups
         owners = _owners(_raw_module(engine))
         mine = {id(h.param) for h in owned_homes(self.model)}
+        # Replicated chunks (1-bit Adam): every dp rank holds everything, dp rank 0 writes (as ZeRO 0).
+        writes = not isinstance(self.model, ReplicatedChunkedModel) or g.replicas.rank == 0
         self.params, self._homes = [], {}
         for home in self.model.homes.values():
             _, owner = owners[id(home.param)]
             lp = _describe(canonical_name(engine, home.name), home.param, tuple(home.slot.shape), owner, g.tp.rank,
                            g.tp.size)
             lp.alias = _tied_alias(engine, lp.name)
-            if id(home.param) in mine and (lp.tp_dim is not None or g.tp.rank == 0):
+            if writes and id(home.param) in mine and (lp.tp_dim is not None or g.tp.rank == 0):
                 lp.own = (0, lp.numel)
             self.params.append(lp)
             self._homes[lp.name] = (home, id(home.param) in mine)
@@ -254,6 +275,17 @@ class ChunkView(StateView):
         drop = getattr(self.model, "drop_remote", None)
         if drop is not None:
             drop()  # gathered copies of remote chunks predate the load
+
+    def local_keys(self) -> dict[str, int]:
+        if self._onebit is None:
+            return {}
+        return {k: n for k, (_, n) in self._onebit.state_chunks().items()}
+
+    def read_local(self, key: str) -> torch.Tensor:
+        return self._onebit.read_state(key)  # type: ignore[union-attr]
+
+    def write_local(self, key: str, value: torch.Tensor) -> None:
+        self._onebit.write_state(key, value)  # type: ignore[union-attr]
 
     @property  # type: ignore[override]
     def optimizer_step(self) -> int:

@@ -164,9 +164,9 @@ def _write_shard(engine: Engine, directory: Path, rank: int) -> dict[str, object
     rng += [(k, gen.get_state()) for k, gen in rng_generators(engine)]
     for key, state in rng:
         entries.append(Entry(key, tuple(state.shape), torch.uint8, lambda s=state: s))
-    local = view.local_state()  # this rank's own optimizer state (1-bit Adam's residuals)
-    for key, t in local.items():
-        entries.append(Entry(key, (t.numel(),), torch.float32, lambda t=t: t.detach().reshape(-1).to("cpu")))
+    local = view.local_keys()  # this rank's own optimizer state (1-bit Adam's residuals)
+    for key, numel in local.items():
+        entries.append(Entry(key, (numel,), torch.float32, lambda key=key: view.read_local(key)))
     file = f"rank_{rank:05d}.safetensors"
     where, sha, size = write_safetensors(directory / file, entries, {"format": FORMAT, "rank": str(rank)})
     for piece in pieces:
@@ -354,7 +354,7 @@ def _load(engine: Engine, path: Path) -> int:
     if _same_layout(manifest["layout"], engine):
         _load_rng(engine, directory, manifest)
         _load_local(view, directory, manifest, engine.groups.world.rank)
-    elif view.local_state():
+    elif view.local_keys():
         comm.log_rank0(log, "checkpoint %s was saved under another layout: 1-bit Adam's error-feedback residuals "
                        "start from zero", directory)
     engine.global_step = int(state["global_step"])
@@ -371,11 +371,11 @@ def _load_param(directory: Path, manifest: dict, index: dict, view: object, lp: 
 
 
 def _load_local(view: object, directory: Path, manifest: dict, rank: int) -> None:
-    """Same layout: this rank's own optimizer state (`StateView.local_state`), where the checkpoint has it
+    """Same layout: this rank's own optimizer state (`StateView.local_keys`), where the checkpoint has it
     (one saved without compression has none: the state stays as it starts, zero)."""
     file = f"rank_{rank:05d}.safetensors"
     stored = manifest["files"].get(file, {}).get("local", {})
-    for key, tensor in view.local_state().items():  # type: ignore[attr-defined]
+    for key, numel in view.local_keys().items():  # type: ignore[attr-defined]
         if key not in stored:
             continue
         offset, nbytes, crc = stored[key]
@@ -383,10 +383,10 @@ def _load_local(view: object, directory: Path, manifest: dict, rank: int) -> Non
             data = read_tensor(directory / file, offset, nbytes, "F32", crc)
         except (OSError, EOFError, ValueError) as exc:
             raise CheckpointError(str(exc)) from None
-        if data.numel() != tensor.numel():
+        if data.numel() != numel:
             raise CheckpointError(f"checkpoint {directory}: {key} of rank {rank} has {data.numel()} elements, "
-                                  f"this run's has {tensor.numel()}")
-        tensor.view(-1).copy_(data)
+                                  f"this run's has {numel}")
+        view.write_local(key, data)  # type: ignore[attr-defined]
 
 
 def _load_rng(engine: Engine, directory: Path, manifest: dict) -> None:

@@ -324,13 +324,14 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
 
 def _check_compression(cfg: Config, sources: Sources) -> None:
     """parallel.compression where it is sound (and built): 1-bit Adam all-reduces the whole momentum on
-    every dp rank, so nothing may shard it; int8 compresses ZeRO's reduce-scatter and all-gather."""
+    every dp rank, so ZeRO may not shard it (offload replicates the chunks instead); int8 compresses ZeRO's
+    reduce-scatter and all-gather."""
     p, mem = cfg.parallel, cfg.memory
     where = f"zero_stage = {p.zero_stage} (from {_src(sources, 'parallel.zero_stage')}), offload = {mem.offload!r}"
-    if p.compression == "onebit" and (p.zero_stage != 0 or mem.offload != "none"):
-        raise ConfigError(f"parallel.compression = \"onebit\" needs parallel.zero_stage = 0 and memory.offload = "
-                          f"\"none\" (got {where}): 1-bit Adam all-reduces the whole momentum on every dp rank, "
-                          "which ZeRO and chunks shard")
+    if p.compression == "onebit" and p.zero_stage != 0:
+        raise ConfigError(f"parallel.compression = \"onebit\" needs parallel.zero_stage = 0 (got {where}): 1-bit "
+                          "Adam all-reduces the whole momentum on every dp rank, which ZeRO 1-3 shard (with "
+                          "memory.offload the chunks are then replicated on every dp rank)")
     if p.compression == "int8" and p.zero_stage == 0 and mem.offload == "none":
         raise ConfigError(f"parallel.compression = \"int8\" needs parallel.zero_stage 1-3 or offload (got {where}): "
                           "it quantizes ZeRO's gradient reduce-scatter and parameter all-gather, which ZeRO 0's "

@@ -27,6 +27,8 @@ from functools import lru_cache
 
 import torch
 from capstan.chunkmem.eviction import make_policy
+from capstan.chunkmem.replicated import onebit_scratch_bytes
+from capstan.comm import onebit_residual_sizes
 from capstan.chunkmem.layout import (
     ModuleSpec,
     ParamSpec,
@@ -54,6 +56,7 @@ class ChunkLists:
     shard: int  # ZeRO-3 data-parallel size (1: not sharded)
     mixed: bool  # 16-bit parameters with fp32 masters
     grad_chunks: bool  # gradients in chunks of their own (else in the 16-bit parameter's slot)
+    onebit: int = 0  # 1-bit Adam's replicas (chunkmem/replicated.py: two residual lists beside the others); 0: none
 
     @property
     def elements(self) -> int:
@@ -67,28 +70,44 @@ class ChunkLists:
             out.append(("master", 4))
         if self.grad_chunks:
             out.append(("grad", 4))
-        return (*out, ("exp_avg", 4), ("exp_avg_sq", 4))
+        out += [("exp_avg", 4), ("exp_avg_sq", 4)]
+        if self.onebit:  # the worker residual as long as the chunk, the server's one part of dp
+            out += [("onebit_worker", 4), ("onebit_server", 4 / self.onebit)]
+        return tuple(out)
 
-    def bytes_per_element(self) -> int:
+    def bytes_per_element(self) -> float:
         return sum(b for _, b in self.kinds())
+
+    def chunk_bytes(self, kind: str, capacity: int) -> int:
+        """Bytes of one chunk of `kind` in a list of `capacity`-element chunks (the residuals are padded to
+        parts of a multiple of 8 elements: comm.onebit_residual_sizes)."""
+        if kind in ("onebit_worker", "onebit_server"):
+            worker, server = onebit_residual_sizes(capacity, self.onebit)
+            return 4 * (worker if kind == "onebit_worker" else server)
+        return int(dict(self.kinds())[kind] * capacity)
+
+    def _group_bytes(self, capacity: int) -> int:
+        """One chunk of every kind."""
+        return sum(self.chunk_bytes(k, capacity) for k, _ in self.kinds())
 
     def minimum_budget(self) -> int:
         """The fewest bytes of RAM the chunks need at once, as ChunkedModel.minimum_budget counts them: one
         optimizer step over a chunk group (every kind of one chunk), or the parameter chunks one module
         pins plus a gradient chunk while its gradient lands (sharded: plus the gathered unit)."""
         per = dict(self.kinds())
-        group = max(self.capacities) * self.bytes_per_element()
+        group = self._group_bytes(max(self.capacities))
         grad = max(self.capacities) * per.get("grad", 0)
         module = max((sum(self.capacities[g] * per["param"] for g, _ in set(chunks)) for chunks in self.module_chunks),
                      default=0)
         unit = self.shard * max(self.capacities) * (per["param"] + 4) if self.shard > 1 else 0
-        return max(group, module + grad + unit)
+        if self.onebit:  # and the 1-bit all-reduce's buffers during the step
+            group += onebit_scratch_bytes(max(self.capacities), self.onebit)
+        return int(max(group, module + grad + unit))
 
     def state_bytes(self) -> int:
         """Bytes of this rank's chunks: all of them, or 1/dp under ZeRO-3 (its owned chunks)."""
-        owned = sum(-(-n // self.shard) * c for n, c in zip(self.counts, self.capacities)) if self.shard > 1 \
-            else self.elements
-        return owned * self.bytes_per_element()
+        return sum((-(-n // self.shard) if self.shard > 1 else n) * self._group_bytes(c)
+                   for n, c in zip(self.counts, self.capacities))
 
 
 @dataclass(frozen=True)
@@ -149,7 +168,10 @@ def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int
             specs[g].append(ModuleSpec(f"m{m}", tuple(ps)))
         where.append([(g, f"m{m}.p{k}") for k, (g, _) in enumerate(params)])
     used = [g for g in range(4) if specs[g]]
-    shard = max(1, layout.replicas)  # chunks are sharded over dp x cp whenever it is > 1 (engine: ShardedChunkedModel)
+    # Chunks are sharded over dp x cp whenever it is > 1 (engine: ShardedChunkedModel), but for 1-bit Adam,
+    # which replicates them (ReplicatedChunkedModel, fp32 gradient chunks and two residual lists).
+    onebit = layout.replicas if layout.compression == "onebit" and layout.replicas > 1 else 0
+    shard = 1 if onebit else max(1, layout.replicas)
     pad = (lambda n: -(-n // shard) * shard) if shard > 1 else (lambda n: n)
     size = layout.chunk_size or auto_chunk_size([specs[g] for g in used], pad=pad)
     counts, capacities, index_of = [], [], {}
@@ -162,10 +184,10 @@ def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int
                 index_of[p.name] = (k, i)
     module_chunks = tuple(tuple(dict.fromkeys(index_of[name] for _, name in ws)) for ws in where)
     mixed = layout.precision in ("bf16", "fp16")
-    grad_chunks = not mixed or layout.accum > 1 or shard > 1
+    grad_chunks = not mixed or layout.accum > 1 or shard > 1 or onebit > 0
     return ChunkLists(chunk_size=size, counts=tuple(counts), capacities=tuple(capacities),
                       params=sum(n for ms in modules for _, n in ms), module_chunks=module_chunks, shard=shard,
-                      mixed=mixed, grad_chunks=grad_chunks)
+                      mixed=mixed, grad_chunks=grad_chunks, onebit=onebit)
 
 
 def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool) -> tuple[list[tuple[str, int, int, bool]], int]:
@@ -195,6 +217,8 @@ def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool) -> tuple[
     master = "master" if lists.mixed else "param"
     for g, i in owned:
         out += [(master, g, i, True), (grad, g, i, True), ("exp_avg", g, i, True), ("exp_avg_sq", g, i, True)]
+        if lists.onebit:  # past the freeze: the residuals beside them (onebit.py)
+            out += [("onebit_worker", g, i, True), ("onebit_server", g, i, True)]
         if lists.mixed:
             out.append(("param", g, i, True))
     # gradients are consumed after the whole update (ChunkAdam._drop_grads): they next read as zeros
@@ -219,25 +243,29 @@ def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: b
     start as the manager runs: parameters (and masters) placed in RAM in order as far as the budget
     goes, moments and gradients without data; the first step (the warm-up, no trace yet) evicts the
     least recently used chunk, later ones by `eviction` from the trace."""
-    size = dict(lists.kinds())
     grad = "grad" if lists.grad_chunks else "param"
     trace, updating = _trace(lists, micro, recompute, clip)
     ids: dict[tuple[str, int, int], int] = {}
     for kind, g, i, _ in trace:
         key = (grad if kind == "free" else kind, g, i)
         ids.setdefault(key, len(ids))
-    nbytes = {cid: size[k] * lists.capacities[g] for (k, g, _), cid in ids.items()}
+    nbytes = {cid: lists.chunk_bytes(k, lists.capacities[g]) for (k, g, _), cid in ids.items()}
     seq = [ids[(grad if k == "free" else k, g, i)] for k, g, i, _ in trace]
     accesses = [cid for (k, *_), cid in zip(trace, seq) if k != "free"]  # a free is no access
     transient = transient_bytes(lists)  # held while units are gathered: forward and backward, not the update
+
+    def scratch(g: int) -> int:
+        """Reserved during a 1-bit step over a chunk group of list g: its all-reduce's buffers (onebit.py)."""
+        return onebit_scratch_bytes(lists.capacities[g], lists.onebit) if lists.onebit else 0
+
     state: dict[int, tuple[str | None, bool]] = {cid: (None, False) for cid in ids.values()}  # where, disk current
     resident = 0
     moved = [0, 0]  # read, written: counted in the last step
 
-    def make_room(need: int, keep: int, policy: object, moment: int, count: bool, cap: int = budget) -> None:
+    def make_room(need: int, keep: set[int], policy: object, moment: int, count: bool, cap: int = budget) -> None:
         nonlocal resident
         while resident + need > cap:
-            movable = [c for c, (w, _) in state.items() if w == "ram" and c != keep]
+            movable = [c for c, (w, _) in state.items() if w == "ram" and c not in keep]
             if not movable:
                 return
             victim = policy.victim(movable, moment)  # type: ignore[attr-defined]
@@ -249,7 +277,7 @@ def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: b
     warm = make_policy("lru")
     for (k, g, i), cid in sorted(ids.items(), key=lambda kv: (kv[0][1], kv[0][2])):  # ChunkedModel._place
         if k in ("param", "master") and (k == "param" or lists.mixed):
-            make_room(nbytes[cid], cid, warm, -1, False)
+            make_room(nbytes[cid], {cid}, warm, -1, False)
             warm.on_access(cid, -1)
             state[cid] = ("ram", False)
             resident += nbytes[cid]
@@ -259,6 +287,8 @@ def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: b
     for step in range(3):  # the warm-up, a step that settles, the one counted
         policy, count = (warm if step == 0 else steady), step == 2
         moment = -1
+        pinned: set[int] = set()  # the optimizer pins a chunk group's siblings together (ChunkAdam._update)
+        group: tuple[int, int] | None = None
         for n, ((kind, g, i, write), cid) in enumerate(zip(trace, seq)):
             where, clean = state[cid]
             if kind == "free":
@@ -268,8 +298,12 @@ def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: b
                 continue
             moment += 1
             policy.on_access(cid, moment)
+            if n < updating or (g, i) != group:
+                pinned, group = set(), (g, i) if n >= updating else None
+            pinned.add(cid)
             if where != "ram":
-                make_room(nbytes[cid], cid, policy, moment, count, budget - (transient if n < updating else 0))
+                cap = budget - (transient if n < updating else scratch(g))
+                make_room(nbytes[cid], pinned, policy, moment, count, cap)
                 if where == "disk":
                     moved[0] += nbytes[cid] if count else 0
                 resident += nbytes[cid]

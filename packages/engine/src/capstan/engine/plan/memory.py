@@ -262,7 +262,9 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         lists = chunk_lists(shape, layout, layers)  # exactly as the engine packs them, padding included
         states = lists.state_bytes()
         shard = lists.shard
-        where = f"chunks, {lists.bytes_per_element()} B per chunk element" + (f", 1/{dp} per rank" if shard > 1 else "")
+        where = f"chunks, {lists.bytes_per_element():g} B per chunk element" + (
+            f", 1/{dp} per rank" if shard > 1 else
+            ", on every dp rank with 1-bit Adam's residuals" if lists.onebit else "")
         if layout.offload == "none":
             items.append(Item(f"model states ({where})", compute, states))
         elif layout.offload == "cpu":

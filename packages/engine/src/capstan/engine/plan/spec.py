@@ -177,8 +177,9 @@ class Layout:
         for key in ("cpu_budget", "gpu_budget"):
             if getattr(self, key) is not None:
                 _positive("layout", **{key: getattr(self, key)})
-        if self.compression == "onebit" and (self.zero_stage != 0 or self.offload != "none"):
-            raise PlanError("layout.compression = \"onebit\" (1-bit Adam) needs zero_stage 0 and offload none")
+        if self.compression == "onebit" and self.zero_stage != 0:
+            raise PlanError("layout.compression = \"onebit\" (1-bit Adam) needs zero_stage 0 (offload replicates "
+                            "the chunks on every dp rank)")
         if self.compression == "int8" and self.zero_stage == 0 and self.offload == "none":
             raise PlanError("layout.compression = \"int8\" compresses ZeRO's reduce-scatter and all-gather: it needs "
                             "zero_stage 1-3 or offload")

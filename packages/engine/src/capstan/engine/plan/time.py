@@ -244,8 +244,9 @@ def _simulated(layout: Layout, compute: list[LayerCost], recompute: list[float],
 
 
 def _compressed(layout: Layout, params: int, link: Link, gather: Link, rates: Rates, slow: float) -> dict[str, float]:
-    """The flat path's data-parallel collectives and compression work under layout.compression (module
-    docstring): 1-bit Adam past its freeze, or int8 reductions (per micro-batch at ZeRO 2) and gather."""
+    """The flat path's (and replicated chunks') data-parallel collectives and compression work under
+    layout.compression (module docstring): 1-bit Adam past its freeze, or int8 reductions (per micro-batch at
+    ZeRO 2) and gather."""
     dp = layout.replicas
     bandwidth = rates.memory_bandwidth or 1e10
     if layout.compression == "onebit":
@@ -299,6 +300,8 @@ def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rate
         again = 2 if layout.cpu_budget is not None else 1  # under a budget units are gathered again in backward
         out["data-parallel collectives"] = m * (gather.seconds(again * gathers, again * units)
                                                 + link.seconds(grads, units))
+    elif link is not None and lists.onebit:  # replicated chunks: 1-bit Adam past its freeze, as the flat buffer
+        out.update(_compressed(layout, params, link, gather, rates, slow))
     moves = not (layout.cpu_budget is None and layout.offload != "disk" and lists.shard == 1 and not gpu)
     if moves and rates.per_access:
         out["chunk hooks"] = m * _HOOK_PASSES * len(lists.module_chunks) * rates.per_access * slow

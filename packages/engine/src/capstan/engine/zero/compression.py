@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 from capstan import comm
+from capstan.chunkmem.onebit import frozen_variance_step
 
 __all__ = ["OneBitAdam", "int8_reduce_scatter", "int8_all_gather"]
 
@@ -68,15 +69,9 @@ class OneBitAdam:
         variance frozen at the freeze step. pieces: (start, end, weight decay) of the flat buffer."""
         exp_avg.mul_(beta1).add_(grad, alpha=(1 - beta1) * grad_scale)
         self.average_momentum(exp_avg)
-        # The bias corrections of AdamW at this step for m; v's stay those of the step that froze it.
-        neg_step = -(lr / (1.0 - beta1 ** step))
-        bc2_sqrt = (1.0 - beta2 ** self.freeze_steps) ** 0.5
         for a, b, wd in pieces:
-            p = param[a:b]
-            if wd:
-                p.mul_(1.0 - lr * wd)
-            denom = exp_avg_sq[a:b].sqrt().div_(bc2_sqrt).add_(eps)
-            p.addcdiv_(exp_avg[a:b], denom, value=neg_step)
+            frozen_variance_step(param[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=step, freeze_steps=self.freeze_steps,
+                                 lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's residuals by key, for its checkpoint file."""
