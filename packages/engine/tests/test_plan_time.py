@@ -350,6 +350,26 @@ def test_search_ranks_what_fits_and_names_what_is_missing() -> None:
         search(SHAPE, machine, global_batch=0)
 
 
+def test_search_splits_sequences_over_context_parallel_ranks() -> None:
+    """cp is searched: one sequence per step on 4 ranks cannot use dp, so tp, pp and cp (either mode, where
+    the heads or the sequence allow) share the ranks; dropout keeps cp at 1."""
+    machine = _machine(4)
+    result = search(SHAPE, machine, global_batch=1)
+    layouts = [c.layout for c in result.ranked]
+    assert layouts and all(lay.dp == 1 and lay.tp * lay.pp * lay.cp == 4 for lay in layouts)
+    splits = {(lay.tp, lay.cp, lay.cp_mode) for lay in layouts if lay.cp > 1}
+    assert {(1, 4, "ulysses"), (1, 4, "ring"), (2, 2, "ulysses"), (2, 2, "ring")} <= splits, splits
+    best = result.ranked[0]  # a candidate's prediction is what planning that layout alone gives
+    assert best.time.tokens_per_s == step_time(SHAPE, machine, best.layout).tokens_per_s
+    two_heads = search(replace(SHAPE, heads=2), machine, global_batch=1)  # Ulysses needs cp | heads per tp rank
+    splits = {(lay.tp, lay.cp, lay.cp_mode) for lay in (c.layout for c in two_heads.ranked)}
+    assert (1, 4, "ring") in splits and (1, 4, "ulysses") not in splits
+    wide = search(SHAPE, machine, global_batch=4)
+    assert any(c.layout.cp > 1 and c.layout.dp == 2 and c.layout.zero_stage == 3 for c in wide.ranked)
+    plain = search(SHAPE, machine, global_batch=1, base=Layout(dropout=True))
+    assert plain.ranked and all(c.layout.cp == 1 for c in plain.ranked)
+
+
 def test_capstan_plan_prints_time_and_searches(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     path = f"{tmp_path}/m.json"
     save_machine(_machine(1), path)

@@ -4,11 +4,14 @@
     result.ranked[0]            # the fastest layout that fits: (Layout, MemoryPlan, StepTime)
     result.missing              # when nothing fits: per tier, the least any layout is short by
 
-Candidates: dp x tp x pp = the machine's ranks (tp dividing the heads and inside a node, pp no more than
-the layers), ZeRO 0-3, offload none / cpu / disk (disk with the largest RAM budget the rest of the
-rank's memory leaves), micro-batch x accumulation x dp = the global batch, recompute on and off, 1F1B
-for pipelines. The precision, the sequence length and its context-parallel split (cp, cp_mode, mlp_tile)
-are the job's, not searched: every candidate keeps `base`'s. A layout that does
+Candidates: dp x tp x pp x cp = the machine's ranks (tp dividing the heads and inside a node, pp no more
+than the layers, cp splitting the sequence: Ulysses where the heads per tp rank divide by cp, ring
+attention where the sequence divides by 2 cp; cp 1 only with dropout, which context parallelism does
+not have), ZeRO 0-3 over dp x cp, offload none / cpu / disk (disk with the largest RAM budget the rest
+of the rank's memory leaves), micro-batch x accumulation x dp = the global batch (the cp ranks of a
+replica share its sequences), recompute on and off, 1F1B for pipelines. The precision, the sequence
+length and the memory levers (mlp_tile, tiled loss, activation offload) are the job's: every
+candidate keeps `base`'s. A layout that does
 not fit is kept only to say, when none fits, how much of which tier is missing at least (and, on a
 GPU machine, how many devices the model states alone need).
 """
@@ -50,10 +53,12 @@ def candidate_layouts(shape: ModelShape, machine: Machine, global_batch: int, ba
     """The layouts `search` tries (module docstring); `base` gives precision, dropout, chunk settings."""
     world = machine.world
     out = []
-    for tp, pp in itertools.product(_divisors(world), repeat=2):
-        if world % (tp * pp * base.cp) or shape.heads % tp or tp > machine.per_node or pp > shape.layers:
+    for tp, pp, (cp, cp_mode) in itertools.product(_divisors(world), _divisors(world), _splits(shape, world, base)):
+        if world % (tp * pp * cp) or shape.heads % tp or tp > machine.per_node or pp > shape.layers:
             continue
-        dp = world // (tp * pp * base.cp)
+        if cp_mode == "ulysses" and cp > 1 and (shape.heads // tp) % cp:
+            continue  # Ulysses gives each cp rank whole heads of the tp rank's
+        dp = world // (tp * pp * cp)
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
@@ -61,16 +66,33 @@ def candidate_layouts(shape: ModelShape, machine: Machine, global_batch: int, ba
             accum = per_rank // micro
             if pp > 1 and accum < pp:
                 continue  # fewer micro-batches than stages: the pipeline is mostly bubble
-            replicas = dp * base.cp  # ZeRO shards over dp x cp
+            replicas = dp * cp  # ZeRO shards over dp x cp
             for zero, offload, recompute in itertools.product((0, 1, 2, 3), ("none", "cpu", "disk"), (False, True)):
                 if (zero and replicas == 1) or (offload != "none" and zero not in (0, 3)) or (
                         zero == 3 and offload == "none" and replicas == 1):
                     continue
-                if offload != "none" and zero == 0 and replicas > 1:
+                if offload != "none" and zero == 0 and replicas > 1 and base.compression != "onebit":
                     continue  # chunks with dp > 1 are ZeRO-3 (sharded) whatever the stage says: tried as 3
-                out.append(replace(base, dp=dp, tp=tp, pp=pp, zero_stage=zero, offload=offload, micro=micro,
-                                   accum=accum, recompute=recompute, schedule="1f1b", virtual_stages=1,
-                                   cpu_budget=None if offload != "disk" else MIN_BUDGET))
+                if (base.compression == "onebit" and zero) or (base.compression == "int8" and not zero
+                                                               and offload == "none"):
+                    continue  # the job's compression does not apply there (Layout refuses it)
+                out.append(replace(base, dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, zero_stage=zero,
+                                   offload=offload, micro=micro, accum=accum, recompute=recompute, schedule="1f1b",
+                                   virtual_stages=1, cpu_budget=None if offload != "disk" else MIN_BUDGET))
+    return out
+
+
+def _splits(shape: ModelShape, world: int, base: Layout) -> list[tuple[int, str]]:
+    """(cp, cp_mode) to try: no split, then each cp dividing the ranks and the sequence, in either mode (the
+    ring needs the sequence in 2 cp blocks; Ulysses' head condition depends on tp, checked by the caller)."""
+    out = [(1, base.cp_mode)]
+    if base.dropout:
+        return out  # context parallelism has no dropout streams
+    for cp in _divisors(world)[1:]:
+        if shape.seq % cp == 0:
+            out.append((cp, "ulysses"))
+        if shape.seq % (2 * cp) == 0:
+            out.append((cp, "ring"))
     return out
 
 
@@ -102,7 +124,10 @@ def search(shape: ModelShape, machine: Machine, global_batch: int, base: Layout 
     tried = 0
     for layout in candidate_layouts(shape, machine, global_batch, base):
         if layout.offload == "disk":
-            found = _with_disk_budget(shape, machine, layout)
+            try:
+                found = _with_disk_budget(shape, machine, layout)
+            except PlanError:  # a layout the model refuses (memory_plan checks it first)
+                continue
             if found is None:
                 continue
             layout = found
