@@ -54,7 +54,7 @@ MIN_BUDGET = {(2, 2, 2): 248192, (4, 2, 1): 395776, (2, 1, 4): 245760, (1, 2, 4)
 
 # 1-bit Adam with offload replicates the chunks (ReplicatedChunkedModel): the least RAM is one compressed
 # step over a chunk group, its six sibling chunks and the 1-bit all-reduce's buffers.
-ONEBIT_MIN_BUDGET = 295040
+ONEBIT_MIN_BUDGET = 229504
 
 
 def _cfg(dp: int, tp: int, pp: int, zero: int = 0, offload: str = "none", dtype: str = "fp32",

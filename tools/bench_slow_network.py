@@ -194,7 +194,7 @@ def main() -> None:
                 results[rate][mode] = s
                 print(f"{rate:>9} {mode:>9}: {s['tokens_per_s']:8.0f} tok/s  step {s['step_s']:.3f} s  "
                       f"wire {s['wire_bytes'] / 2**20:7.2f} MiB  final loss {s['final_loss']:.4f} "
-                      f"(last 5 {s['last5_loss']:.4f})  chunks RAM/disk peak {s['ram_peak'] / 2**20:.1f}/"
+                      f"(last 5 {s['last5_loss']:.4f})  states RAM/disk peak {s['ram_peak'] / 2**20:.1f}/"
                       f"{s['disk_peak'] / 2**20:.1f} MiB  [{time.perf_counter() - t0:.0f} s]", flush=True)
     print("\nratios (tokens/s):")
     for rate in rates:

@@ -40,10 +40,11 @@ ONEBIT_KINDS = (ChunkKind.ONEBIT_WORKER, ChunkKind.ONEBIT_SERVER)
 
 def onebit_scratch_bytes(numel: int, world: int) -> int:
     """A bound of the buffers `comm.onebit_all_reduce` of `numel` fp32 elements over `world` ranks holds at
-    once beyond its arguments: the padded copy and two fp32 unpackings of the signs (12 bytes per padded
-    element), the sign bits and their byte masks (~1.4), the exchanged signs and scales."""
+    once beyond its arguments: one fp32 unpacking of the signs (4 bytes per padded element; the scaling
+    and the averages are in place or a part's size) and the int64 byte indices it is looked up by (1),
+    the byte masks of packing (1, not at the same time), the packed and exchanged signs (~0.4)."""
     padded, _ = comm.onebit_residual_sizes(numel, world)
-    return 14 * padded + 64 * world
+    return 6 * padded + 64 * world
 
 
 class ReplicatedChunkedModel(ChunkedModel):
