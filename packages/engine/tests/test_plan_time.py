@@ -94,6 +94,11 @@ def test_compression_sends_what_the_compressed_collectives_send_and_adds_their_p
     part = n / 2 * INT8_BYTES
     assert int8.part("data-parallel collectives") == pytest.approx(2 * ar.seconds(part, 1) + ag.seconds(part, 1))
     assert int8.part("compression") == pytest.approx(3 * INT8_PASSES * 4 * n / 1e10)
+    # a calibrated machine's measured seconds per parameter replace the passes (Rates.compression)
+    timed = _machine(2, compression={"onebit": 2e-8, "int8": 1e-9})
+    assert step_time(SHAPE, timed, Layout(micro=2, compression="onebit")).part("compression") == pytest.approx(2e-8 * n)
+    int8_timed = step_time(SHAPE, timed, Layout(micro=2, accum=2, zero_stage=2, compression="int8"))
+    assert int8_timed.part("compression") == pytest.approx(3 * 1e-9 * n)
     # memory: 1-bit Adam's residuals (every parameter and 1/dp), int8's exact master shard (1/dp)
     machine = _machine(2)
     plain = memory_plan(SHAPE, machine, Layout(micro=2, dp=2)).total("ram")
@@ -113,6 +118,15 @@ def test_compression_sends_what_the_compressed_collectives_send_and_adds_their_p
     assert memory_plan(SHAPE, machine, chunked).total("ram") == single + 6 * lists.elements
     onebit_chunks = step_time(SHAPE, _machine(2), chunked)
     assert onebit_chunks.part("data-parallel collectives") == pytest.approx(onebit.part("data-parallel collectives"))
+
+
+def test_calibration_times_the_compressions_local_work() -> None:
+    """`--calibrate` times 1-bit Adam's step and an int8 collective's quantizing per parameter (the step
+    does more: two packings and unpackings, the momentum, the update)."""
+    from capstan.engine.plan.calibrate import _compression_rates
+
+    rates = _compression_rates()
+    assert 0 < rates["int8"] < rates["onebit"] < 1e-6, rates
 
 
 def test_tensor_parallel_halves_compute_and_adds_four_all_reduces_per_block() -> None:

@@ -11,7 +11,8 @@ What it measures, each with the threads a rank gets under the launcher (`probe.p
   every core busy (over the same alone: `Rates.contention`);
 * in this process: a 512-wide block's forward and backward (its FLOP/s, for shapes not profiled),
   memory copy bandwidth, the native AdamW step (fp32; fused with the 16-bit cast; the squared-norm
-  pass for clipping) in parameters per second, chunkmem's access + release of a resident chunk,
+  pass for clipping) in parameters per second, the compressed collectives' local work per
+  parameter (1-bit Adam's step, int8's quantizing), chunkmem's access + release of a resident chunk,
   and direct-I/O write and read of 256 MiB in requests of 1 MiB (the disk tier's: one chunk at a
   time) in `disk_dir`;
 * the layer profiles of the models given (costs.measure_layers), so the planner's prediction for a
@@ -119,6 +120,31 @@ def _cpu_rates(threads: int) -> dict:
     return {"memory_bandwidth": 2 * 4 * 4 * n / _median(lambda: kernels.copy_(dst, src)),
             "adam": {"fp32": n / _median(adam), "mixed": n / _median(adam_cast),
                      "sumsq": n / _median(lambda: kernels.sumsq(g))}}
+
+
+def _compression_rates() -> dict[str, float]:
+    """Seconds per parameter of compression's local work on one rank (what the link's seconds leave out):
+    a 1-bit Adam step past its freeze (the momentum update, `comm.onebit_all_reduce`'s packing and
+    unpacking in both stages, the step over the frozen variance: zero/compression.py's calls), and one
+    int8 collective's quantizing and dequantizing of every element."""
+    from capstan.chunkmem.onebit import frozen_variance_step
+    from capstan.comm import Group, dequantize_int8, onebit_all_reduce, onebit_residual_sizes, quantize_int8
+
+    n = 1 << 22
+    solo = Group("calibrate", (0,), 0)  # one rank: the packing without the exchange, which the links time
+    p, g, m, v = torch.zeros(n), torch.randn(n), torch.zeros(n), torch.rand(n)
+    worker, server = (torch.zeros(k) for k in onebit_residual_sizes(n, 1))
+
+    def onebit() -> None:
+        m.mul_(0.9).add_(g, alpha=0.1)
+        onebit_all_reduce(m, worker, server, group=solo)
+        frozen_variance_step(p, m, v, step=30, freeze_steps=20, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                             weight_decay=0.01)
+
+    def int8() -> None:
+        dequantize_int8(*quantize_int8(g))
+
+    return {"onebit": _median(onebit) / n, "int8": _median(int8) / n}
 
 
 def _per_access() -> float:
@@ -254,6 +280,7 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
         fp32 = 3 * block_flops(ref, 1, 8) / alone
         bf16 = _bf16_block_rate(ref, threads)
         cpu = _cpu_rates(threads)
+        compression = _compression_rates()
         per_access = _per_access()
     finally:
         torch.set_num_threads(saved)
@@ -268,7 +295,7 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
                   collective=collective, gather=gather, all_to_all=all_to_all, p2p=p2p, contention=max(1.0, contention),
                   host_overhead=max(p["rss"] for p in probes.values()),
                   runtime={k: int(v) for k, v in runtime.items() if k != "step_overhead_s"},
-                  step_overhead=runtime["step_overhead_s"], per_access=per_access,
+                  step_overhead=runtime["step_overhead_s"], per_access=per_access, compression=compression,
                   layers=busy)
     for shape, layout in shapes:
         log(f"calibrating: profiling the layers of {shape.layers} x {shape.hidden} (tp {layout.tp}, micro "

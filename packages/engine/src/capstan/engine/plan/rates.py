@@ -69,6 +69,9 @@ class Rates:
     layout_slack: dict[str, float] = field(default_factory=dict)  # memory.runtime_family -> bytes per tensor byte
     per_access: float = 0.0  # seconds per chunk hook access (a parameter fetched through chunkmem)
     step_overhead: float = 0.0  # seconds per step of the engine's own work beyond layers and optimizer
+    # seconds per parameter of compression's local work, measured (calibrate.py): "onebit", one 1-bit Adam
+    # step's packing and update; "int8", one int8 collective's quantizing and dequantizing. Empty: modelled.
+    compression: dict[str, float] = field(default_factory=dict)
     layers: dict[str, LayerCost] = field(default_factory=dict)  # profiled layer costs, by costs.layer_key
 
     def link(self, ranks: int, nodes: int = 1, op: str = "all_reduce") -> Link:

@@ -36,7 +36,9 @@ What a step costs on the slowest pipeline stage, as the engine runs it:
   measured memory bandwidth (`ONEBIT_PASSES`, `INT8_PASSES`: counted from comm/compress.py's tensor
   operations; on tools/bench_slow_network.py's 3.4M-parameter model at loopback speed 1-bit Adam's
   step was 56 ms longer than exact training's with 2 ranks per core, ~28 ms per rank, where 20 passes
-  at ~10 GB/s predict 27 ms). validate_plan rows A-dp2-onebit and A-dp2-z2-int8: within 10% on loopback.
+  at ~10 GB/s predict 27 ms), or, on a machine `--calibrate` measured, at the seconds per parameter it
+  timed for that work (`Rates.compression`: the passes under-counted it by half on loopback, +10
+  against +21 ms). validate_plan rows A-dp2-onebit and A-dp2-z2-int8: within 10% on loopback.
 """
 
 from __future__ import annotations
@@ -249,14 +251,17 @@ def _compressed(layout: Layout, params: int, link: Link, gather: Link, rates: Ra
     ZeRO 2) and gather."""
     dp = layout.replicas
     bandwidth = rates.memory_bandwidth or 1e10
+    # local work per parameter: measured by --calibrate, else passes over fp32 at the memory bandwidth
+    onebit = rates.compression.get("onebit", ONEBIT_PASSES * 4 / bandwidth)
+    int8 = rates.compression.get("int8", INT8_PASSES * 4 / bandwidth)
     if layout.compression == "onebit":
         sent = (dp - 1) / dp * params / 8  # one stage's signs; the scales are a few bytes
         return {"data-parallel collectives": link.seconds(sent, 1) + gather.seconds(sent, 1),
-                "compression": ONEBIT_PASSES * 4 * params / bandwidth * slow}
+                "compression": onebit * params * slow}
     reductions = layout.accum if layout.zero_stage == 2 and layout.pp == 1 else 1
     part = (dp - 1) / dp * params * INT8_BYTES
     return {"data-parallel collectives": reductions * link.seconds(part, 1) + gather.seconds(part, 1),
-            "compression": (reductions + 1) * INT8_PASSES * 4 * params / bandwidth * slow}
+            "compression": (reductions + 1) * int8 * params * slow}
 
 
 def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates, layers: list[int],
