@@ -20,7 +20,7 @@ from .collectives import (
     REDUCE_OPS, CollectiveHandle, all_gather, all_reduce, barrier, broadcast, progresses_in_background, reduce,
     reduce_scatter, shard_bounds, staged,
 )
-from .compress import (INT8_BLOCK, dequantize_int8, onebit_all_reduce, onebit_residual_sizes, pack_signs,
+from .compress import (INT8_BLOCK, QuantizedGather, dequantize_int8, onebit_all_reduce, onebit_residual_sizes, pack_signs,
                        quantize_int8, quantized_all_gather, quantized_reduce_scatter, reset_wire_bytes,
                        unpack_signs, wire_bytes)
 from .device import DEVICE_KINDS, DeviceError, cuda_report, pick_device
@@ -33,7 +33,7 @@ from .state import backend, device, launch, transport, world
 from .topology import AXES, Coord, Topology, TopologyError
 
 __all__ = [
-    "INT8_BLOCK", "dequantize_int8", "onebit_all_reduce", "onebit_residual_sizes", "pack_signs", "quantize_int8",
+    "INT8_BLOCK", "QuantizedGather", "dequantize_int8", "onebit_all_reduce", "onebit_residual_sizes", "pack_signs", "quantize_int8",
     "quantized_all_gather", "quantized_reduce_scatter", "reset_wire_bytes", "unpack_signs", "wire_bytes",
     "AXES", "BACKENDS", "CPU_DEFAULT_BACKEND", "CollectiveHandle", "CommError", "Coord", "DEVICE_KINDS",
     "DeviceError", "Group", "Groups", "LaunchError", "cuda_report", "device", "pick_device", "staged", "transport",

@@ -44,7 +44,7 @@ from .collectives import _group, all_gather
 from .groups import Group
 
 __all__ = ["onebit_all_reduce", "onebit_residual_sizes", "pack_signs", "unpack_signs", "quantize_int8",
-           "dequantize_int8", "quantized_all_gather", "quantized_reduce_scatter", "wire_bytes",
+           "dequantize_int8", "quantized_all_gather", "QuantizedGather", "quantized_reduce_scatter", "wire_bytes",
            "reset_wire_bytes", "INT8_BLOCK"]
 
 INT8_BLOCK = 256
@@ -218,10 +218,37 @@ def _pad(cuts: list[int], count: int) -> list[int]:
     return cuts + [0] * (count - len(cuts))  # (a cut at 0 breaks nothing: every part agrees on the count)
 
 
+class QuantizedGather:
+    """An int8 all-gather in flight (`quantized_all_gather(..., async_op=True)`): `wait()` finishes the
+    exchanges and dequantizes every rank's part into the output (this rank's too, so every rank computes
+    with the same values), once."""
+
+    def __init__(self, output: torch.Tensor, handles: list, qs: torch.Tensor, scales: torch.Tensor,
+                 g: Group, block: int, cuts: Sequence[int]) -> None:
+        self.output, self.handles, self.qs, self.scales = output, handles, qs, scales
+        self.g, self.block, self.cuts = g, block, list(cuts)
+        self.done = False
+
+    def wait(self) -> torch.Tensor:
+        if self.done:
+            return self.output
+        for handle in self.handles:
+            handle.wait()
+        n, g = self.qs.numel() // self.g.size, self.g
+        for r in range(g.size):
+            part = _pad(_local(self.cuts, r * n, n), len(self.cuts))
+            dequantize_int8(self.qs[r * n:(r + 1) * n], self.scales.view(g.size, -1)[r], self.block, part,
+                            out=self.output.view(-1)[r * n:(r + 1) * n])
+        self.done = True
+        return self.output
+
+
 def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group | None = None,
-                         block: int = INT8_BLOCK, cuts: Sequence[int] = ()) -> torch.Tensor:
+                         block: int = INT8_BLOCK, cuts: Sequence[int] = (),
+                         async_op: bool = False) -> torch.Tensor | QuantizedGather:
     """Every rank's `shard` (equal sizes, fp32) into `output` in group order, sent as int8 blocks that
-    break at the offsets `cuts` of `output`."""
+    break at the offsets `cuts` of `output`. With ``async_op=True`` the shard is quantized now, the
+    exchanges run in the background and a `QuantizedGather` is returned: its `wait()` fills `output`."""
     g = _group(group)
     n = shard.numel()
     if output.numel() != n * g.size:
@@ -230,14 +257,10 @@ def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group
     q, scale = quantize_int8(shard, block, _pad(_local(cuts, g.rank * n, n), len(cuts)))
     qs = torch.empty(n * g.size, dtype=torch.int8, device=shard.device)
     scales = torch.empty(scale.numel() * g.size, dtype=torch.float32, device=shard.device)
-    all_gather(qs, q, g)
-    all_gather(scales, scale, g)
+    handles = [all_gather(qs, q, g, async_op=async_op), all_gather(scales, scale, g, async_op=async_op)]
     _sent((q.numel() + 4 * scale.numel()) * (g.size - 1))
-    for r in range(g.size):
-        part = _pad(_local(cuts, r * n, n), len(cuts))
-        dequantize_int8(qs[r * n:(r + 1) * n], scales.view(g.size, -1)[r], block, part,
-                        out=output.view(-1)[r * n:(r + 1) * n])
-    return output
+    pending = QuantizedGather(output, handles if async_op else [], qs, scales, g, block, cuts)
+    return pending if async_op else pending.wait()
 
 
 def quantized_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Group | None = None,

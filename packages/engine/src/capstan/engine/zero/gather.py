@@ -25,6 +25,12 @@ forward) could read stale values, so the engine enables this only for the
 reference GPT unless ``parallel.overlap_param_gather`` says otherwise.
 Anything else that reads the parameters between steps (checkpoints,
 ``state_dict()``) calls `wait_all` first.
+
+With int8 compression (``source``: the optimizer's exact master shard, and
+``cuts``) each bucket travels as `comm.quantized_all_gather` (int8 blocks
+breaking at the buffer's region boundaries and at the bucket's edges), and
+waiting dequantizes every rank's piece into place, this rank's own too: every
+rank computes with the same values, as after the blocking int8 gather.
 """
 
 from __future__ import annotations
@@ -40,8 +46,12 @@ class ParamPrefetch:
     """Buckets of the flat parameter all-gather, started by `start()`, waited by forward pre-hooks."""
 
     def __init__(self, model: nn.Module, params: list[torch.Tensor], offsets: list[int], flat_param: torch.Tensor,
-                 group: comm.Group, bucket_elems: int) -> None:
+                 group: comm.Group, bucket_elems: int, source: torch.Tensor | None = None,
+                 cuts: list[int] | None = None) -> None:
+        """source: int8 compression's exact shard (this rank's `flat_param` shard otherwise, gathered exactly);
+        cuts: the flat buffer's offsets no int8 block may straddle."""
         self.flat, self.group = flat_param, group
+        self.source, self.cuts = source, list(cuts or [])
         dp = group.size
         self.shard = flat_param.numel() // dp
         per = self.per = max(1, bucket_elems // dp)
@@ -76,9 +86,19 @@ class ParamPrefetch:
         self._pending = []
         for a, b in self.bounds:
             out = torch.empty((b - a) * self.group.size, device=self.flat.device)
-            handle = comm.all_gather(out, self.flat[lo + a : lo + b], group=self.group, async_op=True)
+            if self.source is not None:
+                handle = comm.quantized_all_gather(out, self.source[a:b], group=self.group,
+                                                   cuts=self.bucket_cuts(a, b), async_op=True)
+            else:
+                handle = comm.all_gather(out, self.flat[lo + a : lo + b], group=self.group, async_op=True)
             self._pending.append((handle, out))
         self.waited = 0
+
+    def bucket_cuts(self, a: int, b: int) -> list[int]:
+        """The flat cuts inside bucket [a, b) of each rank's shard, at their offsets in the gathered bucket
+        (rank r's piece at r (b - a)): the same list on every rank, so every piece gets as many scales."""
+        n, s = b - a, self.shard
+        return [r * n + c - (r * s + a) for r in range(self.group.size) for c in self.cuts if r * s + a < c < r * s + b]
 
     def wait_through(self, j: int) -> None:
         """Wait for buckets up to j and copy the other ranks' pieces into the flat buffer."""
@@ -91,7 +111,7 @@ class ParamPrefetch:
             a, b = self.bounds[self.waited]
             n = b - a
             for r in range(self.group.size):
-                if r != me:
+                if r != me or self.source is not None:  # (int8: this rank's piece as the others see it)
                     self.flat[r * s + a : r * s + b].copy_(out[r * n : (r + 1) * n])
             self._pending[self.waited] = None
             self.waited += 1

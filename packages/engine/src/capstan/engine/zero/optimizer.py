@@ -54,8 +54,10 @@ that holds it only.
 1-bit Adam at stage 0 (after the freeze the gradients stay local, so the norm
 for clipping is the root mean square of the ranks' own gradient norms, an upper
 bound of the averaged gradient's); "int8" reduces gradients with an int8
-reduce-scatter and gathers parameters with an int8 all-gather at stages 1/2,
-after backward (no buckets), keeping the master shard exact in `master`.
+reduce-scatter after backward (no buckets) and gathers parameters with an int8
+all-gather at stages 1/2 (in buckets overlapped with the next forward where
+the exact gather would be: gather.py), keeping the master shard exact in
+`master`.
 """
 
 from __future__ import annotations
@@ -192,9 +194,9 @@ class ZeroOptimizer:
         self.cuts = [b for _, b in self.regions]  # int8 blocks break at the regions' ends
         self._local_nonfinite = False  # int8: an inf/NaN seen before quantizing (which would hide it)
         self.prefetch: ParamPrefetch | None = None
-        if gather_bytes > 0 and dp > 1 and stage > 0 and compression == "none":
+        if gather_bytes > 0 and dp > 1 and stage > 0:  # (int8: its buckets quantized from the master shard)
             self.prefetch = ParamPrefetch(model, self.params, _offsets(self.params), self.flat_param, groups.replicas,
-                                          max(1, gather_bytes // 4))
+                                          max(1, gather_bytes // 4), source=self.master, cuts=self.cuts)
 
     def _arm(self) -> None:
         """Communicate in the next backward? Stage 2 always; stages 0/1 on the accumulation's last
@@ -345,10 +347,10 @@ class ZeroOptimizer:
                                 step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
                                 weight_decay=t.weight_decay if seg.decay else 0.0, adamw=True,
                                 grad_scale=grad_scale)
-        if self.master is not None:
+        if self.prefetch is not None:
+            self.prefetch.start()  # waited for by the next forward's pre-hooks (gather.py; int8 too)
+        elif self.master is not None:
             int8_all_gather(self.flat_param, self.master, self.groups.replicas, self.cuts)
-        elif self.prefetch is not None:
-            self.prefetch.start()  # waited for by the next forward's pre-hooks (gather.py)
         elif self.stage > 0:
             shard = self.flat_param[self.lo : self.hi].clone()  # the collective must not alias its output
             comm.all_gather(self.flat_param, shard, group=self.groups.replicas)
@@ -365,7 +367,9 @@ class ZeroOptimizer:
         first step, computes with the quantized gather of it, as the run that saved it did."""
         if self.master is not None:
             self.master.copy_(self.flat_param[self.lo : self.hi])
-            if self.step_count > 0:
+            if self.step_count > 0 and self.prefetch is not None:  # the same buckets as the saving run's
+                self.prefetch.start()
+            elif self.step_count > 0:
                 int8_all_gather(self.flat_param, self.master, self.groups.replicas, self.cuts)
 
     def wait_params(self) -> None:
