@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from capstan.comm.testing import run_ranks
-from capstan.engine import initialize, open_data, train_batches
-from capstan.engine.testing import assert_trajectories_close
+from capstan.engine import initialize
+from capstan.engine.testing import assert_trajectories_close, train_steps
 from capstan.engine.zero.compression import wire_formula
 
 STEPS = 20
@@ -43,18 +43,7 @@ def _params(engine: object) -> list[float]:
 
 
 def _run(config: dict, steps: int = STEPS, save_at: int = 0, directory: str = "", load: str = "") -> dict:
-    engine = initialize(config=config)
-    it = train_batches(open_data(engine.config), engine.config, engine.groups.dp.size, engine.groups.dp.rank)
-    start = 0
-    if load:
-        start = engine.load(load)
-        for _ in range(start * engine.config.train.grad_accum_steps):  # the batches the saved run consumed
-            next(it)
-    infos, saved = [], ""
-    for step in range(start, steps):
-        infos.append(engine.train_batch(it))
-        if step + 1 == save_at:
-            saved = str(engine.save(directory))
+    engine, infos, saved = train_steps(config, steps, save_at, directory, load)
     out = {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos],
            "wire": [i.comm.get("comm.wire_bytes", 0) for i in infos], "saved": saved}
     if engine.chunked:  # ZeRO-3: the elements this rank moved through unit gathers and reductions
@@ -66,8 +55,8 @@ def _run(config: dict, steps: int = STEPS, save_at: int = 0, directory: str = ""
                    cuts=len(engine.optimizer.cuts))
         pf = engine.optimizer.prefetch
         if pf is not None and pf.source is not None:  # int8's gather in buckets: one quantized gather each
-            out["gather_wire"] = sum(wire_formula((b - a) * 2, 2, cuts=len(pf.bucket_cuts(a, b)))["quantized_all_gather"]
-                                     for a, b in pf.bounds)
+            out["gather_wire"] = sum(wire_formula((b - a) * 2, 2, cuts=len(pf.bucket_cuts(a, b)))
+                                     ["quantized_all_gather"] for a, b in pf.bounds)
     engine.close()
     return out
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from capstan.comm.testing import run_ranks
-from capstan.engine import initialize, open_data, train_batches
-from capstan.engine.testing import assert_trajectories_close
+from capstan.engine import initialize
+from capstan.engine.testing import assert_trajectories_close, train_steps
 from capstan.engine.zero.compression import wire_formula
 
 STEPS = 10
@@ -46,17 +46,9 @@ def _cfg(compression: str = "onebit", freeze: int = 100, steps: int = STEPS, off
 
 
 def _run(config: dict, steps: int, save_at: int = 0, directory: str = "", load: str = "") -> dict:
-    engine = initialize(config=config)
-    it = train_batches(open_data(engine.config), engine.config, engine.groups.dp.size, engine.groups.dp.rank)
-    start = engine.load(load) if load else 0
-    for _ in range(start * engine.config.train.grad_accum_steps):  # the batches the saved run consumed
-        next(it)
-    infos, saved = [], ""
-    for step in range(start, steps):
-        infos.append(engine.train_batch(it))
-        if step + 1 == save_at:
-            saved = str(engine.save(directory))
-    out = {"loss": [i.loss for i in infos], "moved": [i.mem["mem.moved_bytes"] for i in infos], "wire": [i.comm.get("comm.wire_bytes", 0) for i in infos],
+    engine, infos, saved = train_steps(config, steps, save_at, directory, load)
+    out = {"loss": [i.loss for i in infos], "moved": [i.mem["mem.moved_bytes"] for i in infos],
+           "wire": [i.comm.get("comm.wire_bytes", 0) for i in infos],
            "cpu_peak": max(i.mem.get("mem.cpu.peak_bytes", 0) for i in infos),
            "disk_peak": max(i.mem.get("mem.disk.peak_bytes", 0) for i in infos), "saved": saved,
            "params": {k: t.reshape(-1).tolist() for k, t in sorted(engine.parameters_snapshot().items())}}

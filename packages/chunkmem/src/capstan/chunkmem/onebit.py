@@ -111,33 +111,27 @@ class OneBitChunkAdam(ChunkAdam):
         master_kind = ChunkKind.MASTER if mixed else ChunkKind.PARAM
         kinds = (master_kind, ChunkKind.GRAD, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ, ChunkKind.ONEBIT_WORKER,
                  ChunkKind.ONEBIT_SERVER)
-        for g, hp in enumerate(self.groups):
-            hp.step += 1
+        for g, hp, i, p_chunk, n in self._chunk_groups():
             beta1, beta2 = hp.betas
-            for i in self.model.owned_indices(g):
-                p_chunk = chunks[ChunkKind.PARAM][g][i]
-                n = p_chunk.used
-                if n == 0:
-                    continue
-                worker_n, server_n = comm.onebit_residual_sizes(n, group.size)
-                ids = [chunks[k][g][i].chunk_id for k in kinds]
-                master, grad, m, v, worker, server = (mgr.access(cid, write=True).payload for cid in ids)  # type: ignore[union-attr]
-                m = m[:n]
-                m.mul_(beta1).add_(grad[:n], alpha=(1.0 - beta1) * unscale)
-                scratch = onebit_scratch_bytes(n, group.size)
-                mgr.reserve_transient(scratch, f"1-bit all-reduce of chunk group ({g}, {i})")
-                try:
-                    comm.onebit_all_reduce(m, worker[:worker_n], server[:server_n], group=group)
-                finally:
-                    mgr.release_transient(scratch)
-                frozen_variance_step(master[:n], m, v[:n], step=hp.step, freeze_steps=self.freeze_steps, lr=hp.lr,
-                                     beta1=beta1, beta2=beta2, eps=hp.eps, weight_decay=hp.weight_decay)
-                if mixed:  # the 16-bit parameter the modules compute with
-                    out = mgr.access(p_chunk.chunk_id, write=True).payload[:n]  # type: ignore[index]
-                    kernels.cast_(master[:n], out)
-                    mgr.release(p_chunk.chunk_id)
-                for cid in ids:
-                    mgr.release(cid)
+            worker_n, server_n = comm.onebit_residual_sizes(n, group.size)
+            ids = [chunks[k][g][i].chunk_id for k in kinds]
+            master, grad, m, v, worker, server = (mgr.access(cid, write=True).payload for cid in ids)  # type: ignore[union-attr]
+            m = m[:n]
+            m.mul_(beta1).add_(grad[:n], alpha=(1.0 - beta1) * unscale)
+            scratch = onebit_scratch_bytes(n, group.size)
+            mgr.reserve_transient(scratch, f"1-bit all-reduce of chunk group ({g}, {i})")
+            try:
+                comm.onebit_all_reduce(m, worker[:worker_n], server[:server_n], group=group)
+            finally:
+                mgr.release_transient(scratch)
+            frozen_variance_step(master[:n], m, v[:n], step=hp.step, freeze_steps=self.freeze_steps, lr=hp.lr,
+                                 beta1=beta1, beta2=beta2, eps=hp.eps, weight_decay=hp.weight_decay)
+            if mixed:  # the 16-bit parameter the modules compute with
+                out = mgr.access(p_chunk.chunk_id, write=True).payload[:n]  # type: ignore[index]
+                kernels.cast_(master[:n], out)
+                mgr.release(p_chunk.chunk_id)
+            for cid in ids:
+                mgr.release(cid)
 
     def state_chunks(self) -> dict[str, tuple[int, int]]:
         """This rank's residual chunks by checkpoint key: (chunk id, elements)."""

@@ -180,32 +180,37 @@ class ChunkAdam:
         self._drop_grads()
         return norm, False
 
+    def _chunk_groups(self, skip: set[tuple[int, int]] | frozenset = frozenset()):  # noqa: ANN202
+        """(group, its AdamGroup, chunk index, PARAM chunk, used elements) of every owned chunk group to
+        step, in list order, but padding chunks and those in `skip`; each group's step count advances
+        as the iteration reaches it (so the caller iterates to the end)."""
+        for g, hp in enumerate(self.groups):
+            hp.step += 1
+            for i in self.model.owned_indices(g):
+                p_chunk = self.model.chunks[ChunkKind.PARAM][g][i]
+                if p_chunk.used and (g, i) not in skip:  # (padding of a sharded list; stepped during backward)
+                    yield g, hp, i, p_chunk, p_chunk.used
+
     def _update(self, unscale: float, skip: set[tuple[int, int]] | frozenset = frozenset()) -> None:
         """AdamW over every owned chunk group but those in `skip` (stepped already, overlap.py), with
         gradients multiplied by `unscale`; every group's step count advances."""
         mgr, chunks, mixed = self.model.manager, self.model.chunks, self.model.mixed
         master_kind = ChunkKind.MASTER if mixed else ChunkKind.PARAM
-        for g, hp in enumerate(self.groups):
-            hp.step += 1
+        for g, hp, i, p_chunk, n in self._chunk_groups(skip):
             beta1, beta2 = hp.betas
-            for i in self.model.owned_indices(g):
-                p_chunk = chunks[ChunkKind.PARAM][g][i]
-                n = p_chunk.used
-                if n == 0 or (g, i) in skip:
-                    continue  # padding chunk of a sharded list, or stepped during backward
-                kinds = (master_kind, self._grad_kind(), ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
-                ids = [chunks[k][g][i].chunk_id for k in kinds]
-                master, grad, m, v = (mgr.access(cid, write=True).payload[:n] for cid in ids)  # type: ignore[index]
-                args = dict(step=hp.step, lr=hp.lr, beta1=beta1, beta2=beta2, eps=hp.eps,
-                            weight_decay=hp.weight_decay, adamw=True, grad_scale=unscale)
-                if mixed:  # update fp32 master, write the 16-bit parameter in the same pass
-                    out = mgr.access(p_chunk.chunk_id, write=True).payload[:n]  # type: ignore[index]
-                    kernels.adam_update_and_cast(master, grad, m, v, out, **args)
-                    mgr.release(p_chunk.chunk_id)
-                else:
-                    kernels.adam_update(master, grad, m, v, **args)
-                for cid in ids:
-                    mgr.release(cid)
+            kinds = (master_kind, self._grad_kind(), ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
+            ids = [chunks[k][g][i].chunk_id for k in kinds]
+            master, grad, m, v = (mgr.access(cid, write=True).payload[:n] for cid in ids)  # type: ignore[index]
+            args = dict(step=hp.step, lr=hp.lr, beta1=beta1, beta2=beta2, eps=hp.eps,
+                        weight_decay=hp.weight_decay, adamw=True, grad_scale=unscale)
+            if mixed:  # update fp32 master, write the 16-bit parameter in the same pass
+                out = mgr.access(p_chunk.chunk_id, write=True).payload[:n]  # type: ignore[index]
+                kernels.adam_update_and_cast(master, grad, m, v, out, **args)
+                mgr.release(p_chunk.chunk_id)
+            else:
+                kernels.adam_update(master, grad, m, v, **args)
+            for cid in ids:
+                mgr.release(cid)
 
     def _drop_grads(self) -> None:
         """Gradients are consumed: free gradient chunks (zero_grad), clear slot-reuse marks."""

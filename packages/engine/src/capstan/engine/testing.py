@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["assert_trajectories_close", "count_saved_bytes"]
+__all__ = ["assert_trajectories_close", "count_saved_bytes", "train_steps"]
 
 
 @contextmanager
@@ -39,3 +39,23 @@ def assert_trajectories_close(got: Sequence[float], want: Sequence[float], tol: 
         assert diff <= tol, (diff, list(got), list(want))
         worst = max(worst, diff)
     return worst
+
+
+def train_steps(config: dict, steps: int, save_at: int = 0, directory: str = "",
+                load: str = "") -> tuple[object, list, str]:
+    """A reference-GPT engine from `config` trained to step `steps` on its corpus: resumed from checkpoint
+    `load` (the saved run's batches skipped), saved into `directory` after step `save_at`. Returns the
+    open engine (the caller closes it), the step records, and the checkpoint written ("" if none)."""
+    from . import initialize, open_data, train_batches
+
+    engine = initialize(config=config)
+    it = train_batches(open_data(engine.config), engine.config, engine.groups.dp.size, engine.groups.dp.rank)
+    start = engine.load(load) if load else 0
+    for _ in range(start * engine.config.train.grad_accum_steps):  # the batches the saved run consumed
+        next(it)
+    infos, saved = [], ""
+    for step in range(start, steps):
+        infos.append(engine.train_batch(it))
+        if step + 1 == save_at:
+            saved = str(engine.save(directory))
+    return engine, infos, saved
