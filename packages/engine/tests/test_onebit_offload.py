@@ -115,7 +115,7 @@ def test_onebit_adam_over_offloaded_chunks_on_two_ranks(tmp_path: Path) -> None:
     # the planner's chunk model (plan/chunks.py) counts the replicated chunks and residuals as allocated
     assert onebit["planned"] == (onebit["allocated"], onebit["minimum"])
     per_step = onebit["moved"][-1] - onebit["moved"][-2]  # a compressed step's disk reads and writes
-    assert onebit["traffic"] == pytest.approx(per_step, rel=0.10), (onebit["traffic"], per_step)  # measured -3.5%
+    assert onebit["traffic"] == pytest.approx(per_step, rel=0.10), (onebit["traffic"], per_step)  # measured +1.6%
     assert got["bf16"]["loss"][-1] < got["bf16"]["loss"][0] and max(got["bf16"]["wire"][3:]) > 0
     whole, resumed = got["resume"]["whole"], got["resume"]["resumed"]
     assert any(w > 0 for w in whole["wire"][:4])  # saved with non-zero residuals

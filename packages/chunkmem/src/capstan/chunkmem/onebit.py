@@ -64,6 +64,9 @@ class OneBitChunkAdam(ChunkAdam):
         self.model: ReplicatedChunkedModel = model
         self.freeze_steps = freeze_steps
         self._reduced = False  # this step's gradients already averaged over the group
+        self._residuals = {f"onebit.{key}.{g}.{i}": (chunk.chunk_id, chunk.capacity)
+                           for kind, key in ((ChunkKind.ONEBIT_WORKER, "worker"), (ChunkKind.ONEBIT_SERVER, "server"))
+                           for g, lst in enumerate(model.chunks[kind]) for i, chunk in enumerate(lst)}
 
     @property
     def compressing(self) -> bool:
@@ -115,7 +118,9 @@ class OneBitChunkAdam(ChunkAdam):
             beta1, beta2 = hp.betas
             worker_n, server_n = comm.onebit_residual_sizes(n, group.size)
             ids = [chunks[k][g][i].chunk_id for k in kinds]
-            master, grad, m, v, worker, server = (mgr.access(cid, write=True).payload for cid in ids)  # type: ignore[union-attr]
+            # The frozen variance is only read: its copy on disk stays current and is not written back.
+            master, grad, m, v, worker, server = (mgr.access(cid, write=k is not ChunkKind.EXP_AVG_SQ).payload
+                                                  for k, cid in zip(kinds, ids))  # type: ignore[union-attr]
             m = m[:n]
             m.mul_(beta1).add_(grad[:n], alpha=(1.0 - beta1) * unscale)
             scratch = onebit_scratch_bytes(n, group.size)
@@ -135,16 +140,11 @@ class OneBitChunkAdam(ChunkAdam):
 
     def state_chunks(self) -> dict[str, tuple[int, int]]:
         """This rank's residual chunks by checkpoint key: (chunk id, elements)."""
-        out = {}
-        for kind, key in ((ChunkKind.ONEBIT_WORKER, "worker"), (ChunkKind.ONEBIT_SERVER, "server")):
-            for g, lst in enumerate(self.model.chunks[kind]):
-                for i, chunk in enumerate(lst):
-                    out[f"onebit.{key}.{g}.{i}"] = (chunk.chunk_id, chunk.capacity)
-        return out
+        return dict(self._residuals)
 
     def read_state(self, key: str) -> torch.Tensor:
         """A copy of residual `key` (`state_chunks`) in RAM."""
-        cid, _ = self.state_chunks()[key]
+        cid, _ = self._residuals[key]
         chunk = self.model.manager.access(cid)
         try:
             return chunk.payload.to("cpu", copy=True)  # type: ignore[union-attr]
@@ -153,7 +153,7 @@ class OneBitChunkAdam(ChunkAdam):
 
     def write_state(self, key: str, value: torch.Tensor) -> None:
         """Set residual `key` from `value` (its capacity of fp32 elements)."""
-        cid, numel = self.state_chunks()[key]
+        cid, numel = self._residuals[key]
         if value.numel() != numel:
             raise ValueError(f"{key}: {value.numel()} elements, expected {numel}")
         chunk = self.model.manager.access(cid, overwrite=True)

@@ -216,8 +216,10 @@ def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool) -> tuple[
         out += [(grad, g, i, False) for g, i in owned]
     master = "master" if lists.mixed else "param"
     for g, i in owned:
-        out += [(master, g, i, True), (grad, g, i, True), ("exp_avg", g, i, True), ("exp_avg_sq", g, i, True)]
-        if lists.onebit:  # past the freeze: the residuals beside them (onebit.py)
+        # (1-bit Adam past its freeze: the variance only read, the residuals beside the others: onebit.py)
+        out += [(master, g, i, True), (grad, g, i, True), ("exp_avg", g, i, True),
+                ("exp_avg_sq", g, i, not lists.onebit)]
+        if lists.onebit:
             out += [("onebit_worker", g, i, True), ("onebit_server", g, i, True)]
         if lists.mixed:
             out.append(("param", g, i, True))
