@@ -234,7 +234,8 @@ class FlatView(StateView):
 
 
 class ChunkView(StateView):
-    """A `ChunkedModel` / `ShardedChunkedModel` with its `ChunkAdam` (ZeRO-3, offload)."""
+    """A `ChunkedModel` / `ShardedChunkedModel` / `ReplicatedChunkedModel` with its `ChunkAdam`
+    (ZeRO-3, offload; `OneBitChunkAdam`'s residual chunks are this rank's local state)."""
 
     def __init__(self, engine: Engine) -> None:
         from capstan.chunkmem import OneBitChunkAdam, ReplicatedChunkedModel
