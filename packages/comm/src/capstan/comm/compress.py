@@ -234,7 +234,8 @@ class QuantizedGather:
             return self.output
         for handle in self.handles:
             handle.wait()
-        n, g = self.qs.numel() // self.g.size, self.g
+        g = self.g
+        n = self.qs.numel() // g.size
         for r in range(g.size):
             part = _pad(_local(self.cuts, r * n, n), len(self.cuts))
             dequantize_int8(self.qs[r * n:(r + 1) * n], self.scales.view(g.size, -1)[r], self.block, part,

@@ -214,12 +214,12 @@ class Engine:
             self.module = ReplicatedChunkedModel(model, self.manager, mem.chunk_size, group=replicas, onebit=True,
                                                  **kwargs)
             self.optimizer = OneBitChunkAdam(self.module, groups=adam, freeze_steps=p.compression_freeze_steps)
-        elif replicas.size > 1:  # ZeRO-3 through chunks: each dp (x cp) rank owns 1/dp of them
-            self.module = ShardedChunkedModel(model, self.manager, mem.chunk_size, group=replicas,
-                                              quantized=p.compression == "int8", **kwargs)
         else:
-            self.module = ChunkedModel(model, self.manager, mem.chunk_size, report_grads=overlap, **kwargs)
-        if not isinstance(self.module, ReplicatedChunkedModel):
+            if replicas.size > 1:  # ZeRO-3 through chunks: each dp (x cp) rank owns 1/dp of them
+                self.module = ShardedChunkedModel(model, self.manager, mem.chunk_size, group=replicas,
+                                                  quantized=p.compression == "int8", **kwargs)
+            else:
+                self.module = ChunkedModel(model, self.manager, mem.chunk_size, report_grads=overlap, **kwargs)
             self.optimizer = ChunkAdam(self.module, groups=adam, overlap=overlap)
         comm.reset_wire_bytes()
         self._stepping = False

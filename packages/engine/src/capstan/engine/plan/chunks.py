@@ -27,8 +27,6 @@ from functools import lru_cache
 
 import torch
 from capstan.chunkmem.eviction import make_policy
-from capstan.chunkmem.replicated import onebit_scratch_bytes
-from capstan.comm import onebit_residual_sizes
 from capstan.chunkmem.layout import (
     ModuleSpec,
     ParamSpec,
@@ -36,6 +34,8 @@ from capstan.chunkmem.layout import (
     list_capacity,
     plan_layout,
 )
+from capstan.chunkmem.replicated import onebit_scratch_bytes
+from capstan.comm import onebit_residual_sizes
 
 from .spec import Layout, ModelShape
 
