@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -101,6 +102,43 @@ def test_nccl_without_cuda_is_rejected() -> None:
 
     with pytest.raises(ValueError, match="'nccl' needs a CUDA device"):
         comm.init(backend="nccl", environ={})
+
+
+class _ReachedProcessGroup(Exception):
+    pass
+
+
+def test_nccl_runs_with_async_error_handling_not_blocking_wait(monkeypatch) -> None:
+    """On the NCCL path the environment the NCCL process group starts with: the watchdog's error
+    handling, no TORCH_NCCL_BLOCKING_WAIT (which would make every synchronous collective block the
+    host thread); a value the user set wins. The CPU has no NCCL, so the path is followed up to
+    the process group's creation, where the environment is read."""
+    from capstan.comm import bootstrap
+
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT",
+                 "NCCL_BLOCKING_WAIT"):
+        monkeypatch.delenv(name, raising=False)
+    seen = []
+
+    def fake_init(backend: str, **kwargs: object) -> None:
+        seen.append((backend, {k: v for k, v in os.environ.items() if "NCCL" in k}))
+        raise _ReachedProcessGroup
+
+    monkeypatch.setattr(bootstrap, "transport", lambda *args: "nccl")
+    monkeypatch.setattr(bootstrap.dist, "init_process_group", fake_init)
+    with pytest.raises(_ReachedProcessGroup):
+        bootstrap.init(environ={})
+    backend, env = seen[0]
+    assert backend == "cpu:gloo,cuda:nccl"
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, env  # 3: see bootstrap.ASYNC_ERROR_HANDLING_MODE
+
+    # the user's choice stands, under either name
+    mine = {"TORCH_NCCL_BLOCKING_WAIT": "1", "NCCL_ASYNC_ERROR_HANDLING": "1"}
+    bootstrap.nccl_environment(mine)
+    assert mine == {"TORCH_NCCL_BLOCKING_WAIT": "1", "NCCL_ASYNC_ERROR_HANDLING": "1"}
+    mine = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    bootstrap.nccl_environment(mine)
+    assert mine == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def _log_line() -> str:

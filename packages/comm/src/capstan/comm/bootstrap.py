@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import MutableMapping
 from datetime import timedelta
 
 import torch
@@ -33,7 +34,7 @@ from .groups import Group
 from .launch_env import LaunchError, LaunchInfo, detect_launch
 from .log import get_logger, set_rank_context
 
-__all__ = ["init", "shutdown", "is_initialized", "BACKENDS", "CPU_DEFAULT_BACKEND"]
+__all__ = ["init", "shutdown", "is_initialized", "nccl_environment", "BACKENDS", "CPU_DEFAULT_BACKEND"]
 
 BACKENDS = ("gloo", "nccl", "mpi")
 # The faster CPU path measured by tools/bench_comm.py (docs/benchmarks.md): MPI's
@@ -106,9 +107,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if how == "nccl":
-        # A timed-out NCCL wait raises (turned into CommError naming the lost peer) instead of the
-        # watchdog aborting the process without a word about which peer is gone.
-        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        nccl_environment()
     # One process group per device type: CPU tensors keep gloo (or MPI) beside NCCL.
     torch_backend = "cpu:gloo,cuda:nccl" if how == "nccl" else "gloo"
 
@@ -136,6 +135,33 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     log.debug("initialized: %s, %s, backend %s, device %s (CUDA tensors: %s)", info.describe("rank"),
               info.describe("world_size"), backend, dev, how)
     return world
+
+
+# torch's ProcessGroupNCCL reads these when the NCCL process group is created (TORCH_NCCL_* and their
+# older NCCL_* names); a value the user set wins.
+ASYNC_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+# 3 (SkipCleanUp, torch's default since 2.2): when a collective outlives the process group's timeout
+# (a dead peer never joins it), the watchdog thread raises the timeout, naming the operation, its
+# sequence number and how long it ran, and tears the process down. Not 1 (TearDown), which first
+# calls ncclCommAbort: that can itself hang (pytorch/pytorch#110723, NVIDIA/nccl#863: recent NCCL
+# wants every rank of a communicator to abort it), which is the hang this is meant to end.
+ASYNC_ERROR_HANDLING_MODE = "3"
+
+
+def nccl_environment(environ: MutableMapping[str, str] | None = None) -> None:
+    """Make a dead peer end an NCCL job within the comm timeout without blocking the host.
+
+    Error handling is asynchronous: the watchdog checks every NCCL operation against the
+    process group's timeout (`init`'s `timeout`) and ends the process when one overruns.
+    TORCH_NCCL_BLOCKING_WAIT is not set: with it every ``work.wait()`` spins the calling CPU
+    thread until the GPU finished the collective, so each synchronous collective (the tensor-
+    parallel mappings in every layer, ZeRO-3's gathers inside module hooks) would stall the host
+    instead of queueing the kernels that follow. Set it yourself to get a Python exception at the
+    timeout instead, at that cost. Called before the NCCL process group exists.
+    """
+    env = os.environ if environ is None else environ
+    if not any(name in env for name in ASYNC_ERROR_HANDLING):
+        env[ASYNC_ERROR_HANDLING[0]] = ASYNC_ERROR_HANDLING_MODE
 
 
 class _InitWatchdog:
