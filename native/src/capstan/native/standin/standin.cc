@@ -1,0 +1,729 @@
+// A second device for the CPU test suite: PyTorch's PrivateUse1 backend,
+// renamed "standin" by capstan.native.standin, backed by host memory.
+//
+// Why: with the CPU standing in for the GPU, a missing `.to(device)` or a CPU
+// tensor mixed into device work passes every CPU test and fails on the first
+// GPU. Tensors on this device report their own type and index, and an op that
+// mixes them with a CPU tensor (other than a 0-dim scalar or an index list, as
+// CUDA allows) raises CUDA's kind of error. It has what the GPU code asks of a
+// device: streams and events (ordering is immediate: every op runs on the host
+// when called), a caching device allocator with allocated/reserved statistics
+// and an out-of-memory error at a configurable capacity, pinned host memory
+// through a caching host allocator rounded to powers of two (as CUDA's is),
+// and the device-generic APIs (torch.accelerator, torch.Stream/torch.Event,
+// memory statistics) on top of them.
+//
+// Ops: the few that define a tensor's memory (empty, views, copies, resize,
+// set_) are registered directly; every other op reaches one boxed fallback
+// that checks devices, runs the CPU kernel on aliases of the same host bytes
+// (no copy: an in-place op writes the device tensor's memory), and moves fresh
+// results onto the device through the device allocator, so the statistics
+// count them. Compiled and loaded at run time by capstan.native.standin (links
+// against the installed torch; no torch headers in libcapstan).
+//
+// Environment: CAPSTAN_STANDIN_DEVICES (devices, default 2),
+// CAPSTAN_STANDIN_MEMORY (bytes per device, default 64 GiB).
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/CachingHostAllocator.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_local_scalar_dense_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/copy_native.h>
+#include <ATen/ops/set_cpu_dispatch.h>
+#include <ATen/ops/set_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+namespace capstan_standin {
+
+using c10::CachingAllocator::StatType;
+constexpr size_t kAgg = static_cast<size_t>(StatType::AGGREGATE);
+constexpr int kMaxDevices = 16;
+constexpr size_t kDeviceRound = 512;  // CUDA's caching allocator rounds small blocks to 512 bytes
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  long long x = std::strtoll(v, &end, 10);
+  return (end != v && x > 0) ? static_cast<int64_t>(x) : fallback;
+}
+
+c10::DeviceIndex device_count() {
+  static const c10::DeviceIndex n = static_cast<c10::DeviceIndex>(
+      std::min<int64_t>(env_int("CAPSTAN_STANDIN_DEVICES", 2), kMaxDevices));
+  return n;
+}
+
+thread_local c10::DeviceIndex current_device = 0;
+
+void check_index(c10::DeviceIndex d) {
+  TORCH_CHECK(d >= 0 && d < device_count(), "standin device index ", static_cast<int>(d),
+              " out of range: ", static_cast<int>(device_count()), " devices (CAPSTAN_STANDIN_DEVICES)");
+}
+
+// ---- device memory: a caching allocator over host memory --------------------------------------
+// Blocks are rounded up to 512 bytes and, once freed, kept for a request of the same rounded size
+// until empty_cache: "reserved" exceeds "allocated" exactly as on CUDA, so code that budgets by
+// allocated bytes alone is caught.
+struct DeviceHeap {
+  std::mutex mu;
+  c10::CachingDeviceAllocator::DeviceStats stats;
+  std::multimap<size_t, void*> cached;           // rounded size -> free block
+  std::unordered_map<void*, size_t> live;        // block -> rounded size
+};
+
+DeviceHeap heaps[kMaxDevices];
+
+size_t capacity() {
+  static const size_t cap = static_cast<size_t>(env_int("CAPSTAN_STANDIN_MEMORY", int64_t(64) << 30));
+  return cap;
+}
+
+void release_cached(DeviceHeap& h) {
+  for (auto& [size, ptr] : h.cached) {
+    std::free(ptr);
+    h.stats.reserved_bytes[kAgg].decrease(size);
+    h.stats.segment[kAgg].decrease(1);
+    h.stats.num_device_free += 1;
+  }
+  h.cached.clear();
+}
+
+// What a device DataPtr's deleter needs (it receives only the context).
+struct DeviceBlock {
+  c10::DeviceIndex device;
+  void* ptr;
+  size_t size;       // rounded
+  size_t requested;  // asked for
+};
+
+void free_device_block(void* ctx) {
+  auto* b = static_cast<DeviceBlock*>(ctx);
+  DeviceHeap& h = heaps[b->device];
+  {
+    std::lock_guard<std::mutex> lock(h.mu);
+    h.stats.allocated_bytes[kAgg].decrease(b->size);
+    h.stats.requested_bytes[kAgg].decrease(b->requested);
+    h.stats.allocation[kAgg].decrease(1);
+    h.stats.active[kAgg].decrease(1);
+    h.stats.active_bytes[kAgg].decrease(b->size);
+    h.cached.emplace(b->size, b->ptr);
+  }
+  delete b;
+}
+
+void reset_stats(c10::CachingDeviceAllocator::DeviceStats& s, bool peak) {
+  for (auto* a : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes, &s.reserved_bytes,
+                  &s.active_bytes, &s.requested_bytes}) {
+    if (peak) (*a)[kAgg].reset_peak(); else (*a)[kAgg].reset_accumulated();
+  }
+  if (!peak) s.num_ooms = s.num_alloc_retries = s.num_device_alloc = s.num_device_free = 0;
+}
+
+struct StandinDeviceAllocator final : c10::DeviceAllocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    const c10::DeviceIndex d = current_device;
+    check_index(d);
+    const c10::Device dev(c10::DeviceType::PrivateUse1, d);
+    if (nbytes == 0) return {nullptr, nullptr, &c10::detail::deleteNothing, dev};
+    const size_t size = (nbytes + kDeviceRound - 1) / kDeviceRound * kDeviceRound;
+    DeviceHeap& h = heaps[d];
+    std::lock_guard<std::mutex> lock(h.mu);
+    void* ptr = nullptr;
+    auto it = h.cached.find(size);
+    if (it != h.cached.end()) {
+      ptr = it->second;
+      h.cached.erase(it);
+    } else {
+      if (static_cast<size_t>(h.stats.reserved_bytes[kAgg].current) + size > capacity()) {
+        h.stats.num_alloc_retries += 1;
+        release_cached(h);
+      }
+      if (static_cast<size_t>(h.stats.reserved_bytes[kAgg].current) + size > capacity()) {
+        h.stats.num_ooms += 1;
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "standin out of memory. Tried to allocate ", nbytes,
+                         " bytes; device ", static_cast<int>(d), " has a total capacity of ", capacity(),
+                         " bytes, of which ", h.stats.allocated_bytes[kAgg].current,
+                         " are allocated by PyTorch and ", h.stats.reserved_bytes[kAgg].current, " reserved");
+      }
+      ptr = std::aligned_alloc(kDeviceRound, size);
+      TORCH_CHECK(ptr != nullptr, "standin: host allocation of ", size, " bytes failed");
+      h.stats.reserved_bytes[kAgg].increase(size);
+      h.stats.segment[kAgg].increase(1);
+      h.stats.num_device_alloc += 1;
+    }
+    h.stats.allocated_bytes[kAgg].increase(size);
+    h.stats.requested_bytes[kAgg].increase(nbytes);
+    h.stats.allocation[kAgg].increase(1);
+    h.stats.active[kAgg].increase(1);
+    h.stats.active_bytes[kAgg].increase(size);
+    return {ptr, new DeviceBlock{d, ptr, size, nbytes}, &free_device_block, dev};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {
+    for (c10::DeviceIndex d = 0; d < device_count(); ++d) {
+      std::lock_guard<std::mutex> lock(heaps[d].mu);
+      release_cached(heaps[d]);
+    }
+  }
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex d) override {
+    check_index(d);
+    std::lock_guard<std::mutex> lock(heaps[d].mu);
+    return heaps[d].stats;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex d) override {
+    check_index(d);
+    std::lock_guard<std::mutex> lock(heaps[d].mu);
+    reset_stats(heaps[d].stats, false);
+  }
+  void resetPeakStats(c10::DeviceIndex d) override {
+    check_index(d);
+    std::lock_guard<std::mutex> lock(heaps[d].mu);
+    reset_stats(heaps[d].stats, true);
+  }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex d) override {
+    check_index(d);
+    std::lock_guard<std::mutex> lock(heaps[d].mu);
+    const size_t used = static_cast<size_t>(heaps[d].stats.reserved_bytes[kAgg].current);
+    return {capacity() - std::min(used, capacity()), capacity()};
+  }
+};
+
+StandinDeviceAllocator device_allocator;
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &device_allocator);
+
+// ---- pinned host memory: CUDA's caching host allocator, in miniature ---------------------------
+// Requests round up to a power of two and freed blocks are kept for reuse, so what pinned memory
+// really holds ("reserved") can reach twice what was asked; budgets must count that.
+struct HostBlock {
+  void* ptr;
+  size_t size;
+};
+
+struct StandinHostAllocator final : at::HostAllocator {
+  std::mutex mu;
+  std::map<uintptr_t, size_t> blocks;       // every block this allocator owns, by address
+  std::multimap<size_t, void*> cached;      // free blocks by size
+  int64_t allocated = 0, allocated_peak = 0, reserved = 0, reserved_peak = 0, requested = 0;
+
+  static size_t round(size_t n) {
+    size_t p = 4096;
+    while (p < n) p <<= 1;
+    return p;
+  }
+
+  at::DataPtr allocate(size_t nbytes) override {
+    const c10::Device cpu(c10::DeviceType::CPU);
+    if (nbytes == 0) return {nullptr, nullptr, &c10::detail::deleteNothing, cpu};
+    const size_t size = round(nbytes);
+    std::lock_guard<std::mutex> lock(mu);
+    void* ptr = nullptr;
+    auto it = cached.find(size);
+    if (it != cached.end()) {
+      ptr = it->second;
+      cached.erase(it);
+    } else {
+      ptr = std::aligned_alloc(4096, size);
+      TORCH_CHECK(ptr != nullptr, "standin: pinned allocation of ", size, " bytes failed");
+      blocks[reinterpret_cast<uintptr_t>(ptr)] = size;
+      reserved += static_cast<int64_t>(size);
+      reserved_peak = std::max(reserved_peak, reserved);
+    }
+    allocated += static_cast<int64_t>(size);
+    requested += static_cast<int64_t>(nbytes);
+    allocated_peak = std::max(allocated_peak, allocated);
+    return {ptr, new HostBlock{ptr, nbytes}, &free_host_block, cpu};
+  }
+
+  static void free_host_block(void* ctx);
+
+  void release(HostBlock* b) {
+    std::lock_guard<std::mutex> lock(mu);
+    const size_t size = blocks.at(reinterpret_cast<uintptr_t>(b->ptr));
+    allocated -= static_cast<int64_t>(size);
+    requested -= static_cast<int64_t>(b->size);
+    cached.emplace(size, b->ptr);
+  }
+
+  bool owns(const void* p) {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    auto it = blocks.upper_bound(a);
+    if (it == blocks.begin()) return false;
+    --it;
+    return a < it->first + it->second;
+  }
+
+  at::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  bool record_event(void*, void*, c10::Stream) override { return true; }
+  void empty_cache() override {
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto& [size, ptr] : cached) {
+      blocks.erase(reinterpret_cast<uintptr_t>(ptr));
+      std::free(ptr);
+      reserved -= static_cast<int64_t>(size);
+    }
+    cached.clear();
+  }
+  at::HostStats get_stats() override {
+    std::lock_guard<std::mutex> lock(mu);
+    at::HostStats s;
+    s.active_bytes.current = allocated;
+    s.active_bytes.peak = allocated_peak;
+    s.allocated_bytes.current = reserved;
+    s.allocated_bytes.peak = reserved_peak;
+    return s;
+  }
+  void reset_accumulated_stats() override {}
+  void reset_peak_stats() override {
+    std::lock_guard<std::mutex> lock(mu);
+    allocated_peak = allocated;
+    reserved_peak = reserved;
+  }
+};
+
+StandinHostAllocator host_allocator;
+REGISTER_HOST_ALLOCATOR(at::kPrivateUse1, &host_allocator);
+
+void StandinHostAllocator::free_host_block(void* ctx) {
+  auto* b = static_cast<HostBlock*>(ctx);
+  host_allocator.release(b);
+  delete b;
+}
+
+// ---- device guard: current device, streams and events -------------------------------------------
+// Every op runs on the host when it is called, so a stream is only an id and an event is complete
+// as soon as it is recorded; elapsed time is measured between records.
+thread_local c10::StreamId current_stream[kMaxDevices] = {};
+std::atomic<c10::StreamId> next_stream{1};
+
+struct Event {
+  std::chrono::steady_clock::time_point at;
+};
+
+struct StandinGuardImpl final : c10::impl::DeviceGuardImplInterface {
+  static constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+  c10::DeviceType type() const override { return kType; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    const c10::Device old = getDevice();
+    setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override { return {kType, current_device}; }
+  void setDevice(c10::Device d) const override {
+    TORCH_CHECK(d.type() == kType, "standin guard given a ", d, " device");
+    if (d.has_index()) {
+      check_index(d.index());
+      current_device = d.index();
+    }
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.has_index()) current_device = d.index();
+  }
+  c10::Stream getStream(c10::Device d) const override {
+    const auto i = d.has_index() ? d.index() : current_device;
+    return c10::Stream(c10::Stream::UNSAFE, {kType, i}, current_stream[i]);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::UNSAFE, {kType, d.has_index() ? d.index() : current_device}, 0);
+  }
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    return c10::Stream(c10::Stream::UNSAFE, {kType, d.has_index() ? d.index() : current_device},
+                       next_stream.fetch_add(1));
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool high) const override {
+    return getNewStream(d, high ? -1 : 0);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    const auto i = s.device_index();
+    check_index(i);
+    const c10::Stream old = getStream(s.device());
+    current_stream[i] = s.id();
+    return old;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override { return device_count(); }
+  void record(void** event, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {
+    if (*event == nullptr) *event = new Event{};
+    static_cast<Event*>(*event)->at = std::chrono::steady_clock::now();
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    delete static_cast<Event*>(event);
+  }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeEvent(void*) const override {}
+  void synchronizeDevice(const c10::DeviceIndex) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    TORCH_CHECK(start != nullptr && end != nullptr, "standin: both events must be recorded before elapsed_time");
+    const auto dt = static_cast<Event*>(end)->at - static_cast<Event*>(start)->at;
+    return std::chrono::duration<double, std::milli>(dt).count();
+  }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, StandinGuardImpl);
+
+// ---- hooks: what torch asks of an accelerator ----------------------------------------------------
+struct StandinHooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  void init() const override {}
+  c10::DeviceIndex deviceCount() const override { return device_count(); }
+  void setCurrentDevice(c10::DeviceIndex d) const override {
+    check_index(d);
+    current_device = d;
+  }
+  c10::DeviceIndex getCurrentDevice() const override { return current_device; }
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex d) const override {
+    const auto old = current_device;
+    setCurrentDevice(d);
+    return old;
+  }
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override { return exchangeDevice(d); }
+  bool isPinnedPtr(const void* p) const override { return host_allocator.owns(p); }
+  at::Allocator* getPinnedMemoryAllocator() const override { return &host_allocator; }
+  // Random numbers come from the CPU generator: the stand-in draws what the CPU draws, so a run on it
+  // matches the CPU run, dropout included.
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override {
+    return at::detail::getDefaultCPUGenerator();
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex) const override { return at::detail::createCPUGenerator(); }
+  at::Device getDeviceFromPtr(void*) const override { return {c10::DeviceType::PrivateUse1, current_device}; }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
+  }
+};
+
+struct RegisterHooks {
+  RegisterHooks() { at::RegisterPrivateUse1HooksInterface(new StandinHooks()); }
+};
+RegisterHooks register_hooks;
+
+// ---- kernels that define memory -------------------------------------------------------------------
+constexpr c10::DispatchKeySet kKeys(c10::DispatchKey::PrivateUse1);
+
+c10::Device target(std::optional<c10::Device> d) {
+  c10::Device dev = d.value_or(c10::Device(c10::DeviceType::PrivateUse1, current_device));
+  TORCH_CHECK(dev.is_privateuseone(), "standin kernel asked for a ", dev, " tensor");
+  if (!dev.has_index()) dev = c10::Device(c10::DeviceType::PrivateUse1, current_device);
+  return dev;
+}
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout> layout, std::optional<c10::Device> device,
+                               std::optional<bool> pin_memory, std::optional<c10::MemoryFormat> fmt) {
+  TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided, "standin tensors are strided only");
+  TORCH_CHECK(!c10::pinned_memory_or_default(pin_memory), "only CPU tensors can be pinned");
+  const c10::DeviceGuard guard(target(device));
+  return at::detail::empty_generic(size, &device_allocator, kKeys, c10::dtype_or_default(dtype), fmt);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<c10::ScalarType> dtype,
+                         std::optional<c10::Layout> layout, std::optional<c10::Device> device,
+                         std::optional<bool> pin_memory) {
+  TORCH_CHECK(c10::layout_or_default(layout) == c10::Layout::Strided, "standin tensors are strided only");
+  TORCH_CHECK(!c10::pinned_memory_or_default(pin_memory), "only CPU tensors can be pinned");
+  const c10::DeviceGuard guard(target(device));
+  return at::detail::empty_strided_generic(size, stride, &device_allocator, kKeys, c10::dtype_or_default(dtype));
+}
+
+at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
+                      std::optional<int64_t> offset) {
+  return at::native::as_strided_tensorimpl(self, size, stride, offset);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size, std::optional<at::MemoryFormat> fmt) {
+  const c10::DeviceGuard guard(self.device());
+  return at::native::resize_(self, size, fmt);
+}
+
+at::Tensor reshape_alias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
+  return at::native::_reshape_alias(self, size, stride);
+}
+
+at::Tensor view(const at::Tensor& self, c10::IntArrayRef size) { return at::native::view(self, size); }
+
+// A CPU tensor over the same host bytes as `t` (a device tensor): no copy, so a kernel writing it writes
+// the device tensor. Its storage does not own the bytes and may be resized by an out= kernel, which then
+// moves it to new CPU memory; the fallback sees that and moves the result back (`write_back`).
+at::Tensor cpu_alias(const at::Tensor& t) {
+  const c10::Storage& st = t.storage();
+  void* base = st.mutable_data();
+  c10::DataPtr ptr(base, base, &c10::detail::deleteNothing, c10::Device(c10::DeviceType::CPU));
+  auto impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), st.nbytes(),
+                                                    std::move(ptr), c10::GetCPUAllocator(), /*resizable=*/true);
+  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(impl)),
+                                                            c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  if (t.is_conj()) out._set_conj(true);
+  if (t.is_neg()) out._set_neg(true);
+  return out;
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  // Host memory on both sides: a device tensor is copied through its CPU alias.
+  at::Tensor src = self.is_privateuseone() ? cpu_alias(self) : self;
+  at::Tensor out = dst.is_privateuseone() ? cpu_alias(dst) : dst;
+  TORCH_CHECK(src.is_cpu() && out.is_cpu(), "standin copy between ", self.device(), " and ", dst.device());
+  at::native::copy_(out, src, non_blocking);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  at::native::resize_(dst, self.sizes(), std::nullopt);
+  return copy_from(self, dst, false);
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) { return at::native::_local_scalar_dense_cpu(cpu_alias(self)); }
+
+at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) { return at::native::set_tensor_(self, source); }
+at::Tensor& set_storage(at::Tensor& self, at::Storage source) { return at::native::set_(self, source); }
+at::Tensor& set_storage_offset(at::Tensor& self, at::Storage source, int64_t offset, c10::IntArrayRef size,
+                               c10::IntArrayRef stride) {
+  return at::cpu::set_(self, source, offset, size, stride);
+}
+
+void record_stream(at::Tensor&, c10::Stream) {}
+
+// ---- every other op: device checks, then the CPU kernel on aliases ---------------------------------
+bool allows_cpu_indices(const c10::OperatorName& op) {
+  // CUDA takes CPU index tensors for advanced indexing (x_cuda[idx_cpu]).
+  return op.name == "aten::index" || op.name == "aten::index_put_" || op.name == "aten::_index_put_impl_" ||
+         op.name == "aten::index_put";
+}
+
+struct DeviceCheck {
+  const c10::FunctionSchema& schema;
+  std::optional<c10::Device> device;  // the device tensors' device
+  void see(const at::Tensor& t, const c10::Argument& arg) {
+    if (!t.defined() || !t.is_privateuseone()) return;
+    if (!device) {
+      device = t.device();
+    } else if (*device != t.device()) {
+      fail(arg, t.device());
+    }
+  }
+  [[noreturn]] void fail(const c10::Argument& arg, c10::Device other) const {
+    TORCH_CHECK(false, "Expected all tensors to be on the same device, but got ", arg.name(), " is on ", other,
+                ", different from other tensors on ", *device, " (when checking argument in method ",
+                schema.operator_name(), ")");
+    std::abort();
+  }
+  void check_cpu(const at::Tensor& t, const c10::Argument& arg) const {
+    if (t.defined() && t.is_cpu() && t.dim() > 0 && device) fail(arg, t.device());
+  }
+};
+
+at::Tensor to_device(const at::Tensor& cpu, c10::Device device) {
+  const c10::DeviceGuard guard(device);
+  at::Tensor out = at::detail::empty_strided_generic(cpu.sizes(), cpu.strides(), &device_allocator, kKeys,
+                                                     cpu.scalar_type());
+  copy_from(cpu, out, false);
+  return out;
+}
+
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  const size_t n = args.size();
+  const size_t begin = stack->size() - n;
+  DeviceCheck check{schema, std::nullopt};
+
+  // 1. Which device, and is anything on another one?
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = (*stack)[begin + i];
+    if (v.isTensor()) {
+      check.see(v.toTensor(), args[i]);
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) check.see(t, args[i]);
+    } else if (v.isOptionalTensorList()) {
+      for (const auto& t : v.toOptionalTensorVector()) if (t) check.see(*t, args[i]);
+    } else if (v.isDevice() && v.toDevice().is_privateuseone() && !check.device) {
+      check.device = target(v.toDevice());
+    }
+  }
+  const bool cpu_indices = allows_cpu_indices(schema.operator_name());
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = (*stack)[begin + i];
+    if (v.isTensor()) {
+      check.check_cpu(v.toTensor(), args[i]);
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) check.check_cpu(t, args[i]);
+    } else if (v.isOptionalTensorList() && !cpu_indices) {
+      for (const auto& t : v.toOptionalTensorVector()) if (t) check.check_cpu(*t, args[i]);
+    }
+  }
+  TORCH_CHECK(check.device.has_value(), "standin fallback for ", schema.operator_name(), " found no standin tensor");
+  const c10::DeviceGuard guard(*check.device);
+
+  // 2. Device tensors become CPU aliases of the same bytes; a device argument becomes the CPU.
+  std::vector<std::pair<at::Tensor, at::Tensor>> written;  // (device tensor, its alias) of mutable arguments
+  std::vector<at::Tensor> aliases;
+  auto alias = [&](const at::Tensor& t, const c10::Argument& arg) -> at::Tensor {
+    if (!t.defined() || !t.is_privateuseone()) return t;
+    at::Tensor a = cpu_alias(t);
+    aliases.push_back(a);
+    if (arg.alias_info() != nullptr && arg.alias_info()->isWrite()) written.emplace_back(t, a);
+    return a;
+  };
+  std::vector<at::Tensor> originals(n);
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& v = (*stack)[begin + i];
+    if (v.isTensor()) {
+      originals[i] = v.toTensor();
+      v = alias(originals[i], args[i]);
+    } else if (v.isTensorList()) {
+      std::vector<at::Tensor> ts;
+      for (const at::Tensor& t : v.toTensorVector()) ts.push_back(alias(t, args[i]));
+      v = c10::IValue(c10::List<at::Tensor>(ts));
+    } else if (v.isOptionalTensorList()) {
+      c10::List<std::optional<at::Tensor>> ts;
+      for (const auto& t : v.toOptionalTensorVector()) ts.push_back(t ? std::optional<at::Tensor>(alias(*t, args[i])) : t);
+      v = c10::IValue(ts);
+    } else if (v.isDevice() && v.toDevice().is_privateuseone()) {
+      v = c10::IValue(c10::Device(c10::DeviceType::CPU));
+    }
+  }
+
+  // 3. The CPU kernel.
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+
+  // 4. A mutable argument the kernel resized (moved to new CPU memory, or re-shaped) takes the new shape
+  //    and bytes on the device.
+  for (auto& [dev, a] : written) {
+    const bool moved = a.storage().data() != dev.storage().data();
+    const bool reshaped = a.sizes() != dev.sizes() || a.strides() != dev.strides() ||
+                          a.storage_offset() != dev.storage_offset();
+    if (!moved && !reshaped) continue;
+    auto* impl = dev.unsafeGetTensorImpl();
+    if (moved) {
+      c10::Storage st(c10::Storage::use_byte_size_t(), a.storage().nbytes(), &device_allocator, true);
+      std::memcpy(st.mutable_data(), a.storage().data(), a.storage().nbytes());
+      impl->set_storage_keep_dtype(st);
+    }
+    impl->set_sizes_and_strides(a.sizes(), a.strides(), a.storage_offset());
+  }
+
+  // 5. Results: a mutable alias is the device argument itself; a fresh CPU tensor moves to the device.
+  const auto& rets = schema.returns();
+  const size_t r_begin = stack->size() - rets.size();
+  auto give = [&](const at::Tensor& t) -> at::Tensor {
+    if (!t.defined() || !t.is_cpu()) return t;
+    for (const auto& [dev, a] : written) {
+      if (t.unsafeGetTensorImpl() == a.unsafeGetTensorImpl()) return dev;
+    }
+    for (size_t i = 0; i < aliases.size(); ++i) {
+      // A result viewing an argument's bytes (an op returning its input): the same view on the device.
+      if (t.storage().data() == aliases[i].storage().data() && t.storage().data() != nullptr) {
+        for (const at::Tensor& o : originals) {
+          if (o.defined() && o.is_privateuseone() && o.storage().data() == t.storage().data()) {
+            return at::native::as_strided_tensorimpl(o, t.sizes(), t.strides(), t.storage_offset());
+          }
+        }
+      }
+    }
+    return to_device(t, *check.device);
+  };
+  for (size_t i = 0; i < rets.size(); ++i) {
+    c10::IValue& v = (*stack)[r_begin + i];
+    if (v.isTensor()) {
+      v = c10::IValue(give(v.toTensor()));
+    } else if (v.isTensorList()) {
+      std::vector<at::Tensor> ts;
+      for (const at::Tensor& t : v.toTensorVector()) ts.push_back(give(t));
+      v = c10::IValue(c10::List<at::Tensor>(ts));
+    }
+  }
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", TORCH_FN(empty_memory_format));
+  m.impl("empty_strided", TORCH_FN(empty_strided));
+  m.impl("as_strided", TORCH_FN(as_strided));
+  m.impl("resize_", TORCH_FN(resize_));
+  m.impl("_reshape_alias", TORCH_FN(reshape_alias));
+  m.impl("view", TORCH_FN(view));
+  m.impl("_copy_from", TORCH_FN(copy_from));
+  m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
+  m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+  m.impl("set_.source_Tensor", TORCH_FN(set_tensor));
+  m.impl("set_.source_Storage", TORCH_FN(set_storage));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage_offset));
+  m.impl("record_stream", TORCH_FN(record_stream));
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }
+
+}  // namespace capstan_standin
+
+// ---- a flat C ABI for what Python reads without going through torch ------------------------------
+extern "C" {
+
+__attribute__((visibility("default"))) int capstan_standin_abi_version() { return 1; }
+
+__attribute__((visibility("default"))) int capstan_standin_device_count() {
+  return capstan_standin::device_count();
+}
+
+// out: allocated current, allocated peak, reserved current, reserved peak, allocations, OOMs
+__attribute__((visibility("default"))) int capstan_standin_device_stats(int device, int64_t* out) {
+  using namespace capstan_standin;
+  if (device < 0 || device >= device_count() || out == nullptr) return 1;
+  std::lock_guard<std::mutex> lock(heaps[device].mu);
+  const auto& s = heaps[device].stats;
+  out[0] = s.allocated_bytes[kAgg].current;
+  out[1] = s.allocated_bytes[kAgg].peak;
+  out[2] = s.reserved_bytes[kAgg].current;
+  out[3] = s.reserved_bytes[kAgg].peak;
+  out[4] = s.allocation[kAgg].allocated;
+  out[5] = s.num_ooms;
+  return 0;
+}
+
+// out: pinned bytes in use (rounded), their peak, reserved (in use + cached), its peak, requested
+__attribute__((visibility("default"))) int capstan_standin_host_stats(int64_t* out) {
+  using namespace capstan_standin;
+  if (out == nullptr) return 1;
+  std::lock_guard<std::mutex> lock(host_allocator.mu);
+  out[0] = host_allocator.allocated;
+  out[1] = host_allocator.allocated_peak;
+  out[2] = host_allocator.reserved;
+  out[3] = host_allocator.reserved_peak;
+  out[4] = host_allocator.requested;
+  return 0;
+}
+
+__attribute__((visibility("default"))) void capstan_standin_empty_host_cache() {
+  capstan_standin::host_allocator.empty_cache();
+}
+
+}  // extern "C"
