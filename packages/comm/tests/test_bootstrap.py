@@ -141,6 +141,39 @@ def test_nccl_runs_with_async_error_handling_not_blocking_wait(monkeypatch) -> N
     assert mine == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
+def _init_with_a_local_transport(local: dict[int, str]) -> str:
+    """comm.init where this rank, deciding alone, would use `local[rank]` for CUDA tensors."""
+    from capstan import comm
+    from capstan.comm import bootstrap
+
+    mine = local[int(os.environ["RANK"])]
+    bootstrap.transport = lambda *args: mine  # what device.transport would say on this rank
+    comm.init(timeout=30)
+    t = torch.ones(1)
+    comm.all_reduce(t)  # the process group works on every rank
+    return comm.transport()
+
+
+def test_ranks_agree_on_how_cuda_tensors_travel() -> None:
+    """One rank that cannot use NCCL (its local ranks share a GPU, say) makes every rank stage CUDA
+    tensors through host memory: a rank in NCCL could never meet a rank staging through gloo.
+    (On the CPU a rank left at "nccl" would also fail creating its NCCL process group.)"""
+    got = run_ranks(_init_with_a_local_transport, 3, {0: "nccl", 1: "nccl", 2: "host"}, init=False)
+    assert got == ["host", "host", "host"]
+    got = run_ranks(_init_with_a_local_transport, 2, {0: "host", 1: "host"}, init=False)
+    assert got == ["host", "host"]
+
+
+def test_the_agreed_transport() -> None:
+    from capstan.comm.bootstrap import agreed_transport
+
+    assert agreed_transport("nccl", ["nccl", "nccl"]) == "nccl"
+    assert agreed_transport("nccl", ["nccl", "host"]) == "host"
+    assert agreed_transport("nccl", ["cpu", "nccl"]) == "host"  # a CPU rank's tensors go through gloo
+    assert agreed_transport("host", ["nccl", "host"]) == "host"
+    assert agreed_transport("cpu", ["nccl", "cpu"]) == "cpu"
+
+
 def _log_line() -> str:
     import io
     import logging

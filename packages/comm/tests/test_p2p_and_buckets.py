@@ -118,3 +118,38 @@ def test_flatten_round_trip() -> None:
     out = [torch.empty(2, 3), torch.empty(4)]
     unflatten(flat * 2, out)
     assert out[0].tolist() == [[0, 2, 4], [6, 8, 10]] and out[1].tolist() == [0, 2, 4, 6]
+
+
+def _warmed_groups() -> tuple[list[tuple[str, bool]], list[float]]:
+    from capstan import comm
+    from capstan.comm import bootstrap, groups
+
+    warmed: list[tuple[str, bool]] = []
+    real = groups.warm_up
+
+    def spy(group: comm.Group) -> None:
+        warmed.append((group.name, group.pg is not None))
+        real(group)
+
+    groups.warm_up = bootstrap.warm_up = spy
+    comm.init(timeout=30)
+    g = comm.build_groups(comm.Topology(pp=3))
+    # the first point-to-point on the pipeline group involves two of its three stages only
+    got = torch.zeros(2)
+    if g.pp.rank == 0:
+        comm.exchange([comm.P2POp("send", torch.tensor([1.0, 2.0]), 1)], group=g.pp).wait()
+    elif g.pp.rank == 1:
+        comm.exchange([comm.P2POp("recv", got, 0)], group=g.pp).wait()
+    comm.barrier()
+    return warmed, got.tolist()
+
+
+def test_every_group_starts_with_a_collective_all_its_members_join() -> None:
+    """NCCL's batch_isend_irecv as a group's first operation needs every member (a pipeline of 3
+    stages whose first exchange is between stages 0 and 1 would hang): the world and each
+    multi-rank group get a warm-up all-reduce when created (on gloo it is harmless, and checked here)."""
+    results = run_ranks(_warmed_groups, 3, init=False)
+    for r, (warmed, got) in enumerate(results):
+        assert ("world", True) in warmed and ("pp", True) in warmed, warmed
+        assert [name for name, real in warmed if real] == ["world", "pp"], warmed  # dp, cp, tp: groups of one
+        assert got == ([1.0, 2.0] if r == 1 else [0.0, 0.0])

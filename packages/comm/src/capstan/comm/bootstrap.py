@@ -30,7 +30,7 @@ import torch.distributed as dist
 from . import mpi_backend, state
 from .device import pick_device, transport
 from .errors import DirLiveness, Liveness, StoreLiveness
-from .groups import Group
+from .groups import Group, warm_up
 from .launch_env import LaunchError, LaunchInfo, detect_launch
 from .log import get_logger, set_rank_context
 
@@ -65,8 +65,9 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
         one ("mpi" reroutes only capstan's own CPU collectives through mpi4py;
         torch.distributed still gets a gloo group). "nccl" needs a GPU per
         local rank. CUDA tensors go through NCCL where every local rank has a
-        GPU of its own and backend is not "gloo"/"mpi", else staged through
-        host memory (device.py).
+        GPU of its own and backend is not "gloo"/"mpi" on every rank of the job
+        (agreed at start-up: `agree_transport`), else staged through host
+        memory on every rank (device.py).
     timeout: seconds (or a timedelta) after which a collective or the
         rendezvous fails with an error instead of waiting for a dead peer;
         None: ``CAPSTAN_COMM_TIMEOUT`` seconds if set, else 300.
@@ -106,14 +107,21 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
                          f"but {torch.cuda.device_count()} GPU(s) visible")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if how == "nccl":
-        nccl_environment()
-    # One process group per device type: CPU tensors keep gloo (or MPI) beside NCCL.
-    torch_backend = "cpu:gloo,cuda:nccl" if how == "nccl" else "gloo"
 
     mpi_comm = _mpi_world(info, required=backend == "mpi")
     with _InitWatchdog(info, td):
         store, liveness = _rendezvous(info, td, mpi_comm)
+        mine, how = how, agree_transport(how, store, info, td)
+        if backend == "nccl" and how != "nccl":
+            raise ValueError("comm backend 'nccl' needs a GPU per local rank on every rank; another rank cannot "
+                             "use NCCL (its local ranks share a GPU, or it asked for a CPU backend)")
+        if how != mine:
+            log.warning("this rank could use NCCL but another cannot (its local ranks share a GPU, or it asked "
+                        "for a CPU backend): CUDA tensors go through host memory on every rank")
+        if how == "nccl":
+            nccl_environment()
+        # One process group per device type: CPU tensors keep gloo (or MPI) beside NCCL.
+        torch_backend = "cpu:gloo,cuda:nccl" if how == "nccl" else "gloo"
         dist.init_process_group(torch_backend, store=store, rank=info.rank, world_size=info.world_size, timeout=td)
     if backend in (None, "nccl"):
         use_mpi = mpi_comm is not None and CPU_DEFAULT_BACKEND == "mpi" and info.world_size > 1
@@ -129,12 +137,40 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
         liveness.start()
     state.set_state(info, world, backend, td, liveness, dev, how)
     set_rank_context(info.rank)
+    warm_up(world)  # the world's first NCCL operation is one all ranks join (groups.warm_up)
     # A process group left alive at interpreter exit can abort the process in torch's teardown
     # ("terminate called without an active exception", seen 1 in 8 under torchrun): tear down first.
     atexit.register(shutdown)
     log.debug("initialized: %s, %s, backend %s, device %s (CUDA tensors: %s)", info.describe("rank"),
               info.describe("world_size"), backend, dev, how)
     return world
+
+
+def agree_transport(mine: str, store: object, info: LaunchInfo, td: timedelta) -> str:
+    """The transport of CUDA tensors every rank uses: `agreed_transport` over every rank's own choice.
+
+    Each rank decides alone what it could use (`device.transport`: its local GPU count, the backend
+    it was asked for), and those can differ: nodes with different GPU counts, a backend set in one
+    rank's environment. A rank staging through host memory cannot meet a peer in NCCL, so the choice
+    is agreed before the process group exists (it decides the process group's backends): through
+    the rendezvous store, the one channel every rank already shares then. Keys carry torchrun's
+    restart count, as torch's own do, since its agent store outlives a restart.
+    """
+    if info.world_size == 1:
+        return mine
+    prefix = f"capstan/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/transport/"
+    store.set(prefix + str(info.rank), mine)  # type: ignore[attr-defined]
+    keys = [prefix + str(r) for r in range(info.world_size)]
+    store.wait(keys, td)  # type: ignore[attr-defined]
+    return agreed_transport(mine, [store.get(k).decode() for k in keys])  # type: ignore[attr-defined]
+
+
+def agreed_transport(mine: str, every: list[str]) -> str:
+    """NCCL only if every rank can use it, else "host" (staged) for a rank that could: if any rank
+    stages, all stage. "host" and "cpu" (no GPU in use) stand as they are."""
+    if mine == "nccl" and any(t != "nccl" for t in every):
+        return "host"
+    return mine
 
 
 # torch's ProcessGroupNCCL reads these when the NCCL process group is created (TORCH_NCCL_* and their

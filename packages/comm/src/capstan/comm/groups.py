@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from . import state
 from .log import set_rank_context
 from .topology import AXES, Topology
 
-__all__ = ["Group", "Groups", "build_groups", "single_process_groups"]
+__all__ = ["Group", "Groups", "build_groups", "single_process_groups", "warm_up"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,4 +120,25 @@ def _new_group(name: str, all_groups: list[list[int]], me: int, world: Group) ->
     if state.backend() == "mpi" and world.mpi_comm is not None:
         mpi_comm = world.mpi_comm.Split(color=color, key=me)  # type: ignore[attr-defined]
     members = all_groups[color]
-    return Group(name=name, ranks=tuple(members), rank=members.index(me), pg=pgs[color], mpi_comm=mpi_comm)
+    group = Group(name=name, ranks=tuple(members), rank=members.index(me), pg=pgs[color], mpi_comm=mpi_comm)
+    warm_up(group)
+    return group
+
+
+def warm_up(group: Group) -> None:
+    """One collective that every member of `group` joins, issued as soon as the group exists.
+
+    NCCL builds a group's communicator at the group's first operation, and when that first
+    operation is a `batch_isend_irecv`, every rank of the group must take part in it (torch's
+    documentation of `batch_isend_irecv`; after one collective, batched point-to-point between
+    any subset is allowed). A pipeline's first exchange involves two neighbouring stages only, so
+    with 3 or more stages it would hang there; a 1-element all-reduce here makes the first NCCL
+    operation on every group one that all its members join, in the same order on every rank
+    (each rank warms its own group of an axis right after the axis's groups are created). With
+    CUDA tensors staged through host memory, or on the CPU, the group's tensors go through gloo:
+    the same all-reduce on a CPU tensor, harmless, and what the CPU suite checks is issued.
+    """
+    if group.pg is None:
+        return
+    nccl = state.transport() == "nccl"
+    dist.all_reduce(torch.zeros(1, device=state.device() if nccl else "cpu"), group=group.pg)

@@ -150,8 +150,14 @@ def _exchange(ops: list[P2POp], g: Group, peers: list[int]) -> P2PHandle:
     torch_ops = [dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, peer, group=g.pg)
                  for op, peer in zip(ops, peers)]
     with guard("exchange", g):
-        if len(torch_ops) == 1:  # a lone message needs no coalescing
+        if len(torch_ops) == 1 and ops[0].tensor.is_cpu:  # a lone message needs no coalescing (gloo)
             works = [torch_ops[0].op(torch_ops[0].tensor, peers[0], group=g.pg)]
         else:
+            # NCCL (a device tensor here is one NCCL carries: staged ones went through host memory
+            # above): every message, a lone one too, through batch_isend_irecv. A lone isend/irecv
+            # makes NCCL build a separate communicator for each pair of ranks at its first use,
+            # while batched ones use the group's own communicator; one path keeps one communicator
+            # per group, the one `groups.warm_up` built with every member at the group's creation,
+            # after which torch documents batches between any subset of the group as allowed.
             works = dist.batch_isend_irecv(torch_ops)
     return P2PHandle(works, what, g, sorted(set(peers)))
