@@ -59,6 +59,8 @@ def _battery() -> dict:
     got = torch.nn.functional.gelu(dlin(a.to("standin"))).sum()
     got.backward()
     out["forward_equal"] = bool(torch.equal(got.cpu(), ref.detach()))
+    ln = torch.nn.LayerNorm(8)  # an op with a generic kernel beside the CPU's: the stand-in takes the CPU's
+    out["layer_norm_equal"] = bool(torch.equal(ln(a), torch.nn.LayerNorm(8).to("standin")(a.to("standin")).cpu()))
     out["grad_equal"] = bool(torch.equal(dlin.weight.grad.cpu(), ref_grad))
     out["grad_device"] = str(dlin.weight.grad.device)
     torch.manual_seed(7)
@@ -141,6 +143,7 @@ def test_mixing_with_cpu_raises_as_cuda_does(battery):
 
 def test_computes_the_cpu_values_bit_for_bit(battery):
     assert battery["forward_equal"] and battery["grad_equal"] and battery["random_equal"]
+    assert battery["layer_norm_equal"]
     assert battery["grad_device"] == "standin:0"
     assert battery["inplace"] == [2.0, 2.0, 2.0]
     assert battery["resized_out"] == ([3.0] * 5, "standin:0")

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NAME", "load", "loaded", "available", "device_stats", "host_stats", "empty_host_cache",
+__all__ = ["NAME", "load", "loaded", "available", "param", "device_stats", "host_stats", "empty_host_cache",
            "StandinUnavailable"]
 
 NAME = "standin"
@@ -130,6 +130,15 @@ def load() -> str:
         torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
     _lib = lib
     return NAME
+
+
+def param():
+    """A pytest parameter "standin" for tests parametrized over devices, skipped (with the reason) where the
+    stand-in cannot be built; load it in the test (or a conftest fixture) with `load()`."""
+    import pytest
+
+    return pytest.param(NAME, id=NAME, marks=pytest.mark.skipif(
+        not available(), reason="the stand-in device needs torch's C++ headers, which this torch lacks"))
 
 
 def _device_count() -> int:

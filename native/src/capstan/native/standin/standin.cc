@@ -514,6 +514,15 @@ at::Tensor& set_storage_offset(at::Tensor& self, at::Storage source, int64_t off
 
 void record_stream(at::Tensor&, c10::Stream) {}
 
+// `param.data = t` between a CPU and a device tensor is allowed for CUDA (both "dense" backends); torch's
+// list of dense backends leaves PrivateUse1 out, so say the same here for CPU and stand-in tensors.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) {
+    return t.layout() == c10::Layout::Strided && (t.is_cpu() || t.is_privateuseone());
+  };
+  return dense(self) && dense(from);
+}
+
 // ---- every other op: device checks, then the CPU kernel on aliases ---------------------------------
 bool allows_cpu_indices(const c10::OperatorName& op) {
   // CUDA takes CPU index tensors for advanced indexing (x_cuda[idx_cpu]).
@@ -679,6 +688,16 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage", TORCH_FN(set_storage));
   m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage_offset));
   m.impl("record_stream", TORCH_FN(record_stream));
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
+}
+
+// Ops with a generic (CompositeExplicitAutograd) kernel beside the CPU one would take the generic kernel here
+// and round differently from the CPU; sent to the fallback they run the CPU kernel, so a run on the stand-in
+// is the CPU run bit for bit.
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  for (const char* op : {"native_layer_norm", "native_layer_norm_backward"}) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  }
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from capstan.comm.device import indexed
+
 from .nonmodel import check_memory_limit, nonmodel_ahead
 from .states import ChunkKind
 from .tiers import BudgetError, Tier
@@ -60,7 +62,7 @@ def device_tier(device: torch.device | str | None, budget: int | None) -> tuple[
         if budget is not None:
             raise ValueError(f"a device budget ({budget} bytes) needs a device")
         return None, None
-    dev = torch.device(device)
+    dev = indexed(device)  # buffers report "cuda:0": the tier's device must compare equal to them
     if budget is not None and budget <= 0:
         raise ValueError(f"device budget must be positive, got {budget}")
     return dev, Tier("device" if dev.type == "cpu" else dev.type, budget)

@@ -21,15 +21,54 @@ communicated:
   one GPU.
 
 A CPU device needs neither ("cpu").
+
+Device code elsewhere is written once against torch's device-generic API
+(`torch.Stream`, `torch.Event`, the device module's memory statistics) through
+the helpers below (`is_accelerator`, `indexed`, `device_module`,
+`current_stream`), so the same lines run on CUDA and on the CPU suite's
+stand-in accelerator (`capstan.native.standin`, device type "standin", which
+is not the CPU: a tensor left on the CPU fails there as on a GPU). "standin" is
+accepted as a device kind where that stand-in is loaded; "auto" never picks it.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["pick_device", "transport", "DEVICE_KINDS", "DeviceError", "cuda_report"]
+__all__ = ["pick_device", "transport", "DEVICE_KINDS", "DeviceError", "cuda_report", "is_accelerator", "indexed",
+           "device_module", "current_stream", "STANDIN"]
 
-DEVICE_KINDS = ("auto", "cpu", "cuda")
+STANDIN = "standin"  # the CPU suite's stand-in accelerator (capstan.native.standin)
+DEVICE_KINDS = ("auto", "cpu", "cuda", STANDIN)
+
+
+def is_accelerator(device: torch.device | str | None) -> bool:
+    """Whether tensors on `device` live apart from the CPU's (a GPU, or the stand-in)."""
+    return device is not None and torch.device(device).type not in ("cpu", "meta")
+
+
+def indexed(device: torch.device | str) -> torch.device:
+    """`device` with its index: ``torch.device("cuda") != torch.device("cuda:0")``, while every tensor
+    reports the indexed form, so a device kept for comparisons must carry the index."""
+    dev = torch.device(device)
+    if dev.index is not None or not is_accelerator(dev):
+        return dev
+    return torch.device(dev.type, device_module(dev).current_device())
+
+
+def device_module(device: torch.device | str):
+    """``torch.cuda`` for CUDA, ``torch.standin`` for the stand-in: memory statistics, RNG, streams."""
+    return torch.get_device_module(torch.device(device).type)
+
+
+def current_stream(device: torch.device | str) -> torch.Stream:
+    """The stream kernels on `device` are issued to now."""
+    dev = indexed(device)
+    return device_module(dev).current_stream(dev)
+
+
+def _standin_loaded() -> bool:
+    return torch._C._get_privateuse1_backend_name() == STANDIN
 
 
 class DeviceError(ValueError):
@@ -44,6 +83,11 @@ def pick_device(kind: str | torch.device = "auto", local_rank: int = 0) -> torch
         raise DeviceError(f"device {kind!r} is not one of {', '.join(map(repr, DEVICE_KINDS))}")
     if kind == "cpu":
         return torch.device("cpu")
+    if kind == STANDIN:
+        if not _standin_loaded():
+            raise DeviceError(f"device \"{STANDIN}\" (the CPU suite's stand-in accelerator) asked for, but "
+                              "capstan.native.standin is not loaded in this process")
+        return torch.device(STANDIN, local_rank % device_module(STANDIN).device_count())
     if not torch.cuda.is_available():
         if kind == "auto":
             return torch.device("cpu")
@@ -54,9 +98,12 @@ def pick_device(kind: str | torch.device = "auto", local_rank: int = 0) -> torch
 
 
 def transport(device: torch.device, local_world_size: int, backend: str | None = None) -> str:
-    """How CUDA tensors are communicated: "cpu" (no GPU in use), "nccl" or "host" (staged)."""
-    if device.type != "cuda":
+    """How device tensors are communicated: "cpu" (no accelerator in use), "nccl" or "host" (staged).
+    The stand-in has no collective library of its own: its tensors are always staged through RAM."""
+    if not is_accelerator(device):
         return "cpu"
+    if device.type != "cuda":
+        return "host"
     if backend in ("gloo", "mpi"):
         return "host"
     if local_world_size > torch.cuda.device_count():
