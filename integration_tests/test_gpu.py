@@ -113,12 +113,18 @@ def _shared_gpu_layouts() -> dict:
                                             audit=True)}
 
 
+# The ranks' own limit fits inside the test's, with room for the CPU reference before them (seconds)
+# and the harness's report after: a hang fails with every rank's traceback, not pytest's kill.
+RANKS_TIMEOUT_S = 300
+
+
 @requires_cuda()
+@pytest.mark.timeout(RANKS_TIMEOUT_S + 120)
 def test_two_ranks_sharing_the_gpu_match_the_cpu() -> None:
     if torch.cuda.device_count() > 1:
         pytest.skip("this test is about ranks sharing one GPU; this machine has several")
     ref = _trajectory(_cfg("cpu"))
-    results = run_ranks(_shared_gpu_layouts, 2, timeout=420)
+    results = run_ranks(_shared_gpu_layouts, 2, timeout=RANKS_TIMEOUT_S)
     for rank_result in results:
         for name, got in rank_result.items():
             assert got["device"] == "cuda:0", name
