@@ -67,7 +67,7 @@ def test_ram_buffers_are_kept_for_chunks_on_the_device(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefetch_to_the_device_runs_ahead_of_use(device: str) -> None:
-    want, _ = _train(ChunkManager(None, audit=True), 6, "cpu" if device == "cpu" else device)
+    want, _ = _train(ChunkManager(None, audit=True), 6, "cpu")  # the RAM-only reference, on the CPU
     manager = ChunkManager(None, audit=True, device=device, device_budget=3 * CHUNK * 4)
     got, _ = _train(manager, 6, device)
     c = manager.counters
