@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkKind, ChunkManager
-from capstan.comm.testing import cuda_param
+from capstan.comm.testing import BF16_VS_CPU, cpu_arithmetic, cuda_param
 
 CHUNK = 4096
 DEVICES = ["cpu", cuda_param()]  # "cpu": a stand-in device tier (separately counted buffers in RAM)
@@ -72,10 +72,10 @@ def test_prefetch_to_the_device_runs_ahead_of_use(device: str) -> None:
     got, _ = _train(manager, 6, device)
     c = manager.counters
     assert c["device_prefetches"] > 0 and c["device_prefetch_hits"] > 0, c
-    if device == "cpu":
+    if cpu_arithmetic(device):
         assert got == want  # the same arithmetic, moved around
-    else:
-        assert got == pytest.approx(want, rel=1e-3)  # GPU kernels (bf16)
+    else:  # a GPU's bf16 kernels round in other orders: the trajectory, not the bits (testing/devices.py)
+        assert got == pytest.approx(want, rel=BF16_VS_CPU), (got, want)
 
 
 def test_the_device_budget_follows_the_activations() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from capstan.chunkmem import ChunkAdam, ChunkedModel, ChunkKind, ChunkManager, DiskStore, DynamicLossScaler
-from capstan.comm.testing import cuda_param
+from capstan.comm.testing import BF16_VS_CPU, cpu_arithmetic, cuda_param, no_tf32
 
 CHUNK = 4096
 STEPS = 10
@@ -108,6 +108,14 @@ def test_chunks_that_stay_put_train_without_module_hooks_like_the_hooked_path(tm
 DEVICES = ["cpu", cuda_param()]  # "cpu": a stand-in device tier; "cuda" where there is a GPU
 
 
+@pytest.fixture(autouse=True)
+def _no_tf32_on_cuda(request: pytest.FixtureRequest):
+    """TF32 off while a test parametrized with device="cuda" runs: fp32 is compared with the CPU."""
+    callspec = getattr(request.node, "callspec", None)
+    with no_tf32(callspec.params.get("device") if callspec else None):
+        yield
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_bf16_chunks_through_a_device_tier_train_exactly_like_ram_only(tmp_path, device: str, accumulate: bool) -> None:
@@ -116,7 +124,11 @@ def test_bf16_chunks_through_a_device_tier_train_exactly_like_ram_only(tmp_path,
     ram, m1 = _chunked(tmp_path / "ram", 10 * CHUNK * 4, accumulate=accumulate)
     budget = 2 * CHUNK * 4
     dev, m2 = _chunked(tmp_path / "dev", 10 * CHUNK * 4, accumulate=accumulate, device=device, device_budget=budget)
-    assert dev == ram
+    if cpu_arithmetic(device):
+        assert dev == ram  # the same arithmetic, moved around
+    else:  # a GPU's bf16 kernels round in other orders: the trajectory, not the bits (testing/devices.py)
+        assert dev == pytest.approx(ram, rel=BF16_VS_CPU), (dev, ram)
+        assert dev[-1] < dev[0] - 1.0, dev  # and it learns (4.39 -> 2.21 on the CPU)
     tier = m2.manager.stats()["device" if device == "cpu" else device]
     assert tier["peak_bytes"] <= budget and tier["evictions"] > 0
     m1.manager.close()

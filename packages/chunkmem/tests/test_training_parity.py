@@ -2,7 +2,9 @@
 
 Pure fp32: the chunked run performs the same element-wise operations as
 torch.optim.AdamW on the same values, so the losses agree to rounding of the
-reordered reductions (1e-6 relative is the issue's bar).
+reordered reductions (1e-6 relative is the issue's bar). Computed on a GPU the
+same run is compared with the CPU reference within 1e-4 relative, TF32 off: its
+kernels sum in other orders (capstan.comm.testing.devices).
 """
 
 from __future__ import annotations
@@ -14,13 +16,21 @@ import torch
 from torch import nn
 
 from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkKind, ChunkManager, DiskStore
-from capstan.comm.testing import cuda_param
+from capstan.comm.testing import FP32_VS_CPU, cpu_arithmetic, cuda_param, no_tf32
 
 VOCAB, SEQ, D, HEADS, LAYERS = 64, 16, 32, 4, 2
 CHUNK = 4096  # elements: ~11 param chunks, x4 kinds, so the budget below forces disk traffic
 # A compute device above RAM: a CPU stand-in here (the same moves, into separately counted
 # buffers); on a machine with CUDA the real device is tested as well.
 DEVICES = ["cpu", cuda_param()]  # "cpu": a stand-in device tier; "cuda" where there is a GPU
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32_on_cuda(request: pytest.FixtureRequest):
+    """TF32 off while a test parametrized with device="cuda" runs: fp32 is compared with the CPU."""
+    callspec = getattr(request.node, "callspec", None)
+    with no_tf32(callspec.params.get("device") if callspec else None):
+        yield
 
 
 class Block(nn.Module):
@@ -202,7 +212,8 @@ def test_activation_checkpointing_with_chunks_on_disk(tmp_path, device: str | No
         opt.step()
         manager.end_step()
         got.append(loss.item())
-    assert _rel(got, want) <= 1e-6
+    tol = 1e-6 if cpu_arithmetic(device) else FP32_VS_CPU  # a GPU against the CPU reference
+    assert _rel(got, want) <= tol, (got, want)
     assert manager.stats()["disk"]["bytes_out"] > 0
     manager.close()
 
@@ -263,7 +274,8 @@ def test_a_device_tier_above_ram_and_disk_trains_like_plain_pytorch(device: str,
         opt.step()
         manager.end_step()
         got.append(loss.item())
-    assert _rel(got, want) <= 1e-6, (got, want)
+    tol = 1e-6 if cpu_arithmetic(device) else FP32_VS_CPU  # a GPU against the CPU reference
+    assert _rel(got, want) <= tol, (got, want)
     stats = manager.stats()
     dev = stats["device" if device == "cpu" else device]
     assert dev["peak_bytes"] <= DEVICE_BUDGET and dev["evictions"] > 0

@@ -78,3 +78,25 @@ def test_a_script_without_a_main_guard_fails_instead_of_forking_ranks_forever(tm
     assert proc.returncode != 0 and "RESULT" not in proc.stdout
     assert "run_ranks called while a rank imports" in proc.stderr, proc.stderr[-2000:]
     assert 'if __name__ == "__main__":' in proc.stderr
+
+
+def test_device_tolerances_are_keyed_on_the_arithmetic() -> None:
+    """The CPU and the stand-in device (PrivateUse1, CPU kernels) keep the exact comparisons; a GPU
+    is compared within FP32_VS_CPU / BF16_VS_CPU, with TF32 off while it runs."""
+    import torch
+
+    from capstan.comm.testing import cpu_arithmetic, no_tf32
+
+    assert cpu_arithmetic(None) and cpu_arithmetic("cpu") and cpu_arithmetic(torch.device("cpu"))
+    assert cpu_arithmetic(f"{torch._C._get_privateuse1_backend_name()}:0")
+    assert not cpu_arithmetic("cuda") and not cpu_arithmetic(torch.device("cuda", 0))
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        with no_tf32("cuda:0"):
+            assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, False)
+        assert torch.backends.cudnn.allow_tf32  # restored
+        with no_tf32("cpu"):
+            assert torch.backends.cudnn.allow_tf32  # nothing to do off CUDA
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

@@ -7,7 +7,8 @@ after `capstan.comm.init()`, and returns the n results in rank order.
 the test, with every rank's traceback and output tail in the message, when a
 rank raises or exits non-zero, and kills everything at `timeout` instead of
 hanging. `fn` must be a module-level function; its arguments and result must
-pickle.
+pickle. `cpu_arithmetic(device)` and `no_tf32(device)` (devices.py) set how
+closely a device's results are compared with the CPU's.
 
 Example::
 
@@ -20,10 +21,11 @@ Example::
         assert run_ranks(_sum, 2, 1) == [[3.0] * 3] * 2
 """
 
+from .devices import BF16_VS_CPU, FP32_VS_CPU, cpu_arithmetic, no_tf32
 from .harness import (
     RankFailure, cuda_marks, cuda_param, find_mpirun, mpirun_args, mpirun_flavor, requires_cuda, requires_mpirun,
     run_mpirun, run_ranks,
 )
 
-__all__ = ["RankFailure", "cuda_marks", "cuda_param", "find_mpirun", "mpirun_args", "mpirun_flavor", "requires_cuda",
-           "requires_mpirun", "run_mpirun", "run_ranks"]
+__all__ = ["BF16_VS_CPU", "FP32_VS_CPU", "RankFailure", "cpu_arithmetic", "cuda_marks", "cuda_param", "find_mpirun",
+           "mpirun_args", "mpirun_flavor", "no_tf32", "requires_cuda", "requires_mpirun", "run_mpirun", "run_ranks"]
