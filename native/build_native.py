@@ -1,4 +1,4 @@
-"""Compile libcapstan (and libcapstan_cuda when nvcc exists) with the system compiler.
+"""Compile libcapstan with the system compiler.
 
 Used by the hatch build hook (hatch_build.py) for wheels and editable installs,
 and directly for development and sanitizer builds:
@@ -40,7 +40,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
-CUDA_SRC = HERE / "cuda"
 DEFAULT_OUT = HERE / "src" / "capstan" / "native" / "lib"
 
 COMMON = ["api.cc", "dispatch.cc", "threadpool.cc", "aio.cc", "kernels_scalar.cc"]
@@ -163,42 +162,15 @@ def build_cpu(out_dir: Path, sanitize: bool = False, jobs: int = 2, target: str 
     return lib
 
 
-def find_nvcc() -> str | None:
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
-        return str(Path(cuda_home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
-
-
-def build_cuda(out_dir: Path) -> dict[str, object]:
-    """Compile libcapstan_cuda.so if nvcc exists; never raises (the CPU build must not fail)."""
-    if os.environ.get("CAPSTAN_NATIVE_CUDA", "1") == "0":
-        return {"built": False, "reason": "disabled by CAPSTAN_NATIVE_CUDA=0"}
-    nvcc = find_nvcc()
-    if not nvcc:
-        return {"built": False, "reason": "nvcc not found"}
-    lib = out_dir / "libcapstan_cuda.so"
-    # SASS for Ampere and Hopper plus PTX for sm_75 so any newer GPU can JIT it.
-    archs = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
-             "-gencode=arch=compute_75,code=compute_75"]
-    cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-cudart", "static",
-           *archs, "-I", str(CSRC), str(CUDA_SRC / "capstan_cuda.cu"), "-o", str(lib)]
-    try:
-        _run(cmd)
-    except Exception as exc:  # report, never fail the CPU build
-        return {"built": False, "reason": f"nvcc failed: {str(exc)[-2000:]}"}
-    return {"built": True, "nvcc": nvcc, "path": lib.name}
-
-
 def source_digest() -> str:
-    """sha256 over every file the libraries are built from (csrc/, cuda/, this script).
+    """sha256 over every file the library is built from (csrc/, this script).
 
     build_info.json records it; capstan.native's loader rebuilds a checkout's
     library whose record differs, so a pull or an edit of the C sources never
     leaves a stale library behind the Python binding.
     """
     h = hashlib.sha256()
-    files = [f for d in (CSRC, CUDA_SRC) if d.is_dir() for f in d.rglob("*") if f.is_file()]
+    files = [f for f in CSRC.rglob("*") if f.is_file()]
     for f in sorted(files) + [Path(__file__).resolve()]:
         h.update(f.relative_to(HERE).as_posix().encode() + b"\0")
         h.update(f.read_bytes() + b"\0")
@@ -206,21 +178,15 @@ def source_digest() -> str:
 
 
 def build_all(out_dir: Path = DEFAULT_OUT, sanitize: bool | None = None,
-              cuda: bool = True, jobs: int = 2, target: str | None = None) -> dict[str, object]:
-    """Build everything into out_dir and write build_info.json beside the libraries.
-
-    With a target triple (or CAPSTAN_NATIVE_TARGET) only the CPU library is built.
-    """
+              jobs: int = 2, target: str | None = None) -> dict[str, object]:
+    """Build the library into out_dir and write build_info.json beside it."""
     if sanitize is None:
         sanitize = os.environ.get("CAPSTAN_NATIVE_SANITIZE", "0") == "1"
     target = _target(target)
     lib = build_cpu(out_dir, sanitize=sanitize, jobs=jobs, target=target)
-    if target:
-        cuda_info = {"built": False, "reason": f"cross build for {target}"}
-    elif cuda:
-        cuda_info = build_cuda(out_dir)
-    else:
-        cuda_info = {"built": False, "reason": "not requested"}
+    # libcapstan_cuda was removed (docs/native.md): a copy left by an older build must not be
+    # shipped in a wheel (hatch_build.py includes every .so here) nor mistaken for a current one.
+    (out_dir / "libcapstan_cuda.so").unlink(missing_ok=True)
     info: dict[str, object] = {
         "compiler": shlex.join(_compiler(target)),
         "machine": target_arch(target),
@@ -228,7 +194,6 @@ def build_all(out_dir: Path = DEFAULT_OUT, sanitize: bool | None = None,
         "isas": ["scalar", *ISA_UNITS] if _is_x86_64(target) else ["scalar"],
         "sanitize": sanitize,
         "library": lib.name,
-        "cuda": cuda_info,
         "sources": source_digest(),
     }
     # Atomically, after the library: a loader that finds this record current may trust the .so.
@@ -241,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     ap.add_argument("--sanitize", action="store_true", help="ASan + UBSan build")
-    ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA library")
     ap.add_argument("-j", "--jobs", type=int, default=2)
     ap.add_argument("--target", default=None,
                     help="target triple to cross-compile for, e.g. aarch64-linux-gnu "
@@ -249,11 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if _target(args.target) and args.out == DEFAULT_OUT:
         ap.error("a cross build needs --out (the default directory holds the host library)")
-    info = build_all(args.out, sanitize=args.sanitize or None, cuda=not args.no_cuda,
-                     jobs=args.jobs, target=args.target)
-    cuda = info["cuda"]
-    if isinstance(cuda, dict) and not cuda.get("built"):
-        print(f"capstan-native: CUDA library not built: {cuda.get('reason')}", file=sys.stderr)
+    info = build_all(args.out, sanitize=args.sanitize or None, jobs=args.jobs, target=args.target)
     print(json.dumps(info, indent=2))
     return 0
 

@@ -1,9 +1,9 @@
-"""Hatch build hook: compile libcapstan (and libcapstan_cuda when nvcc exists).
+"""Hatch build hook: compile libcapstan.
 
-Runs for wheels and editable installs alike. The libraries are written into
+Runs for wheels and editable installs alike. The library is written into
 src/capstan/native/lib/ in the source tree: an editable install imports from
-src/ through a .pth file, so that is where the import finds them; a wheel
-ships them via `force_include`. The wheel is tagged py3-none-<platform>
+src/ through a .pth file, so that is where the import finds it; a wheel
+ships it via `force_include`. The wheel is tagged py3-none-<platform>
 because the library is native code but uses no Python C API.
 """
 
@@ -31,10 +31,7 @@ class CustomBuildHook(BuildHookInterface):
             raise RuntimeError("capstan-native: wheels build for the host only; unset "
                                "CAPSTAN_NATIVE_TARGET (use build_native.py --target --out)")
         out = Path(self.root) / "src" / "capstan" / "native" / "lib"
-        info = build_native.build_all(out)
-        cuda = info["cuda"]
-        if not cuda.get("built"):
-            self.app.display_warning(f"capstan-native: CUDA library not built: {cuda.get('reason')}")
+        build_native.build_all(out)
         build_data["pure_python"] = False
         platform_tag = sysconfig.get_platform().replace("-", "_").replace(".", "_")
         build_data["tag"] = f"py3-none-{platform_tag}"

@@ -30,7 +30,7 @@ STATUS = """
 
 def checkout_copy(dest: Path) -> Path:
     """native/ without any built library, as a fresh clone has it."""
-    for name in ("build_native.py", "csrc", "cuda"):
+    for name in ("build_native.py", "csrc"):
         src = NATIVE / name
         if src.is_dir():
             shutil.copytree(src, dest / name)
@@ -43,7 +43,7 @@ def checkout_copy(dest: Path) -> Path:
 
 def import_from(copy: Path, code: str = STATUS, **env) -> subprocess.Popen:
     base = {k: v for k, v in os.environ.items() if not k.startswith("CAPSTAN_NATIVE")}
-    base.update(PYTHONPATH=str(copy / "src"), CAPSTAN_NATIVE_CUDA="0", **env)
+    base.update(PYTHONPATH=str(copy / "src"), **env)
     return subprocess.Popen([sys.executable, "-W", "always", "-c", textwrap.dedent(code)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base)
 

