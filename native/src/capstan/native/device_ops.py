@@ -28,7 +28,22 @@ __all__ = ["adam_step", "sumsq", "fused_available"]
 
 
 def fused_available(device: torch.device) -> bool:
-    return hasattr(torch, "_fused_adamw_") and device.type in ("cuda", "cpu")
+    # "standin": the CPU suite's stand-in accelerator runs the CPU's fused kernel on its host memory
+    return hasattr(torch, "_fused_adamw_") and device.type in ("cuda", "cpu", "standin")
+
+
+_SCALARS: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+
+def _scalar(device: torch.device, role: str, value: float) -> torch.Tensor:
+    """A one-element fp32 tensor on `device` holding `value`, kept per device and role and refilled: the
+    fused kernels read the step and the scale from device tensors, and a new ``torch.tensor(v, device=)``
+    per call is a copy from pageable host memory (a host sync) per segment per step; ``fill_`` passes the
+    value as a kernel argument instead. Reuse is safe: every use is in the device's stream order."""
+    t = _SCALARS.get((device, role))
+    if t is None:
+        t = _SCALARS[(device, role)] = torch.empty((), dtype=torch.float32, device=device)
+    return t.fill_(value)
 
 
 @torch.no_grad()
@@ -46,8 +61,8 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     dev = param.device
     kernel = torch._fused_adamw_ if adamw else torch._fused_adam_
     # The fused kernels read the step count from a tensor on the device and divide by grad_scale.
-    steps = [torch.tensor(float(step), dtype=torch.float32, device=dev)]
-    scale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=dev)
+    steps = [_scalar(dev, "step", float(step))]
+    scale = None if grad_scale == 1.0 else _scalar(dev, "scale", 1.0 / grad_scale)
     kernel([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=beta1, beta2=beta2,
            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
     if out is not None and out.data_ptr() != param.data_ptr():

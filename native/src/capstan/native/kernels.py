@@ -78,13 +78,14 @@ def _check_scalar(name: str, value: object, low: float | None = None,
 
 def _where(name: str, t: object) -> torch.device | None:
     """The device every tensor of a call must share: None for the cpu (the native kernels), else the
-    CUDA device `t` is on (torch's kernels, device_ops.py); anything else is refused, naming `name`."""
+    accelerator `t` is on (a GPU, or the CPU suite's stand-in: torch's kernels, device_ops.py); a tensor
+    without memory (meta) is refused, naming `name`."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type == "cpu":
         return None
-    if t.device.type != "cuda":
-        raise ValueError(f"{name} must be on the cpu or a cuda device, got device {t.device}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} must be on the cpu or an accelerator, got device {t.device}")
     return t.device
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from capstan.comm.device import current_stream, indexed, is_accelerator
+
 from .disk import ALIGN, DiskStore
 
 __all__ = ["ActivationOffload"]
@@ -89,8 +91,8 @@ class ActivationOffload:
         self._order = 0
         self._c = _Counters()
         self._stream = None
-        if device is not None and device.type == "cuda":
-            self._stream = torch.cuda.Stream(device)
+        if is_accelerator(device):
+            self._stream = torch.Stream(device=indexed(device))
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -106,9 +108,9 @@ class ActivationOffload:
     @classmethod
     def to_host(cls, device: torch.device) -> ActivationOffload:
         """Offload a GPU's tensors to pinned RAM (copies on a side stream)."""
-        if device.type != "cuda":
+        if not is_accelerator(device):
             raise ValueError(f"activation offload to host memory is for tensors on a GPU, not on {device}")
-        return cls(device=device)
+        return cls(device=indexed(device))
 
     # ---- the keeper protocol ----------------------------------------------------------------------
     def offload(self, x: torch.Tensor) -> _Entry:
@@ -252,8 +254,8 @@ class ActivationOffload:
         stream = self._stream
         assert stream is not None
         host = self._pinned_buffer(entry.nbytes)
-        stream.wait_stream(torch.cuda.current_stream(x.device))  # x's values are written
-        with torch.cuda.stream(stream):
+        stream.wait_stream(current_stream(x.device))  # x's values are written
+        with stream:
             host.copy_(x.detach().reshape(-1).view(torch.uint8), non_blocking=True)
         x.record_stream(stream)  # the allocator keeps x's block until the copy is done
         entry.host = host
@@ -262,7 +264,7 @@ class ActivationOffload:
     def _start_copy_back(self, entry: _Entry) -> None:
         stream = self._stream
         assert stream is not None and entry.host is not None
-        with torch.cuda.stream(stream):
+        with stream:
             stream.wait_event(entry.event)  # type: ignore[arg-type]
             back = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
             back.copy_(entry.host, non_blocking=True)
@@ -277,7 +279,7 @@ class ActivationOffload:
         return self._take(self._pinned, nbytes, lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
 
     def _restore_from_host(self, x: torch.Tensor, entry: _Entry) -> None:
-        current = torch.cuda.current_stream(x.device)
+        current = current_stream(x.device)
         if entry.read is None:
             self._start_copy_back(entry)
         current.wait_event(entry.event)  # type: ignore[arg-type]

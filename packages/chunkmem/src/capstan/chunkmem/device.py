@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from capstan.comm.device import indexed
+from capstan.comm.device import device_module, indexed
 
 from .nonmodel import check_memory_limit, nonmodel_ahead
 from .states import ChunkKind
@@ -50,7 +50,7 @@ from .transfer import Transfers
 if TYPE_CHECKING:
     from .manager import _Entry
 
-__all__ = ["DeviceMoves", "device_tier", "cuda_measure"]
+__all__ = ["DeviceMoves", "DevicePeak", "device_peak", "device_tier"]
 
 DEVICE_KINDS = (ChunkKind.PARAM, ChunkKind.GRAD)  # the chunks that compute on the device
 DEVICE_PREFETCH = 2  # chunks copied to the device ahead of use
@@ -68,13 +68,49 @@ def device_tier(device: torch.device | str | None, budget: int | None) -> tuple[
     return dev, Tier("device" if dev.type == "cpu" else dev.type, budget)
 
 
-def cuda_measure(device: torch.device) -> Callable[[], int]:
-    """The device's peak allocated bytes since the last call (what `device_measure` wants on a GPU)."""
-    def measure() -> int:
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return int(peak)
-    return measure
+class DevicePeak:
+    """The one owner of the device's peak-memory counter, for the two readers that need it.
+
+    torch keeps one peak counter per device, and reading "the peak since last time" means resetting it:
+    two readers that each reset it (the manager's per-moment measure and the engine's per-step report)
+    would each see only part of their interval. Here `moment()` (chunkmem's `device_measure`) resets it
+    and `step()` (the engine's report) takes the maximum of what the moments saw since the last step.
+    Both read *reserved* bytes: what the caching allocator holds (fragmentation and blocks whose stream
+    use is still pending included) is what runs a device out of memory, not what tensors occupy.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = indexed(device)
+        self._module = device_module(self.device)
+        self._since_step = 0  # the largest peak the moments read since the last step()
+
+    def _take(self) -> int:
+        peak = int(self._module.max_memory_reserved(self.device))
+        self._module.reset_peak_memory_stats(self.device)
+        return peak
+
+    def moment(self) -> int:
+        """Peak reserved bytes since the last moment (what `device_measure` wants)."""
+        peak = self._take()
+        self._since_step = max(self._since_step, peak)
+        return peak
+
+    def step(self) -> int:
+        """Peak reserved bytes since the last step: the moments' peaks and what came after them."""
+        peak = max(self._since_step, int(self._module.max_memory_reserved(self.device)))
+        self._since_step = 0
+        return peak
+
+
+def device_peak(device: torch.device) -> DevicePeak:
+    """One `DevicePeak` per device in this process (the manager and the engine share it)."""
+    dev = indexed(device)
+    if dev not in _PEAKS:
+        _PEAKS[dev] = DevicePeak(dev)
+    return _PEAKS[dev]
+
+
+_PEAKS: dict[torch.device, DevicePeak] = {}
 
 
 class DeviceMoves:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,7 @@ class ChunkManager(DeviceMoves):
         self.trace: list[int] | None = None  # chunk id per moment, from the warm-up step
         self.nonmodel: list[int] = []  # warm-up: RSS beyond the chunk system's bytes, per moment
         self._recording: list[int] = []
+        self._off_trace = 0  # > 0 inside off_trace()
         self.record_disk_timeline = False
         self.transient = 0  # bytes of buffers outside chunks (gathered remote chunks, reduction buffers)
         self._rss_base = _rss_bytes()
@@ -412,8 +414,21 @@ class ChunkManager(DeviceMoves):
         return self.disk
 
     # ---- moments, trace, accounting ---------------------------------------------------------------
+    @contextmanager
+    def off_trace(self) -> Iterator[None]:
+        """Accesses outside a training step (an evaluation between steps): they neither enter the warm-up
+        trace nor advance the moment, so the next step's device capacity, prefetch and Belady order start
+        where the trace does (an eval after `end_step` used to leave the moment where the eval ended)."""
+        self._off_trace += 1
+        try:
+            yield
+        finally:
+            self._off_trace -= 1
+
     def _record(self, chunk_id: int, compute: bool = False) -> None:
         self.policy.on_access(chunk_id, self.moment)
+        if self._off_trace:
+            return
         self._record_device(chunk_id, compute)
         if self.trace is None:
             self._recording.append(chunk_id)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from capstan import comm
 from capstan.chunkmem.nonmodel import trim_heap
+from capstan.comm.device import is_accelerator
 from torch import nn
 
 from .config.load import ConfigError, check_world, reference_gpt_config, resolve, uses_chunks
@@ -232,7 +233,7 @@ def activation_keeper(cfg: Config, rank: int, device: torch.device) -> object:
 
     if not cfg.memory.activation_offload:
         return ActivationOffload.counting()
-    if device.type == "cuda":
+    if is_accelerator(device):
         return ActivationOffload.to_host(device)
     return ActivationOffload.to_disk(Path(cfg.memory.disk_dir) / "activations", rank)
 
@@ -246,7 +247,7 @@ def resolve_device(cfg: Config, local_rank: int | None = None) -> torch.device:
         device = comm.pick_device(cfg.train.device, local_rank)
     except comm.DeviceError as exc:
         raise ConfigError(f"train.device = \"{cfg.train.device}\": {exc}") from None
-    if device.type != "cuda" and cfg.memory.gpu_budget is not None:
+    if not is_accelerator(device) and cfg.memory.gpu_budget is not None:
         raise ConfigError(f"memory.gpu_budget = {cfg.memory.gpu_budget} needs a GPU, but train.device = "
                           f"\"{cfg.train.device}\" found none (torch.cuda.is_available() is False)")
     return device
@@ -272,8 +273,8 @@ def resolve_groups(cfg: Config, sources: dict[str, str]) -> comm.Groups:
         from capstan.comm.log import set_rank_context
 
         set_rank_context(0, (0, 0, 0))  # log lines say "rank 0 0/0/0", as under a launcher
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if is_accelerator(device):
+            torch.accelerator.set_device_index(device.index)
         return comm.single_process_groups()
     comm.init(device=device)
     return comm.build_groups(comm.Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp, cp=cfg.parallel.cp))
@@ -322,7 +323,7 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
     else:
         check_world(cfg, groups.world.size, f"world size {groups.world.size} of the given groups", sources)
     device = resolve_device(cfg)
-    if device.type == "cuda" and uses_chunks(cfg):
+    if is_accelerator(device) and uses_chunks(cfg):
         _check_gpu_chunks(cfg, groups)
     torch.manual_seed(cfg.train.seed)
     if cfg.parallel.pp > 1:

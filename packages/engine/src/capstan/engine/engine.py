@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from capstan import comm
 from capstan.comm import faults
+from capstan.comm.device import device_module, is_accelerator
 from torch import nn
 
 from .config.load import check_states_fit, uses_chunks
@@ -84,14 +85,25 @@ GPU_WARMUP_SHARE = 5  # the warm-up step keeps chunks within 1/5 of that while i
 
 
 def gpu_chunk_limit(device: torch.device) -> int:
-    """Bytes this rank's chunks and activations may use on its GPU without memory.gpu_budget: 90% of what
-    is free at start, shared evenly by the ranks of this node that share the GPU."""
-    free, _ = torch.cuda.mem_get_info(device)
+    """Bytes this rank's chunks and activations may use on its device without memory.gpu_budget: 90% of
+    what is free at start, shared evenly by the ranks of this node that share the device."""
+    module = device_module(device)
+    free, _ = module.mem_get_info(device)
     sharing = 1
     if comm.is_initialized():
         local = comm.launch().local_world_size
-        sharing = -(-local // max(1, torch.cuda.device_count()))
+        sharing = -(-local // max(1, module.device_count()))
     return int(free * GPU_SHARE / sharing)
+
+
+def buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Module buffers (causal masks, BatchNorm statistics, rotary caches) where forward runs. Chunked memory
+    moves parameters only, so without this a model whose forward reads a buffer mixes a CPU tensor into
+    device work on its first step."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                module._buffers[name] = buf.to(device)
 
 
 def _overflowed(names: list[str], shown: int = 3) -> str:
@@ -175,13 +187,13 @@ class Engine:
         disk = DiskStore(mem.disk_dir, rank=rank) if mem.offload == "disk" else None
         # On a GPU, parameter (and gradient) chunks compute there within memory.gpu_budget; masters and
         # Adam moments stay in RAM / on disk, where the native CPU Adam steps them (chunkmem/device.py).
-        gpu = self.device if self.device.type == "cuda" else None
+        gpu = self.device if is_accelerator(self.device) else None
         budget, limit, measure = (mem.gpu_budget, None, None) if gpu is not None else (None, None, None)
         if gpu is not None and budget is None:  # derived from the GPU and the activations the warm-up measures
-            from capstan.chunkmem.device import cuda_measure
+            from capstan.chunkmem.device import device_peak
 
             limit = gpu_chunk_limit(gpu)
-            budget, measure = limit // GPU_WARMUP_SHARE, cuda_measure(gpu)
+            budget, measure = limit // GPU_WARMUP_SHARE, device_peak(gpu).moment
         self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction, memory_limit=mem.ram_limit,
                                     device=gpu, device_budget=budget, device_limit=limit, device_measure=measure)
         named = dict(model.named_parameters())
@@ -223,6 +235,8 @@ class Engine:
             self.optimizer = ChunkAdam(self.module, groups=adam, overlap=overlap)
         comm.reset_wire_bytes()
         self._stepping = False
+        if gpu is not None:
+            buffers_to(model, gpu)
 
     def _overlap_optimizer(self) -> bool:
         """memory.overlap_optimizer: on where asked (and possible), by default where chunks compute on a GPU."""
@@ -242,7 +256,7 @@ class Engine:
         if mem.overlap_optimizer and why is not None:
             raise ConfigError(f"memory.overlap_optimizer = true cannot overlap the step here: {why}")
         if mem.overlap_optimizer is None:
-            return why is None and self.device.type == "cuda"
+            return why is None and is_accelerator(self.device)
         return bool(mem.overlap_optimizer)
 
     def _arm_overlap(self, arrivals: int = 1) -> None:
@@ -438,11 +452,13 @@ class Engine:
     def eval_batch(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over `batches` (this rank's share), averaged over dp: the validation loss."""
         self.module.eval()
-        if self.pipeline is not None:
-            losses = [self.pipeline.eval_loss(self.tokens_of_this_rank(to_device(batch, self.device)))
-                      for batch in batches]
-        else:
-            losses = [float(self(batch)) for batch in batches]
+        # between steps: chunk accesses stay out of the trace and leave the moment at the next step's start
+        with self.manager.off_trace() if self.chunked else nullcontext():
+            if self.pipeline is not None:
+                losses = [self.pipeline.eval_loss(self.tokens_of_this_rank(to_device(batch, self.device)))
+                          for batch in batches]
+            else:
+                losses = [float(self(batch)) for batch in batches]
         self.module.train()
         local = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64)
         comm.all_reduce(local, op="avg", group=self.groups.replicas)
@@ -486,9 +502,10 @@ class Engine:
                "mem.cpu.resident_bytes": s["cpu"]["resident_bytes"],  # type: ignore[index]
                "mem.disk.peak_bytes": self._disk_peak, "mem.disk.resident_bytes": disk,
                "mem.moved_bytes": s["moved_bytes"], "mem.stall_s": s["stall_s"], **rss}  # type: ignore[dict-item]
-        if "cuda" in s:  # chunks on the GPU (their bytes, within memory.gpu_budget)
-            out["mem.cuda.peak_bytes"] = s["cuda"]["peak_bytes"]  # type: ignore[index]
-            out["mem.cuda.resident_bytes"] = s["cuda"]["resident_bytes"]  # type: ignore[index]
+        if self.device.type in s:  # chunks on the GPU (their bytes, within memory.gpu_budget)
+            t = self.device.type
+            out[f"mem.{t}.peak_bytes"] = s[t]["peak_bytes"]  # type: ignore[index]
+            out[f"mem.{t}.resident_bytes"] = s[t]["resident_bytes"]  # type: ignore[index]
         return {**out, **self._cuda_allocator_stats()}
 
     @property
@@ -497,12 +514,14 @@ class Engine:
         return self._disk_peak
 
     def _cuda_allocator_stats(self) -> dict[str, float]:
-        """Everything torch allocated on this rank's GPU (activations included), peak since the last call."""
-        if self.device.type != "cuda":
+        """What torch's caching allocator reserved on this rank's device (activations, fragmentation and
+        cache included), peak since the last call; read through chunkmem's `device_peak`, which also feeds
+        the manager's per-moment measure, so neither resets the counter under the other."""
+        if not is_accelerator(self.device):
             return {}
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return {"mem.cuda.allocated_peak_bytes": peak}
+        from capstan.chunkmem.device import device_peak
+
+        return {f"mem.{self.device.type}.reserved_peak_bytes": device_peak(self.device).step()}
 
     def parameters_snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of this rank's parameters by name (loads chunks one at a time when chunked)."""

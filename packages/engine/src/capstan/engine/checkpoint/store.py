@@ -159,7 +159,7 @@ def _write_shard(engine: Engine, directory: Path, rank: int) -> dict[str, object
                            "tp_rank": lp.tp_rank if sliced else 0, "tp_size": lp.tp_size if sliced else 1,
                            "local_shape": list(lp.local_shape), "start": a, "length": b - a})
     rng = [("rng.torch", torch.get_rng_state())]
-    if engine.device.type == "cuda":
+    if engine.device.type == "cuda":  # the stand-in draws from the CPU generator: rng.torch is its state
         rng.append(("rng.cuda", torch.cuda.get_rng_state(engine.device)))
     rng += [(k, gen.get_state()) for k, gen in rng_generators(engine)]
     for key, state in rng:

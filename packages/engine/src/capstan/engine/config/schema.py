@@ -107,8 +107,8 @@ class TrainConfig:
     """Compute the validation loss every this many steps and at the end (0: never)."""
     eval_batches: int = constraint(4, ge=1)
     """Micro-batches per data-parallel rank in one validation pass."""
-    device: str = constraint("auto", choices=("auto", "cpu", "cuda"))
-    """Where forward and backward run: "cuda" puts each rank on GPU cuda:<local rank> (ranks share GPUs round-robin when there are more ranks than GPUs; their CUDA tensors then communicate through host memory instead of NCCL); "cpu" keeps everything on the CPU; "auto" is "cuda" where torch sees a GPU, else "cpu". Without chunked memory the optimizer runs on the same device; with it (memory.offload or ZeRO-3) parameter chunks compute on the GPU within memory.gpu_budget while masters and Adam moments stay in RAM or on disk and the CPU steps them (docs/gpu.md)."""
+    device: str = constraint("auto", choices=("auto", "cpu", "cuda", "standin"))
+    """Where forward and backward run: "cuda" puts each rank on GPU cuda:<local rank> (ranks share GPUs round-robin when there are more ranks than GPUs; their CUDA tensors then communicate through host memory instead of NCCL); "cpu" keeps everything on the CPU; "auto" is "cuda" where torch sees a GPU, else "cpu"; "standin" is the CPU test suite's stand-in accelerator (capstan.native.standin, loaded by the tests that use it), which runs the GPU path on host memory. Without chunked memory the optimizer runs on the same device; with it (memory.offload or ZeRO-3) parameter chunks compute on the GPU within memory.gpu_budget while masters and Adam moments stay in RAM or on disk and the CPU steps them (docs/gpu.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)

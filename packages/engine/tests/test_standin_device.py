@@ -1,0 +1,175 @@
+"""The engine's real device path on the stand-in accelerator (capstan.native.standin), against the CPU.
+
+The stand-in is not the CPU: its tensors report ``standin:<i>`` and an op mixing one with a CPU tensor
+raises as on CUDA, so every run below would fail on a tensor left behind (a module buffer, a batch, an
+optimizer scalar). It computes with the CPU's kernels, so each run must match the same run on the CPU:
+losses within 1e-6 relative (the flat optimizer takes torch's fused AdamW on a device and the native
+kernel on the CPU, which round differently in the last bit). Each launch runs every case of its world
+size in one process per rank (the stand-in takes torch's PrivateUse1 slot for the whole process).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from capstan.comm.testing import run_ranks
+from capstan.native import standin
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not standin.available(), reason="torch without C++ headers: no stand-in device")]
+
+TOL = 1e-6
+STEPS = 6
+
+
+def _config(device: str, memory: dict, **parallel) -> dict:
+    return {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
+            "data": {"max_bytes": 200_000},
+            "train": {"steps": STEPS, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-3, "device": device,
+                      "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
+            "parallel": parallel, "memory": memory}
+
+
+def _run(cfg: dict, eval_after: int | None = None, model=None) -> dict:
+    import torch
+
+    from capstan.engine import initialize, open_data, train_batches
+
+    engine = initialize(model=model, config=cfg)
+    data = open_data(engine.config)
+    it = train_batches(data, engine.config, engine.groups.dp.size, engine.groups.dp.rank)
+    losses, evals, moments = [], [], []
+    for step in range(STEPS):
+        losses.append(engine.train_batch(it).loss)
+        if eval_after is not None and step + 1 == eval_after:
+            held = [next(train_batches(data, engine.config, engine.groups.dp.size, engine.groups.dp.rank))]
+            evals.append(engine.eval_batch(held))
+            moments.append(engine.manager.moment if engine.chunked else 0)
+    mem = engine.memory_stats()
+    # Buffers stay where forward runs; parameters too without chunks (chunked ones are views of chunks,
+    # which wait in RAM between steps after the CPU optimizer stepped them).
+    params = set() if engine.chunked else {str(p.device) for p in engine.module.parameters()}
+    devices = sorted(params | {str(b.device) for b in engine.module.buffers()})
+    engine.close()
+    if torch.accelerator.is_available():
+        torch.accelerator.empty_cache()
+    return {"losses": losses, "evals": evals, "moments": moments, "mem": mem, "devices": devices}
+
+
+def _llama():
+    import torch
+    import transformers
+
+    torch.manual_seed(7)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _gpt2():
+    import torch
+    import transformers
+
+    torch.manual_seed(7)
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+SINGLE = {
+    "none": ({}, {}),
+    "cpu-measured": ({"offload": "cpu"}, {}),  # the budget follows the measured activations; overlapped step
+    "cpu-budget": ({"offload": "cpu", "gpu_budget": "256KiB"}, {}),
+    "cpu-eval": ({"offload": "cpu", "gpu_budget": "256KiB"}, {"eval_after": 3}),
+}
+
+
+def _single(tmp: str) -> dict:
+    import torch
+
+    from capstan.native import standin
+
+    torch.set_num_threads(1)
+    standin.load()
+    cases = dict(SINGLE)
+    cases["disk"] = ({"offload": "disk", "cpu_budget": "2MiB", "gpu_budget": "256KiB", "disk_dir": tmp}, {})
+    out = {}
+    for name, (memory, extra) in cases.items():
+        cpu_memory = {k: v for k, v in memory.items() if k != "gpu_budget"}
+        out[name] = (_run(_config("cpu", cpu_memory), **extra), _run(_config("standin", memory), **extra))
+    hf = {"model": {"seq_len": 16}, "data": {"max_bytes": 100_000},
+          "train": {"steps": STEPS, "micro_batch_size": 2, "lr": 3e-3, "lr_schedule": "constant",
+                    "warmup_steps": 0, "grad_clip": 1.0}}
+    for family, build in (("llama", _llama), ("gpt2", _gpt2)):
+        for offload in ("none", "cpu"):
+            runs = []
+            for device in ("cpu", "standin"):
+                cfg = {**hf, "train": {**hf["train"], "device": device}, "memory": {"offload": offload}}
+                runs.append(_run(cfg, model=build()))
+            out[f"{family}-{offload}"] = tuple(runs)
+    return out
+
+
+def _pair(device: str, tmp: str) -> dict:
+    import torch
+
+    from capstan.native import standin
+
+    torch.set_num_threads(1)
+    if device == "standin":
+        standin.load()
+    return {"z3": _run(_config(device, {}, dp=2, zero_stage=3)),
+            "pp2": _run(_config(device, {}, pp=2))}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    return run_ranks(_single, 1, str(tmp_path_factory.mktemp("disk")), init=False, timeout=280)[0]
+
+
+def _close(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) == STEPS
+    for g, w in zip(got, want, strict=True):
+        assert abs(g - w) <= TOL * abs(w), (got, want)
+
+
+@pytest.mark.parametrize("case", [*SINGLE, "disk"])
+def test_reference_gpt_on_the_standin_matches_the_cpu(single, case: str) -> None:
+    cpu, dev = single[case]
+    _close(dev["losses"], cpu["losses"])
+    assert dev["devices"] in (["standin:0"], [])  # buffers (and unchunked parameters) where forward runs
+    if case != "none":  # chunks on the device, counted by the tier and by the device allocator
+        assert dev["mem"]["mem.standin.peak_bytes"] > 0
+        assert dev["mem"]["mem.standin.reserved_peak_bytes"] >= dev["mem"]["mem.standin.peak_bytes"]
+
+
+def test_eval_between_steps_leaves_the_trace_alone(single) -> None:
+    """An eval after step 3 neither moves the next step's starting moment nor changes its trajectory."""
+    cpu, dev = single["cpu-eval"]
+    assert dev["moments"] == [0] and cpu["moments"] == [0]
+    assert dev["evals"] == pytest.approx(cpu["evals"], rel=TOL)
+    _close(dev["losses"], single["cpu-budget"][1]["losses"])  # the same run without the eval
+
+
+@pytest.mark.parametrize("case", ["llama-none", "llama-cpu", "gpt2-none", "gpt2-cpu"])
+def test_transformers_models_with_buffers_on_the_standin(single, case: str) -> None:
+    """Llama's rotary frequencies and GPT-2's buffers reach the device with chunked memory too."""
+    cpu, dev = single[case]
+    _close(dev["losses"], cpu["losses"])
+    # Llama holds its rotary frequencies in a buffer; this transformers' GPT-2 holds none
+    assert "cpu" not in dev["devices"]
+    if case.startswith("llama"):
+        assert dev["devices"] == ["standin:0"]
+
+
+@pytest.mark.mpirun
+def test_zero3_and_pipeline_on_two_standin_devices(tmp_path) -> None:
+    """dp 2 ZeRO-3 and pp 2, each rank on its own stand-in device (standin:0, standin:1; collectives staged
+    through RAM), against the same layouts on the CPU."""
+    dev = run_ranks(_pair, 2, "standin", str(tmp_path), timeout=280)
+    cpu = run_ranks(_pair, 2, "cpu", str(tmp_path), timeout=280)
+    for rank in range(2):
+        _close(dev[rank]["z3"]["losses"], cpu[rank]["z3"]["losses"])
+        assert dev[rank]["z3"]["devices"] in ([], [f"standin:{rank}"])  # chunked: buffers only (none here)
+    _close(dev[1]["pp2"]["losses"], cpu[1]["pp2"]["losses"])
