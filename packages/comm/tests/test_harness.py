@@ -89,6 +89,7 @@ def test_device_tolerances_are_keyed_on_the_arithmetic() -> None:
 
     assert cpu_arithmetic(None) and cpu_arithmetic("cpu") and cpu_arithmetic(torch.device("cpu"))
     assert cpu_arithmetic(f"{torch._C._get_privateuse1_backend_name()}:0")
+    assert cpu_arithmetic("standin") and cpu_arithmetic("standin:0")  # capstan.native.standin, loaded or not
     assert not cpu_arithmetic("cuda") and not cpu_arithmetic(torch.device("cuda", 0))
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = True

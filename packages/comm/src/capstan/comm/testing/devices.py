@@ -40,7 +40,9 @@ def cpu_arithmetic(device: str | torch.device | None) -> bool:
     if device is None:
         return True
     kind = str(device).split(":")[0]
-    return kind in ("cpu", "privateuseone", torch._C._get_privateuse1_backend_name())
+    # "standin": capstan.native.standin's name for PrivateUse1, known here before it is loaded
+    # (comm does not import native)
+    return kind in ("cpu", "standin", "privateuseone", torch._C._get_privateuse1_backend_name())
 
 
 @contextmanager
