@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from capstan.chunkmem import ChunkAdam, ChunkedModel, ChunkKind, ChunkManager, DiskStore, DynamicLossScaler
+from capstan.native import standin
 from capstan.comm.testing import BF16_VS_CPU, cpu_arithmetic, cuda_param, no_tf32
 
 CHUNK = 4096
@@ -105,7 +106,7 @@ def test_chunks_that_stay_put_train_without_module_hooks_like_the_hooked_path(tm
     m1.manager.close()
 
 
-DEVICES = ["cpu", cuda_param()]  # "cpu": a stand-in device tier; "cuda" where there is a GPU
+DEVICES = ["cpu", standin.param(), cuda_param()]  # "cpu": a device tier in RAM; "standin": an accelerator that is not the CPU (capstan.native.standin); "cuda" where there is a GPU
 
 
 @pytest.fixture(autouse=True)

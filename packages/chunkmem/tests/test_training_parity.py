@@ -16,13 +16,14 @@ import torch
 from torch import nn
 
 from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkKind, ChunkManager, DiskStore
+from capstan.native import standin
 from capstan.comm.testing import FP32_VS_CPU, cpu_arithmetic, cuda_param, no_tf32
 
 VOCAB, SEQ, D, HEADS, LAYERS = 64, 16, 32, 4, 2
 CHUNK = 4096  # elements: ~11 param chunks, x4 kinds, so the budget below forces disk traffic
 # A compute device above RAM: a CPU stand-in here (the same moves, into separately counted
 # buffers); on a machine with CUDA the real device is tested as well.
-DEVICES = ["cpu", cuda_param()]  # "cpu": a stand-in device tier; "cuda" where there is a GPU
+DEVICES = ["cpu", standin.param(), cuda_param()]  # "cpu": a device tier in RAM; "standin": an accelerator that is not the CPU (capstan.native.standin); "cuda" where there is a GPU
 
 
 @pytest.fixture(autouse=True)

@@ -2,8 +2,9 @@
 
 Submodules: `kernels` (Adam/AdamW step, casts, copies, reductions on torch
 tensors), `optim` (`CPUAdam`), `aio` (async file I/O for the disk tier),
-`fallback` (pure-torch versions of every kernel), `cuda` (pinned memory,
-stream copies and cast kernels; only where a GPU is visible).
+`fallback` (pure-torch versions of every kernel), `device_ops` (the same
+calls on accelerator tensors through torch's kernels), `standin` (the CPU
+suite's stand-in accelerator).
 `status()` says what is built and loaded; `capstan info` prints it.
 See docs/native.md.
 """
@@ -50,14 +51,4 @@ def status() -> dict[str, object]:
         })
     if info.get("sanitize"):
         out["sanitize"] = True
-    cuda_build = info.get("cuda", {"built": False, "reason": "no build_info.json"})
-    out["cuda built"] = bool(cuda_build.get("built"))
-    if not cuda_build.get("built"):
-        out["cuda reason"] = cuda_build.get("reason")
-    try:
-        from . import cuda
-
-        out["cuda loaded"] = cuda.loaded()
-    except Exception as exc:  # status must never raise
-        out["cuda loaded"] = f"error: {exc}"
     return out

@@ -31,12 +31,6 @@ def _guarded(fn: Callable[[], object]) -> object:
         return f"error: {exc}"
 
 
-def _native_cuda() -> str:
-    from capstan.native import cuda
-
-    return "loaded" if cuda.loaded() else f"not loaded ({cuda.load_error()})"
-
-
 def collect_info() -> dict[str, object]:
     """Everything `capstan info` prints, as a dict (also used by tests and bug reports)."""
     import torch
@@ -57,7 +51,6 @@ def collect_info() -> dict[str, object]:
         "cuda available": torch.cuda.is_available(),
         "cuda devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "cuda": _guarded(comm.cuda_report),
-        "native cuda library": _guarded(_native_cuda),
         "torch threads": torch.get_num_threads(),
         "comm default backend": f"{comm.CPU_DEFAULT_BACKEND} under mpirun with mpi4py, else gloo (CPU tensors)"
             + ("; nccl for CUDA tensors with a GPU per local rank, else staged through host memory"
