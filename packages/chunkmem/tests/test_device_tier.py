@@ -67,6 +67,22 @@ def test_ram_buffers_are_kept_for_chunks_on_the_device(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_prefetch_to_the_device_skips_chunks_pinned_in_ram(device: str) -> None:
+    """A chunk pinned in RAM (the overlapped optimizer's worker reads it there) stays there: the prefetch
+    that would copy it up ahead of use leaves it for later."""
+    manager = ChunkManager(None, audit=True, device=device, device_budget=3 * CHUNK * 4)
+    _train(manager, 2, device)
+    first = next(cid for cid, compute in zip(manager.trace, manager.trace_compute, strict=True)
+                 if compute and manager.entries[cid].where == "cpu")
+    manager.entries[first].pins += 1
+    manager._prefetch_device()
+    assert manager.entries[first].where == "cpu"
+    manager.entries[first].pins -= 1
+    manager._prefetch_device()
+    assert manager.entries[first].where == "device"  # unpinned, the same prefetch takes it
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_prefetch_to_the_device_runs_ahead_of_use(device: str) -> None:
     want, _ = _train(ChunkManager(None, audit=True), 6, "cpu")  # the RAM-only reference, on the CPU
     manager = ChunkManager(None, audit=True, device=device, device_budget=3 * CHUNK * 4)

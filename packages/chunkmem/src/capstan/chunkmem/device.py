@@ -270,8 +270,8 @@ class DeviceMoves:
                 continue
             seen.add(cid)
             e = self.entries[cid]
-            if e.where != "cpu" or e.read is not None or e.write is not None or e.stale:
-                continue
+            if e.where != "cpu" or e.pins or e.read is not None or e.write is not None or e.stale:
+                continue  # a chunk pinned in RAM is being read there (the overlapped optimizer's worker)
             if not self.dev.fits(e.chunk.nbytes):
                 return
             e.pins += 1

@@ -28,8 +28,13 @@ in flight, counted in the cpu tier; with grad_clip 0 and no loss scaling no
 guess can be wrong and nothing is copied.
 
 Threads: the worker only runs native kernels (which release the GIL) on chunk
-buffers pinned by the main thread before the job is queued; every manager
-call (access, release, reservations) stays on the main thread. Speculation
+buffers pinned before the job is queued; every manager call (access,
+release, reservations) is made by the thread that runs backward's hooks:
+the caller of backward() on the CPU, autograd's device thread on a GPU (and
+on the stand-in accelerator, which the suite runs this on). Never two at
+once: the caller waits in backward() while the device thread runs, and
+`finish` runs after it returns. The prefetch to the device skips chunks
+pinned in RAM, so a chunk the worker reads is never moved under it. Speculation
 needs chunks that never move while pinned RAM is full of them: the manager
 must have no RAM budget and no disk tier (a device tier is fine: chunks come
 off the GPU when their gradients are complete).
