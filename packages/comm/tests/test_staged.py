@@ -56,3 +56,22 @@ def test_staged_collectives_and_p2p_match_on_three_ranks() -> None:
         assert res["async_sum"] == [float(sum(range(1, n + 1)))] * 6
         assert res["async_gather"] == [float(r) for r in range(n) for _ in range(6)]
         assert res["copies"] > 100  # every op went through host copies
+
+
+def test_a_group_of_one_stages_nothing(monkeypatch) -> None:
+    """A collective on a group of one is an identity: no copies through host memory (on a GPU each
+    would be a host sync, several per layer on a single-GPU run)."""
+    from capstan import comm
+    from capstan.comm import collectives
+
+    monkeypatch.setattr(collectives, "STAGE_CPU_TENSORS", True)
+    copies = []
+    real = collectives._host
+    monkeypatch.setattr(collectives, "_host", lambda t: (copies.append(t.numel()), real(t))[1])
+    one = comm.single_process_groups().world
+    x = torch.arange(6.0)
+    assert comm.all_reduce(x, "sum", group=one) is x
+    out = torch.empty(6)
+    comm.all_gather(out, x, group=one)
+    comm.all_to_all(out, x, group=one)
+    assert torch.equal(out, torch.arange(6.0)) and copies == []

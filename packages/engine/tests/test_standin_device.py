@@ -25,8 +25,8 @@ STEPS = 6
 def _config(device: str, memory: dict, **parallel) -> dict:
     return {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
             "data": {"max_bytes": 200_000},
-            "train": {"steps": STEPS, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-3, "device": device,
-                      "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
+            "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 1e-2, "min_lr": 1e-3,
+                      "device": device, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
             "parallel": parallel, "memory": memory}
 
 
@@ -38,9 +38,15 @@ def _run(cfg: dict, eval_after: int | None = None, model=None) -> dict:
     engine = initialize(model=model, config=cfg)
     data = open_data(engine.config)
     it = train_batches(data, engine.config, engine.groups.dp.size, engine.groups.dp.rank)
-    losses, evals, moments = [], [], []
+    from capstan.comm.device import is_accelerator
+    from capstan.native import standin
+
+    counting = is_accelerator(engine.device)
+    losses, evals, moments, syncs = [], [], [], []
     for step in range(STEPS):
+        before = standin.host_syncs() if counting else 0
         losses.append(engine.train_batch(it).loss)
+        syncs.append(standin.host_syncs() - before if counting else 0)
         if eval_after is not None and step + 1 == eval_after:
             held = [next(train_batches(data, engine.config, engine.groups.dp.size, engine.groups.dp.rank))]
             evals.append(engine.eval_batch(held))
@@ -53,7 +59,7 @@ def _run(cfg: dict, eval_after: int | None = None, model=None) -> dict:
     engine.close()
     if torch.accelerator.is_available():
         torch.accelerator.empty_cache()
-    return {"losses": losses, "evals": evals, "moments": moments, "mem": mem, "devices": devices}
+    return {"losses": losses, "evals": evals, "moments": moments, "mem": mem, "devices": devices, "syncs": syncs}
 
 
 def _llama():
@@ -142,6 +148,16 @@ def test_reference_gpt_on_the_standin_matches_the_cpu(single, case: str) -> None
     if case != "none":  # chunks on the device, counted by the tier and by the device allocator
         assert dev["mem"]["mem.standin.peak_bytes"] > 0
         assert dev["mem"]["mem.standin.reserved_peak_bytes"] >= dev["mem"]["mem.standin.peak_bytes"]
+
+
+@pytest.mark.parametrize(("case", "most"), [("none", 2), ("cpu-measured", 1), ("cpu-budget", 1), ("disk", 1)])
+def test_a_step_makes_the_host_wait_for_the_device_at_most_once_or_twice(single, case: str, most: int) -> None:
+    """Host syncs a GPU would make per step of two micro-batches (standin.host_syncs: .item(), blocking or
+    pageable copies): the loss, read once at the step's end, and without chunks the gradient norm for
+    clipping. Not per micro-batch (the loss), per segment (the norm), per collective on a group of one
+    (staged copies), or per batch copied from pageable memory."""
+    _, dev = single[case]
+    assert max(dev["syncs"][1:]) <= most, dev["syncs"]  # after the warm-up step
 
 
 def test_eval_between_steps_leaves_the_trace_alone(single) -> None:

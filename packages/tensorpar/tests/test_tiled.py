@@ -60,3 +60,18 @@ def test_tiled_head_logits_never_exist_whole_and_any_gradient_works() -> None:
     got = (tiled_head_cross_entropy(h, w, t, group, 37, tile=4) * weights).sum()
     got.backward()
     assert rel_err(got, ref) <= TOL and rel_err(h.grad, want[0]) <= TOL and rel_err(w.grad, want[1]) <= TOL
+
+
+def test_a_caller_that_takes_the_mean_skips_the_uniformity_check() -> None:
+    """uniform_grad=True (the GPT head under loss_targets, whose losses are averaged) scales the unit
+    gradients without comparing every token's gradient with the first (a host sync on a GPU): the same
+    gradients as the checked path, bit for bit."""
+    torch.manual_seed(0)
+    group = single_process_groups().tp
+    h, w, t = torch.randn(12, 8), torch.randn(20, 8), torch.randint(0, 20, (12,))
+    grads = []
+    for uniform in (False, True):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        tiled_head_cross_entropy(hh, ww, t, group, tile=5, uniform_grad=uniform).mean().backward()
+        grads.append((hh.grad, ww.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

@@ -24,7 +24,7 @@ import torch
 
 from . import fallback
 
-__all__ = ["adam_step", "sumsq", "fused_available"]
+__all__ = ["adam_step", "sumsq", "sumsq_tensor", "fused_available"]
 
 
 def fused_available(device: torch.device) -> bool:
@@ -75,3 +75,13 @@ def sumsq(x: torch.Tensor) -> float:
     if x.numel() == 0:
         return 0.0
     return float(torch.linalg.vector_norm(x, 2, dtype=torch.float64)) ** 2
+
+
+def sumsq_tensor(x: torch.Tensor) -> torch.Tensor:
+    """`sumsq` left on `x`'s device as a 0-dim float64 tensor: a norm summed over segments reads the host
+    once, not once per segment. The same double operations as `sumsq` (the norm, then its square), so the
+    same value."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=x.device)
+    norm = torch.linalg.vector_norm(x, 2, dtype=torch.float64)
+    return norm * norm

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NAME", "load", "loaded", "available", "param", "device_stats", "host_stats", "empty_host_cache",
+__all__ = ["NAME", "load", "loaded", "available", "param", "host_syncs", "device_stats", "host_stats", "empty_host_cache",
            "StandinUnavailable"]
 
 NAME = "standin"
@@ -122,6 +122,7 @@ def load() -> str:
     lib = ctypes.CDLL(str(path))
     lib.capstan_standin_device_stats.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
     lib.capstan_standin_host_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.capstan_standin_host_syncs.restype = ctypes.c_int64
     if lib.capstan_standin_abi_version() != 1:
         raise StandinUnavailable(f"{path}: unexpected ABI version {lib.capstan_standin_abi_version()}")
     if torch._C._get_privateuse1_backend_name() != NAME:
@@ -165,6 +166,14 @@ def host_stats() -> dict[str, int]:
     out = (ctypes.c_int64 * 5)()
     _lib.capstan_standin_host_stats(out)
     return dict(zip(("allocated", "allocated_peak", "reserved", "reserved_peak", "requested"), out))
+
+
+def host_syncs() -> int:
+    """How many times this process made the host wait for the device as a CUDA program would: `.item()`
+    (and `float(t)`, `bool(t)`), a device->host copy that is blocking or lands in pageable memory, a
+    host->device copy that is blocking or reads pageable memory. Tests hold hot paths to a count."""
+    assert _lib is not None, "standin.load() first"
+    return int(_lib.capstan_standin_host_syncs())
 
 
 def empty_host_cache() -> None:

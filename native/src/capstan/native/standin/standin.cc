@@ -227,12 +227,36 @@ at::Tensor cpu_alias(const at::Tensor& t) {
   return out;
 }
 
+// Host synchronizations a CUDA program would make here: a device->host copy that is blocking or lands in
+// pageable memory, a host->device copy that is blocking or reads pageable memory, and `.item()`. Counted so
+// tests can hold the hot path to the syncs it needs (capstan.native.standin.host_syncs).
+std::atomic<int64_t> host_syncs{0};
+
+// CAPSTAN_STANDIN_SYNC_TRAP=N: the N-th sync raises, so its Python traceback shows where it is.
+void count_sync() {
+  static const long long trap = [] {
+    const char* v = std::getenv("CAPSTAN_STANDIN_SYNC_TRAP");
+    return v == nullptr ? 0LL : std::atoll(v);
+  }();
+  const int64_t n = ++host_syncs;
+  TORCH_CHECK(trap <= 0 || n != trap, "standin: host sync number ", n, " (CAPSTAN_STANDIN_SYNC_TRAP)");
+}
+
+bool host_pinned(const at::Tensor& t) { return t.data_ptr() != nullptr && host_owns(t.data_ptr()); }
+
+// The bytes of `src` into `dst` (either may be a device tensor): the copy itself, also used inside the
+// fallback, where it stands for no operation of the program's.
+void copy_bytes(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
+  at::Tensor s = src.is_privateuseone() ? cpu_alias(src) : src;
+  at::Tensor d = dst.is_privateuseone() ? cpu_alias(dst) : dst;
+  TORCH_CHECK(s.is_cpu() && d.is_cpu(), "standin copy between ", src.device(), " and ", dst.device());
+  at::native::copy_(d, s, non_blocking);
+}
+
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
-  // Host memory on both sides: a device tensor is copied through its CPU alias.
-  at::Tensor src = self.is_privateuseone() ? cpu_alias(self) : self;
-  at::Tensor out = dst.is_privateuseone() ? cpu_alias(dst) : dst;
-  TORCH_CHECK(src.is_cpu() && out.is_cpu(), "standin copy between ", self.device(), " and ", dst.device());
-  at::native::copy_(out, src, non_blocking);
+  if (self.is_privateuseone() && dst.is_cpu() && (!non_blocking || !host_pinned(dst))) count_sync();
+  if (self.is_cpu() && dst.is_privateuseone() && (!non_blocking || !host_pinned(self))) count_sync();
+  copy_bytes(self, dst, non_blocking);
   return dst;
 }
 
@@ -241,7 +265,10 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
-at::Scalar local_scalar_dense(const at::Tensor& self) { return at::native::_local_scalar_dense_cpu(cpu_alias(self)); }
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  count_sync();
+  return at::native::_local_scalar_dense_cpu(cpu_alias(self));
+}
 
 at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) { return at::native::set_tensor_(self, source); }
 at::Tensor& set_storage(at::Tensor& self, at::Storage source) { return at::native::set_(self, source); }
@@ -294,7 +321,7 @@ at::Tensor to_device(const at::Tensor& cpu, c10::Device device) {
   const c10::DeviceGuard guard(device);
   at::Tensor out = at::detail::empty_strided_generic(cpu.sizes(), cpu.strides(), device_alloc(), kKeys,
                                                      cpu.scalar_type());
-  copy_from(cpu, out, false);
+  copy_bytes(cpu, out, false);
   return out;
 }
 
@@ -446,6 +473,10 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromB
 extern "C" {
 
 __attribute__((visibility("default"))) int capstan_standin_abi_version() { return 1; }
+
+__attribute__((visibility("default"))) int64_t capstan_standin_host_syncs() {
+  return capstan_standin::host_syncs.load();
+}
 
 __attribute__((visibility("default"))) int capstan_standin_device_count() {
   return capstan_standin::device_count();

@@ -30,7 +30,7 @@ def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: Group | None =
                          f"{output.numel()} and {tensor.dtype} x {tensor.numel()}")
     if tensor.numel() % g.size:
         raise ValueError(f"all_to_all of {tensor.numel()} elements does not split into {g.size} equal parts")
-    if staged(tensor) or staged(output):
+    if (staged(tensor) or staged(output)) and g.size > 1:
         _on_host(lambda o, i: all_to_all(o, i, g), (output,), (tensor,))
         return output
     if g.size == 1 or tensor.numel() == 0:

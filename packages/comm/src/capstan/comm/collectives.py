@@ -225,7 +225,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group | None = None
                async_op: bool = False) -> torch.Tensor | CollectiveHandle:
     """Reduce `tensor` in place over the group (sum, avg, max or min); see the module docstring for async_op."""
     g = state.world() if group is None else group
-    if staged(tensor):
+    if staged(tensor) and g.size > 1:  # a group of one is an identity: nothing to stage (no host syncs)
         _check("tensor", tensor)
         _on_host(all_reduce, (tensor,), (), op, g)
         return _done("all_reduce", g) if async_op else tensor
@@ -286,7 +286,7 @@ def all_gather(
         even = len(set(counts)) == 1
     if async_op and not even:
         raise ValueError(f"all_gather with async_op=True needs equal counts, got {counts}")
-    if staged(tensor) or staged(output):
+    if (staged(tensor) or staged(output)) and g.size > 1:
         _on_host(lambda o, i: all_gather(o, i, g, counts), (output,), (tensor,))
         return _done("all_gather", g) if async_op else output
     if async_op:

@@ -56,6 +56,10 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def to_device(batch: object, device: torch.device) -> object:
     """A batch (a tuple / list / dict of tensors) on `device`."""
     if isinstance(batch, torch.Tensor):
+        if batch.device.type == "cpu" and is_accelerator(device) and not batch.is_pinned():
+            # From pageable memory a copy to a GPU waits for the device; from pinned memory it does not
+            # (what DataLoader(pin_memory=True) does).
+            batch = batch.pin_memory()
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
@@ -139,7 +143,8 @@ class Engine:
 
         # cp > 1: each rank of a cp group takes its tokens of every sequence (tensorpar/context.py)
         self.context = ContextParallel.of(groups.cp, config.parallel.cp_mode)
-        self._micro_losses: list[float] = []
+        # each micro-batch's loss, kept on its device until the step reads them all at once
+        self._micro_losses: list[torch.Tensor | float] = []
         self._step_start: float | None = None
         self._disk_peak = 0
         if self.chunked:
@@ -307,7 +312,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""
-        self._micro_losses.append(float(loss.detach()))
+        self._micro_losses.append(loss.detach())  # read at the step's end: no host sync per micro-batch
         scaled = loss / self.accum
         if self.scaler is not None:
             scaled = scaled * self.scaler.scale
@@ -351,7 +356,11 @@ class Engine:
     def _global_loss(self) -> float:
         """Mean over micro-batches and dp (x cp) ranks: equal-sized micro-batches (and sequence shards) make it
         the global mean."""
-        local = torch.tensor([sum(self._micro_losses) / len(self._micro_losses)], dtype=torch.float64)
+        kept = [x for x in self._micro_losses if isinstance(x, torch.Tensor)]
+        total = sum(x for x in self._micro_losses if not isinstance(x, torch.Tensor))
+        if kept:  # one host read for all of them (a sum of a few fp32 values in fp64 is exact in any order)
+            total += float(torch.stack([x.reshape(()).double() for x in kept]).sum())
+        local = torch.tensor([total / len(self._micro_losses)], dtype=torch.float64)
         comm.all_reduce(local, op="avg", group=self.groups.replicas)
         return float(local.item())
 

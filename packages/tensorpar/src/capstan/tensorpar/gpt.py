@@ -157,7 +157,9 @@ class GPTHead(ColumnParallelLinear):
         tile = int(self.tiled_loss) if self.tiled_loss is not True else default_tile(self.weight.shape[0])
         tokens = x.numel() // x.shape[-1]
         self.logits_peak = max(self.logits_peak, min(tile, tokens) * self.weight.shape[0] * 4)  # one fp32 tile
-        return tiled_head_cross_entropy(x, self.weight, targets, self.group, self.vocab_size, tile)
+        # The losses under loss_targets reach GPT.loss / gpt_loss, which take their mean: uniform gradients.
+        return tiled_head_cross_entropy(x, self.weight, targets, self.group, self.vocab_size, tile,
+                                        uniform_grad=True)
 
     def take_logits_peak(self) -> int:
         """The most bytes of logits (one tile's, with the tiled loss) since the last call."""

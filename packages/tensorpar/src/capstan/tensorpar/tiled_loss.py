@@ -58,7 +58,7 @@ def _tile_softmax(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, group: Grou
 class _TiledHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, group: Group, vocab: int | None,  # type: ignore[override]
-                tile: int) -> torch.Tensor:
+                tile: int, uniform_grad: bool) -> torch.Tensor:
         # h: [N, d] tokens; w: [V/tp, d] this rank's vocabulary rows; t: [N] global target ids
         n, v_local = h.shape[0], w.shape[0]
         start = group.rank * v_local
@@ -74,15 +74,17 @@ class _TiledHeadCrossEntropy(torch.autograd.Function):
             dh[a:b] = torch.matmul(p.to(w.dtype), w).float()
             dw += torch.matmul(p.t().to(h.dtype), h[a:b]).float()
         ctx.save_for_backward(h, w, t, dh, dw)
-        ctx.group, ctx.vocab, ctx.tile = group, vocab, tile
+        ctx.group, ctx.vocab, ctx.tile, ctx.uniform_grad = group, vocab, tile, uniform_grad
         return losses
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         h, w, t, dh, dw = ctx.saved_tensors
-        if bool((grad == grad[0]).all()):  # a mean (or sum): the unit gradients formed in forward, scaled
+        # A mean (or sum): the unit gradients formed in forward, scaled. The caller may say so (uniform_grad):
+        # checking costs a host sync on an accelerator, in every backward.
+        if ctx.uniform_grad or bool((grad == grad[0]).all()):
             g = grad[0]
-            return (dh * g).to(h.dtype), (dw * g).to(w.dtype), None, None, None, None
+            return (dh * g).to(h.dtype), (dw * g).to(w.dtype), None, None, None, None, None
         group, tile = ctx.group, ctx.tile  # any other gradient: the tiles again, each scaled per token
         start = group.rank * w.shape[0]
         valid = w.shape[0] if ctx.vocab is None else max(0, min(w.shape[0], ctx.vocab - start))
@@ -95,7 +97,7 @@ class _TiledHeadCrossEntropy(torch.autograd.Function):
             p.mul_(grad[a:b].unsqueeze(-1))
             gh[a:b] = torch.matmul(p.to(w.dtype), w).float()
             gw += torch.matmul(p.t().to(h.dtype), h[a:b]).float()
-        return gh.to(h.dtype), gw.to(w.dtype), None, None, None, None
+        return gh.to(h.dtype), gw.to(w.dtype), None, None, None, None, None
 
 
 def _losses_only(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, group: Group, vocab: int | None, tile: int
@@ -111,9 +113,12 @@ def _losses_only(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, group: Group
 
 
 def tiled_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: Group,
-                             vocab_size: int | None = None, tile: int | None = None) -> torch.Tensor:
+                             vocab_size: int | None = None, tile: int | None = None,
+                             uniform_grad: bool = False) -> torch.Tensor:
     """Per-token losses [...] of `hidden` [..., d] through a vocabulary-split head `weight` [V/tp, d] against
-    `targets` [...] (module docstring); equal to vocab_parallel_cross_entropy of the head's logits."""
+    `targets` [...] (module docstring); equal to vocab_parallel_cross_entropy of the head's logits.
+    uniform_grad: the caller reduces the losses to their mean (or sum), so every token's gradient is the
+    same and backward scales the unit gradients without checking (the check is a host sync on a GPU)."""
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)}[:-1]")
     tile = tile or default_tile(weight.shape[0])
@@ -121,5 +126,5 @@ def tiled_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
         return _losses_only(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), group, vocab_size,
                             tile).view(targets.shape)  # evaluation: no unit gradients to form
     flat = _TiledHeadCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), group,
-                                        vocab_size, tile)
+                                        vocab_size, tile, uniform_grad)
     return flat.view(targets.shape)
