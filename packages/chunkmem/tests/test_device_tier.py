@@ -67,6 +67,22 @@ def test_ram_buffers_are_kept_for_chunks_on_the_device(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_gradient_chunks_are_made_on_the_device_not_copied_up_as_zeros(device: str) -> None:
+    """After the step a gradient chunk reads as zeros; the next backward needs it on the device, where it
+    is made (zeroed there), instead of zeroing RAM and copying the zeros up every step."""
+    moves: list[tuple[ChunkKind, str | None]] = []
+    manager = ChunkManager(None, audit=True, device=device)
+    real = manager._to_device
+    manager._to_device = lambda entry, fresh=None: (moves.append((entry.chunk.kind, fresh)),  # type: ignore
+                                                    real(entry, fresh))[1]
+    want, _ = _train(ChunkManager(None, audit=True), 4, "cpu", dtype=torch.float32)
+    got, _ = _train(manager, 4, device, dtype=torch.float32)
+    grads = [fresh for kind, fresh in moves if kind == ChunkKind.GRAD]
+    assert grads and all(fresh is not None for fresh in grads), moves  # never copied from RAM
+    assert got == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_prefetch_to_the_device_skips_chunks_pinned_in_ram(device: str) -> None:
     """A chunk pinned in RAM (the overlapped optimizer's worker reads it there) stays there: the prefetch
     that would copy it up ahead of use leaves it for later."""

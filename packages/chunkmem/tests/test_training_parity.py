@@ -261,9 +261,9 @@ def test_a_device_tier_above_ram_and_disk_trains_like_plain_pytorch(device: str,
     to_device = manager._to_device
     kinds_on_device: set[ChunkKind] = set()
 
-    def spy(entry) -> None:
+    def spy(entry, fresh=None) -> None:
         kinds_on_device.add(entry.chunk.kind)
-        to_device(entry)
+        to_device(entry, fresh)
 
     manager._to_device = spy  # type: ignore[method-assign]
     got = []

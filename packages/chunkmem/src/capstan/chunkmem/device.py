@@ -157,21 +157,29 @@ class DeviceMoves:
         self.dev.capacity = self.device_warmup = max(self.device_warmup or 0, nbytes)
 
     # ---- moves ---------------------------------------------------------------------------------------------
-    def _to_device(self, entry: _Entry) -> None:
-        """RAM -> device, asynchronously (the caller pins the entry, so making room cannot evict it)."""
+    def _to_device(self, entry: _Entry, fresh: str | None = None) -> None:
+        """RAM -> device, asynchronously (the caller pins the entry, so making room cannot evict it).
+        fresh: "zeros" or "empty" makes the device buffer there instead of copying RAM's (a stale chunk)."""
         chunk = entry.chunk
-        assert self.dev is not None and self.transfers is not None and entry.where == "cpu"
+        assert self.dev is not None and self.transfers is not None
+        assert entry.where == "cpu" or (fresh is not None and entry.where is None), entry.where
         self._make_device_room(chunk.nbytes, protect=chunk.chunk_id)
         self.dev.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
-        host = chunk.payload
-        # A copy into `host` still in flight runs first: both are on the copy stream, in order.
-        buf, event = self.transfers.to_device(host)
+        host = chunk.payload if entry.where == "cpu" else None  # None: freed, no RAM buffer
+        if fresh is not None:
+            buf, event = self.transfers.fresh(chunk.capacity, chunk.dtype, zero=fresh == "zeros"), None
+        else:
+            # A copy into `host` still in flight runs first: both are on the copy stream, in order.
+            buf, event = self.transfers.to_device(host)
         chunk.payload, entry.where, entry.arriving, entry.landing = buf, "device", event, None
-        if self._keeps_host(entry):
+        if host is None:
+            pass  # nothing in RAM (a kept buffer of an earlier visit stays kept, and counted)
+        elif self._keeps_host(entry):
             entry.spare, entry.spare_busy = host, event  # stays counted in the cpu tier, reused on the way back
         else:
             self._retire(event, self.cpu, chunk.nbytes, host)  # the cpu bytes go once the copy has read them
-        self.dev.stats.bytes_in += chunk.nbytes
+        if fresh is None:
+            self.dev.stats.bytes_in += chunk.nbytes
         self._resident(chunk)  # type: ignore[attr-defined]
 
     def _off_device(self, entry: _Entry) -> None:

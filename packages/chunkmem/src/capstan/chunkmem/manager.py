@@ -144,11 +144,19 @@ class ChunkManager(DeviceMoves):
         elif entry.where == "device" and entry.prefetched:
             self.counters["device_prefetch_hits"] += 1
         entry.prefetched = False
+        # A chunk that reads as zeros (a gradient chunk after the step: freed, or stale in RAM) bound for
+        # the device is made there, zeroed on the device (left as it is for an overwrite): zeroing RAM and
+        # copying the zeros up would move nothing but cost a copy, and a RAM buffer where there was none.
+        fresh = None
+        if on_device and entry.where != "device" and entry.read is None and entry.write is None \
+                and self.reads_as_zeros(chunk_id):
+            fresh = "empty" if overwrite else "zeros"
+            entry.stale = False
         if entry.read is not None:  # prefetched: wait for the read to land
             waited = entry.read.done()
             self._finish_read(entry)
             self.counters["prefetch_hits" if waited else "prefetch_misses"] += 1
-        elif entry.where not in ("cpu", "device"):
+        elif entry.where not in ("cpu", "device") and fresh is None:
             self._load(entry, overwrite)
         if entry.stale:
             if not overwrite:
@@ -158,7 +166,7 @@ class ChunkManager(DeviceMoves):
         if on_device and entry.where != "device":
             entry.pins += 1  # so that making room on the device (into RAM) cannot evict it to disk
             try:
-                self._to_device(entry)
+                self._to_device(entry, fresh)
             finally:
                 entry.pins -= 1
         if on_device:

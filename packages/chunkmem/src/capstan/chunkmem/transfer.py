@@ -63,6 +63,11 @@ class Transfers:
         buf.record_stream(self.stream)  # type: ignore[arg-type]
         return buf, event
 
+    def fresh(self, numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
+        """A device buffer made on the compute stream, zeroed there or left uninitialized: no copy."""
+        make = torch.zeros if zero else torch.empty
+        return make(numel, dtype=dtype, device=self.device)
+
     def to_host(self, dev: torch.Tensor, host: torch.Tensor) -> object | None:
         """Copy `dev` into `host`; the event after which `host` holds it (None: done)."""
         self.copies += 1
