@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import mpi_backend, state
-from .device import pick_device, transport
+from .device import device_module, is_accelerator, pick_device, transport
 from .errors import DirLiveness, Liveness, StoreLiveness
 from .groups import Group, warm_up
 from .launch_env import LaunchError, LaunchInfo, detect_launch
@@ -105,8 +105,8 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     if backend == "nccl" and how != "nccl":
         raise ValueError(f"comm backend 'nccl' needs a GPU per local rank: {info.describe('local_world_size')} "
                          f"but {torch.cuda.device_count()} GPU(s) visible")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    if is_accelerator(dev):  # tensors made with the bare device type ("cuda") land on this rank's device
+        device_module(dev).set_device(dev)
 
     mpi_comm = _mpi_world(info, required=backend == "mpi")
     with _InitWatchdog(info, td):
