@@ -1,297 +1,107 @@
 """Benchmark: capstan on one GPU against a plain PyTorch loop, FSDP2 with CPU offload and DeepSpeed.
 
-    python tools/bench_gpu.py --quick                     # speed sections on a ~0.1B GPT (a few minutes)
-    python tools/bench_gpu.py --d-model 2048 --layers 24  # the speed sections on a 1.3B GPT
-    python tools/bench_gpu.py --scale                     # the largest GPT each system trains a step of
+    python tools/bench_gpu.py --quick                     # speed and peers on a ~0.1B GPT (a few minutes)
+    python tools/bench_gpu.py --d-model 2048 --layers 24  # the same on a 1.3B GPT
+    python tools/bench_gpu.py --sections scale            # the largest GPT each system trains a step of
+    python tools/bench_gpu.py --device standin --tiny     # every section on the CPU's stand-in (a minute)
 
-Every figure comes from the same run on the same GPU (docs/benchmarks.md says which). Each
-measurement runs in a subprocess of its own, so one system's memory (or its out-of-memory error)
-never touches the next. Sections:
+Every figure comes from the same run on the same device (docs/benchmarks.md says which). Each
+measurement (tools/gpu/systems.py) runs in a subprocess of its own, so one system's memory (or its
+out-of-memory error) never touches the next; `--deadline` bounds the whole run (each subprocess gets what is left), and the
+JSON report is rewritten after every section, so a run stopped from outside keeps what it measured.
+Sections (`--sections`, default speed,peers):
 
-* ``no-offload``: tokens/s of capstan (train.device = "cuda", bf16, ZeRO 0, fused AdamW on the GPU)
+* ``speed``: tokens/s of capstan (train.device = the device, bf16, ZeRO 0, fused AdamW on the device)
   over a plain loop over the same model (torch.optim.AdamW(fused=True), bf16 autocast,
-  clip_grad_norm_). Target >= 0.95x.
-* ``offload``: capstan with memory.offload = "cpu" (16-bit parameter chunks on the GPU, fp32 masters
-  and Adam moments in RAM, the native CPU Adam) over capstan without offload on the same model.
-  Target >= 0.5x. Reported with TFLOPS per GPU (6 x params x tokens/s) and the model FLOPs
+  clip_grad_norm_), target >= 0.95x; and capstan with memory.offload = "cpu" (16-bit parameter chunks
+  on the device, fp32 masters and Adam moments in RAM, the native CPU Adam) over capstan without
+  offload, target >= 0.5x. With TFLOPS (6 x params x tokens/s) and, on CUDA, the model FLOPs
   utilization against the dense bf16 matmul rate measured at start.
-* ``deepspeed``: DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, DeepSpeedCPUAdam) on the same
-  model and batch, when deepspeed imports (carry its wheel in; its CPU Adam builds at first use).
-  Target: capstan offload >= 1.5x.
-* ``fsdp``: FSDP2 (`fully_shard` per block) with `CPUOffloadPolicy` and bf16 `MixedPrecisionPolicy`, the
-  optimizer stepping on the CPU: PyTorch's own offload, on the same model and batch.
-* ``scale`` (--scale): the largest GPT (d_model fixed, layers doubled then bisected) that trains
-  one step: plain PyTorch (all on the GPU), FSDP2 with CPU offload, DeepSpeed ZeRO-Offload (when it
-  imports) and capstan with offload cpu (and disk with --disk DIR); capstan's over each peer's.
+* ``peers``: capstan offload cpu against FSDP2 (`fully_shard` per block) with `CPUOffloadPolicy` and
+  bf16 `MixedPrecisionPolicy`, the optimizer stepping on the CPU (PyTorch's own offload), and
+  DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, DeepSpeedCPUAdam) where deepspeed imports
+  (carry its wheel in; its CPU Adam builds at first use), target: capstan >= 1.5x; on the same model
+  and batch.
+* ``scale``: the largest GPT (d_model fixed, layers searched from an estimate by doubling or halving,
+  then bisection to `--scale-resolution`) that trains one step: plain PyTorch (all on the device) and
+  capstan with offload cpu and disk (`--disk DIR`); FSDP2 and DeepSpeed too with `--scale-peers`.
+  Each system gets a share of the time left; a search cut short says so ("end": "deadline") and
+  gives the bounds it had.
+
+``--device standin`` runs all of it on the CPU suite's stand-in accelerator (capstan.native.standin,
+loaded in each subprocess before anything else) with `--tiny` sizes, in fp32 (torch's autocast has no
+stand-in kernels), and its memory capped by ``--standin-memory`` so the scale search ends: a check that
+the benchmark runs end to end and fits its time, never a measurement of speed. FSDP2 (it needs a
+process group with a backend on the device) and DeepSpeed (not installed there) are recorded as
+skipped with the reason, as is anything else that cannot run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 50304
 
 
-def _gpt_config(args: argparse.Namespace, layers: int | None = None) -> dict:
-    return {"model": {"n_layers": layers or args.layers, "n_heads": args.d_model // 64, "d_model": args.d_model,
-                      "seq_len": args.seq, "vocab_size": 50304},
+def _gpt_config(args: argparse.Namespace, layers: int | None = None, d_model: int | None = None) -> dict:
+    d = d_model or args.d_model
+    return {"model": {"n_layers": layers or args.layers, "n_heads": max(1, d // 64), "d_model": d,
+                      "seq_len": args.seq, "vocab_size": args.vocab},
             "data": {"source": "stdlib", "max_bytes": 4_000_000},
             "train": {"steps": args.steps, "micro_batch_size": args.micro, "grad_accum_steps": 1, "lr": 1e-4,
-                      "min_lr": 1e-5, "warmup_steps": 0, "grad_clip": 1.0, "device": "cuda"},
-            "precision": {"dtype": "bf16"},
-            "log": {"run_dir": "/tmp/capstan-bench-gpu"}}
+                      "min_lr": 1e-5, "warmup_steps": 0, "grad_clip": 1.0, "device": args.device},
+            "precision": {"dtype": args.dtype},
+            "log": {"run_dir": str(Path(tempfile.gettempdir()) / "capstan-bench-gpu")}}
 
 
-# ---- one measurement, in a subprocess -----------------------------------------------------------------
-def _tokens(cfg: dict, n: int) -> list:
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    m, t = cfg["model"], cfg["train"]
-    return [torch.randint(0, m["vocab_size"], (t["micro_batch_size"], m["seq_len"] + 1), generator=g)
-            for _ in range(n)]
+def _params(layers: int, d: int, vocab: int) -> int:
+    return layers * 12 * d * d + 2 * vocab * d
 
 
-def run_capstan(cfg: dict) -> dict:
-    import torch
+# ---- the parent: subprocesses, the deadline, skips --------------------------------------------------
+class Runner:
+    """Starts each measurement in a subprocess on `args.device` within what is left of the deadline."""
 
-    from capstan.engine import initialize
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.deadline = time.monotonic() + args.deadline if args.deadline else math.inf
 
-    torch.backends.cuda.matmul.allow_tf32 = True
-    engine = initialize(config=cfg)
-    batches = _tokens(cfg, cfg["train"]["steps"])
-    params = sum(p.numel() for p in engine.module.parameters()) if not engine.chunked else \
-        sum(h.slot.numel for h in engine.module.homes.values())
-    times = []
-    for b in batches:
-        it = iter([(b[:, :-1], b[:, 1:])])
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        info = engine.train_batch(it)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        assert info.loss == info.loss, "NaN loss"
-    engine.close()
-    return {"params": params, "step_s": _median(times[2:]), "peak_gpu": torch.cuda.max_memory_allocated()}
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
 
-
-def run_plain(cfg: dict) -> dict:
-    import torch
-
-    from capstan import comm
-    from capstan.engine.build import build_reference_model
-    from capstan.engine.config import resolve
-
-    torch.backends.cuda.matmul.allow_tf32 = True
-    c, _ = resolve(cfg)
-    model = build_reference_model(c, comm.single_process_groups()).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    return _torch_loop(cfg, model, opt, autocast=True)
-
-
-def _torch_loop(cfg: dict, model: object, opt: object, autocast: bool) -> dict:
-    """Time a plain torch training loop (bf16 autocast or the model's own precision policy)."""
-    import contextlib
-
-    import torch
-
-    params = sum(p.numel() for p in model.parameters())
-    times = []
-    for b in _tokens(cfg, cfg["train"]["steps"]):
-        x, y = b[:, :-1].cuda(non_blocking=True), b[:, 1:].cuda(non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            out = model(x)
-        loss = model.loss(out.float(), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return {"params": params, "step_s": _median(times[2:]), "peak_gpu": torch.cuda.max_memory_allocated()}
-
-
-def run_fsdp(cfg: dict) -> dict:
-    """FSDP2 (`fully_shard` per block and at the root) with `CPUOffloadPolicy`: parameters, gradients
-    and optimizer states in pinned RAM, each block's parameters copied to the GPU for its compute,
-    the optimizer (torch AdamW) stepping on the CPU; bf16 compute through `MixedPrecisionPolicy`."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    from capstan import comm
-    from capstan.engine.build import build_reference_model
-    from capstan.engine.config import resolve
-
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29518"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", 0))
-    c, _ = resolve(cfg)
-    model = build_reference_model(c, comm.single_process_groups())
-    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=True),
-              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    for layer in model.layers:
-        fully_shard(layer, **policy)
-    fully_shard(model, **policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    result = _torch_loop(cfg, model, opt, autocast=False)  # bf16 through the MixedPrecisionPolicy
-    dist.destroy_process_group()
-    return result
-
-
-def run_deepspeed(cfg: dict) -> dict:
-    import deepspeed
-    import torch
-
-    from capstan import comm
-    from capstan.engine.build import build_reference_model
-    from capstan.engine.config import resolve
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    c, _ = resolve(cfg)
-    model = build_reference_model(c, comm.single_process_groups())
-    ds = {"train_micro_batch_size_per_gpu": cfg["train"]["micro_batch_size"], "gradient_accumulation_steps": 1,
-          "gradient_clipping": 1.0, "bf16": {"enabled": True},
-          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                "contiguous_gradients": True, "overlap_comm": True},
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}}}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    times = []
-    for b in _tokens(cfg, cfg["train"]["steps"]):
-        x, y = b[:, :-1].cuda(), b[:, 1:].cuda()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = model.loss(engine(x).float(), y)
-        engine.backward(loss)
-        engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return {"params": sum(p.numel() for p in model.parameters()), "step_s": _median(times[2:]),
-            "peak_gpu": torch.cuda.max_memory_allocated()}
-
-
-def matmul_rate() -> dict:
-    """Dense bf16 matmul TFLOPS measured here: the denominator of the model FLOPs utilization."""
-    import torch
-
-    n = 8192
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize()
-    return {"tflops": 10 * 2 * n**3 / (time.perf_counter() - t0) / 1e12}
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else float("nan")
-
-
-def _child(kind: str, cfg: dict, timeout: float) -> dict:
-    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'tools')!r}); import bench_gpu as b; "
-            f"print('RESULT ' + json.dumps(b.{kind}(json.loads(sys.argv[1]))))")
-    try:
-        done = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-    oom = any("out of memory" in x.lower() or "outofmemory" in x.lower() for x in tail)
-    return {"error": "out of memory" if oom else " | ".join(tail)}
-
-
-# ---- sections -----------------------------------------------------------------------------------------
-def speed(args: argparse.Namespace, report: dict) -> None:
-    cfg = _gpt_config(args)
-    tokens = args.micro * args.seq
-    peak = _child("matmul_rate", {}, 120).get("tflops", float("nan"))
-    report["matmul_tflops"] = peak
-    rows = {"plain PyTorch": _child("run_plain", cfg, args.timeout),
-            "capstan": _child("run_capstan", cfg, args.timeout),
-            "capstan offload cpu": _child("run_capstan", {**cfg, "memory": {"offload": "cpu"}}, args.timeout)}
-    rows["FSDP2 CPUOffloadPolicy"] = _child("run_fsdp", cfg, args.timeout)
-    if _has_deepspeed():
-        rows["DeepSpeed ZeRO-Offload"] = _child("run_deepspeed", cfg, args.timeout)
-    for name, r in rows.items():
-        if "step_s" in r:
-            r["tokens_per_s"] = tokens / r["step_s"]
-            r["tflops"] = 6 * r["params"] * tokens / r["step_s"] / 1e12
-            r["mfu"] = r["tflops"] / peak
-    report["speed"] = rows
-    print(f"GPT {rows['capstan'].get('params', 0) / 1e6:.0f}M, micro-batch {args.micro} x {args.seq} tokens, "
-          f"bf16; dense bf16 matmul {peak:.0f} TFLOPS")
-    for name, r in rows.items():
-        if "error" in r:
-            print(f"  {name:24s} {r['error']}")
-        else:
-            print(f"  {name:24s} {r['step_s'] * 1e3:8.1f} ms/step {r['tokens_per_s']:10.0f} tok/s "
-                  f"{r['tflops']:6.1f} TFLOPS (MFU {r['mfu']:.2f}) peak GPU {r['peak_gpu'] / 2**30:.1f} GiB")
-
-    def ratio(a: str, b: str) -> float | None:
-        ra, rb = rows.get(a, {}), rows.get(b, {})
-        return rb["step_s"] / ra["step_s"] if "step_s" in ra and "step_s" in rb else None
-
-    report["ratios"] = {"capstan / plain (target >= 0.95)": ratio("capstan", "plain PyTorch"),
-                        "capstan offload / capstan (target >= 0.5)": ratio("capstan offload cpu", "capstan"),
-                        "capstan offload / DeepSpeed ZeRO-Offload (target >= 1.5)":
-                            ratio("capstan offload cpu", "DeepSpeed ZeRO-Offload"),
-                        "capstan offload / FSDP2 CPUOffloadPolicy": ratio("capstan offload cpu",
-                                                                          "FSDP2 CPUOffloadPolicy")}
-    for name, value in report["ratios"].items():
-        print(f"  {name}: {'n/a' if value is None else f'{value:.2f}x'}")
-
-
-def scale(args: argparse.Namespace, report: dict) -> None:
-    systems = {"plain PyTorch": ("run_plain", {}), "FSDP2 CPUOffloadPolicy": ("run_fsdp", {}),
-               "capstan offload cpu": ("run_capstan", {"offload": "cpu"})}
-    if _has_deepspeed():
-        systems["DeepSpeed ZeRO-Offload"] = ("run_deepspeed", {})
-    if args.disk:
-        systems["capstan offload disk"] = ("run_capstan", {"offload": "disk", "disk_dir": args.disk,
-                                                           "cpu_budget": args.cpu_budget})
-    out = {}
-    for name, (kind, memory) in systems.items():
-        def fits(layers: int) -> bool:
-            cfg = _gpt_config(args, layers)
-            cfg["train"]["steps"] = 1
-            cfg["memory"] = memory
-            return "step_s" in _child(kind, cfg, args.timeout)
-
-        lo, hi = 0, 1
-        while fits(hi):  # doubling, then bisection: the largest layer count that trains a step
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        d = args.d_model
-        out[name] = {"layers": lo, "params": lo * 12 * d * d + 2 * 50304 * d}
-        print(f"  {name:24s} {lo} layers of d {d}: {out[name]['params'] / 1e9:.2f}B parameters")
-    report["scale"] = out
-    best = max((r["params"] for n, r in out.items() if n.startswith("capstan")), default=0)
-    for peer, target in (("plain PyTorch", 3.0), ("DeepSpeed ZeRO-Offload", 1.2), ("FSDP2 CPUOffloadPolicy", None)):
-        if out.get(peer, {}).get("params"):
-            ratio = best / out[peer]["params"]
-            report.setdefault("scale_ratios", {})[f"capstan / {peer}"] = ratio
-            print(f"  capstan / {peer}: {ratio:.2f}x" + (f" (target >= {target})" if target else ""))
+    def __call__(self, kind: str, cfg: dict, timeout: float | None = None) -> dict:
+        timeout = min(timeout or self.args.timeout, self.left())
+        if timeout < 5:
+            return {"error": "not started: the run's deadline (--deadline) was reached"}
+        load = "from capstan.native import standin; standin.load(); " if self.args.device == "standin" else ""
+        code = (f"import json, sys; {load}sys.path.insert(0, {str(ROOT / 'tools' / 'gpu')!r}); import systems; "
+                f"print('RESULT ' + json.dumps(systems.{kind}(json.loads(sys.argv[1]))))")
+        env = dict(os.environ)
+        if self.args.device == "standin":
+            env.update(CAPSTAN_STANDIN_DEVICES="1", CAPSTAN_STANDIN_MEMORY=str(self.args.standin_memory))
+        t0 = time.monotonic()
+        try:
+            done = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], capture_output=True, text=True,
+                                  timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s", "wall_s": round(time.monotonic() - t0, 1)}
+        wall = round(time.monotonic() - t0, 1)
+        for line in done.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return {**json.loads(line[7:]), "wall_s": wall}
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        oom = any("out of memory" in x.lower() or "outofmemory" in x.lower() for x in tail)
+        return {"error": "out of memory" if oom else " | ".join(tail), "wall_s": wall}
 
 
 def _has_deepspeed() -> bool:
@@ -300,29 +110,294 @@ def _has_deepspeed() -> bool:
     return find_spec("deepspeed") is not None
 
 
-def main() -> None:
+def peer_skips(device: str) -> dict[str, str]:
+    """The peers that cannot run on `device`, with the reason (recorded in the report, never silent)."""
+    skips = {}
+    if device != "cuda":
+        skips["FSDP2 CPUOffloadPolicy"] = (f"FSDP2 needs a process group with a backend on the device "
+                                           f"(cpu:gloo,cuda:nccl); {device} has none")
+    if not _has_deepspeed():
+        skips["DeepSpeed ZeRO-Offload"] = "deepspeed does not import here (carry its wheel in .whl/)"
+    elif device != "cuda":
+        skips["DeepSpeed ZeRO-Offload"] = f"DeepSpeed's accelerators do not include {device}"
+    return skips
+
+
+def _throughput(rows: dict, tokens: int, peak: float | None) -> None:
+    for r in rows.values():
+        if "step_s" in r:
+            r["tokens_per_s"] = tokens / r["step_s"]
+            r["tflops"] = 6 * r["params"] * tokens / r["step_s"] / 1e12
+            if peak:
+                r["mfu"] = r["tflops"] / peak
+
+
+def _print_rows(rows: dict) -> None:
+    for name, r in rows.items():
+        if "step_s" in r:
+            mfu = f" (MFU {r['mfu']:.2f})" if "mfu" in r else ""
+            print(f"  {name:24s} {r['step_s'] * 1e3:8.1f} ms/step {r['tokens_per_s']:10.0f} tok/s "
+                  f"{r['tflops']:8.3f} TFLOPS{mfu} peak device {r['peak_device'] / 2**30:.2f} GiB")
+        else:
+            print(f"  {name:24s} {'skipped: ' + r['skipped'] if 'skipped' in r else r.get('error')}")
+
+
+def _ratio(rows: dict, a: str, b: str) -> float | None:
+    """How many times faster `a` steps than `b` (None where either did not run)."""
+    ra, rb = rows.get(a, {}), rows.get(b, {})
+    return rb["step_s"] / ra["step_s"] if "step_s" in ra and "step_s" in rb else None
+
+
+# ---- sections -----------------------------------------------------------------------------------------
+def speed(args: argparse.Namespace, run: Runner, report: dict) -> None:
+    cfg = _gpt_config(args)
+    peak = None
+    if args.device == "cuda":
+        peak = run("matmul_rate", cfg, 120).get("tflops")
+    else:
+        report["skipped"]["matmul rate"] = f"no matmul rate on {args.device}: its speed is the host's"
+    report["matmul_tflops"] = peak
+    rows = {"plain PyTorch": run("run_plain", cfg), "capstan": run("run_capstan", cfg),
+            "capstan offload cpu": run("run_capstan", {**cfg, "memory": {"offload": "cpu"}})}
+    _throughput(rows, args.micro * args.seq, peak)
+    report["speed"] = rows
+    print(f"speed: GPT {rows['capstan'].get('params', 0) / 1e6:.1f}M, micro-batch {args.micro} x {args.seq} "
+          f"tokens, {args.dtype} on {args.device}" + (f"; dense bf16 matmul {peak:.0f} TFLOPS" if peak else ""))
+    _print_rows(rows)
+    report["ratios"].update({
+        "capstan / plain (target >= 0.95)": _ratio(rows, "capstan", "plain PyTorch"),
+        "capstan offload / capstan (target >= 0.5)": _ratio(rows, "capstan offload cpu", "capstan")})
+
+
+def peers(args: argparse.Namespace, run: Runner, report: dict) -> None:
+    cfg = _gpt_config(args, args.peers_layers, args.peers_d_model)
+    skips = peer_skips(args.device)
+    rows = {"capstan offload cpu": run("run_capstan", {**cfg, "memory": {"offload": "cpu"}})}
+    for name, kind in (("FSDP2 CPUOffloadPolicy", "run_fsdp"), ("DeepSpeed ZeRO-Offload", "run_deepspeed")):
+        if name in skips:
+            rows[name] = {"skipped": skips[name]}
+            report["skipped"][f"peers: {name}"] = skips[name]
+        else:
+            rows[name] = run(kind, cfg)
+    _throughput(rows, args.micro * args.seq, report.get("matmul_tflops"))
+    report["peers"] = rows
+    print(f"peers: GPT {rows['capstan offload cpu'].get('params', 0) / 1e6:.1f}M, micro-batch {args.micro} x "
+          f"{args.seq} tokens on {args.device}")
+    _print_rows(rows)
+    report["ratios"].update({
+        "capstan offload / DeepSpeed ZeRO-Offload (target >= 1.5)":
+            _ratio(rows, "capstan offload cpu", "DeepSpeed ZeRO-Offload"),
+        "capstan offload / FSDP2 CPUOffloadPolicy": _ratio(rows, "capstan offload cpu", "FSDP2 CPUOffloadPolicy")})
+
+
+def search_largest(fits, start: int, deadline: float, resolution: float = 1.25, cap: int = 1 << 16,
+                   clock=time.monotonic) -> dict:
+    """The largest n >= 1 with fits(n) true, assuming fits is monotone: from `start`, doubling (or
+    halving) until the answer changes, then bisecting until hi / lo <= `resolution`. A probe is started
+    only when the last one's time fits before `deadline` (clock() seconds); n never passes `cap`.
+    Returns lo ("layers": the largest that fit, 0 if none), hi ("fails_at": the smallest that failed,
+    None if none), the probes (n, fit, seconds), and how the search ended ("end": "found", "none fits",
+    "cap" (lo is the cap: at least this) or "deadline" (cut short: lo is a lower bound))."""
+    probes: list[tuple[int, bool, float]] = []
+    lo, hi = 0, None
+    n, last = max(1, min(start, cap)), 0.0
+    while True:
+        if clock() + last > deadline:
+            end = "deadline"
+            break
+        t0 = clock()
+        ok = bool(fits(n))
+        last = clock() - t0
+        probes.append((n, ok, round(last, 1)))
+        lo, hi = (n, hi) if ok else (lo, n)
+        if hi is None:
+            if n >= cap:
+                end = "cap"
+                break
+            n = min(cap, n * 2)
+        elif lo == 0:
+            if n == 1:
+                end = "none fits"
+                break
+            n = max(1, n // 2)
+        elif hi - lo <= 1 or hi / lo <= resolution:
+            end = "found"
+            break
+        else:
+            n = (lo + hi) // 2
+    return {"layers": lo, "fails_at": hi, "end": end, "probes": probes}
+
+
+def _meminfo_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 << 30
+
+
+def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
+    d = args.scale_d_model
+    per_layer = 12 * d * d
+    info = run("device_info", _gpt_config(args, 1, d), 120)
+    free = info.get("free") or 0
+    ram = _meminfo_available()
+    disk_dir = args.disk or str(Path(tempfile.gettempdir()) / "capstan-bench-disk")
+    Path(disk_dir).mkdir(parents=True, exist_ok=True)
+    disk = shutil.disk_usage(disk_dir).free
+    # Starting points: plain holds fp32 parameters, gradients and two moments on the device (16 bytes a
+    # parameter, plus activations); capstan offload keeps ~20 bytes a parameter in RAM (masters, moments,
+    # gradients, the 16-bit copies) and, with disk, the masters and moments (12) on disk.
+    starts = {"plain": 0.7 * free / (18 * per_layer), "cpu": 0.6 * ram / (24 * per_layer),
+              "disk": 0.6 * (ram + disk) / (24 * per_layer)}
+    systems = {"plain PyTorch": ("run_plain", {}, starts["plain"]),
+               "capstan offload cpu": ("run_capstan", {"offload": "cpu"}, starts["cpu"]),
+               "capstan offload disk": ("run_capstan", {"offload": "disk", "disk_dir": disk_dir,
+                                                        "cpu_budget": args.cpu_budget}, starts["disk"])}
+    skips = peer_skips(args.device) if args.scale_peers else {}
+    if args.scale_peers:
+        for name, kind in (("FSDP2 CPUOffloadPolicy", "run_fsdp"), ("DeepSpeed ZeRO-Offload", "run_deepspeed")):
+            if name in skips:
+                report["skipped"][f"scale: {name}"] = skips[name]
+            else:
+                systems[name] = (kind, {}, starts["cpu"])
+    out = report["scale"] = {"d_model": d, "device": info, "ram_available": ram, "disk_free": disk, "systems": {}}
+    shares = {"plain PyTorch": 1.0, "FSDP2 CPUOffloadPolicy": 1.0, "DeepSpeed ZeRO-Offload": 1.0,
+              "capstan offload cpu": 2.0, "capstan offload disk": 2.0}
+    names = list(systems)
+    for i, name in enumerate(names):
+        kind, memory, start = systems[name]
+        weight = shares[name] / sum(shares[n] for n in names[i:])
+        until = time.monotonic() + max(0.0, run.left() - 10) * weight
+
+        why: dict[int, str] = {}
+
+        def fits(layers: int, kind=kind, memory=memory, why=why) -> bool:
+            cfg = _gpt_config(args, layers, d)
+            cfg["train"]["steps"] = 1
+            cfg["memory"] = memory
+            result = run(kind, cfg, until - time.monotonic())
+            if "step_s" not in result:
+                why[layers] = result.get("error", "?")[-300:]
+            return "step_s" in result
+
+        found = search_largest(fits, max(1, int(start)), until, args.scale_resolution, args.scale_max_layers)
+        # A failure other than running out of memory (or time) is a defect, not a size limit: named apart
+        found["failures"] = {str(n): e for n, e in why.items()}
+        found["not_memory"] = sorted(n for n, e in why.items() if e != "out of memory" and "timed out" not in e)
+        found["params"] = _params(found["layers"], d, args.vocab)
+        out["systems"][name] = found
+        bound = {"found": "", "none fits": "", "cap": " (the search's cap: at least this)",
+                 "deadline": " (search cut short by the deadline: at least this)"}[found["end"]]
+        print(f"  {name:24s} {found['layers']} layers of d {d}: {found['params'] / 1e9:.3f}B parameters{bound}, "
+              f"fails at {found['fails_at']}; probes {found['probes']}")
+        report["ratios"] = {**{k: v for k, v in report["ratios"].items() if not k.startswith("scale:")},
+                            **_scale_ratios(out["systems"])}
+        _write(args, report)
+    for key, value in report["ratios"].items():
+        if key.startswith("scale:"):
+            print(f"  {key}: {value:.2f}x")
+
+
+def _scale_ratios(systems: dict) -> dict[str, float]:
+    """capstan's largest over each peer's; a bound where a search ended at its cap or deadline."""
+    capstan = {n: r for n, r in systems.items() if n.startswith("capstan")}
+    if not capstan:
+        return {}
+    best = max(capstan.values(), key=lambda r: r["params"])
+    out = {}
+    for peer, target in (("plain PyTorch", 3.0), ("DeepSpeed ZeRO-Offload", 1.2), ("FSDP2 CPUOffloadPolicy", None)):
+        r = systems.get(peer, {})
+        if r.get("layers") and best["layers"]:
+            bound = (" (at least: capstan's search ended at its " + best["end"] + ")"
+                     if best["end"] in ("cap", "deadline") else "")
+            bound += " (at most: the peer's search ended at its deadline)" if r["end"] == "deadline" else ""
+            key = f"scale: capstan / {peer}" + (f" (target >= {target})" if target else "") + bound
+            out[key] = best["params"] / r["params"]
+    return out
+
+
+def _write(args: argparse.Namespace, report: dict) -> None:
+    if args.json:
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, args.json)
+
+
+SECTIONS = {"speed": speed, "peers": peers, "scale": scale}
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a ~0.1B GPT, few steps (the setup script's run)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "standin"))
+    ap.add_argument("--sections", default="speed,peers", help=f"comma-separated, of {', '.join(SECTIONS)}")
+    ap.add_argument("--scale", action="store_true", help="add the scale section")
+    ap.add_argument("--quick", action="store_true", help="a ~0.1B GPT, few steps")
+    ap.add_argument("--tiny", action="store_true", help="stand-in sizes: d 64, 2 layers, seq 32, vocab 256")
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--scale", action="store_true", help="search the largest GPT each system trains")
-    ap.add_argument("--disk", help="with --scale: also capstan offload disk in this directory")
-    ap.add_argument("--cpu-budget", type=int, default=64 << 30, help="with --disk: bytes of chunks in RAM")
-    ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--json", help="write the report here")
-    args = ap.parse_args()
+    ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), help="default bf16 on CUDA, fp32 on the stand-in")
+    ap.add_argument("--peers-d-model", type=int, help="the peers section's model (default: --d-model)")
+    ap.add_argument("--peers-layers", type=int, help="the peers section's model (default: --layers)")
+    ap.add_argument("--scale-d-model", type=int, default=2048)
+    ap.add_argument("--scale-resolution", type=float, default=1.25, help="stop bisecting at hi / lo <= this")
+    ap.add_argument("--scale-max-layers", type=int, default=4096)
+    ap.add_argument("--scale-peers", action="store_true", help="FSDP2 and DeepSpeed in the scale search too")
+    ap.add_argument("--disk", help="the scale section's directory for offload disk (default: under $TMPDIR)")
+    ap.add_argument("--cpu-budget", type=int, default=32 << 30, help="offload disk: bytes of chunks in RAM")
+    ap.add_argument("--standin-memory", type=int, default=96 << 20, help="bytes of the stand-in device")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds for one measurement")
+    ap.add_argument("--deadline", type=float, default=0, help="seconds for the whole run (0: none)")
+    ap.add_argument("--json", help="write the report here (rewritten after every section)")
+    args = ap.parse_args(argv)
     if args.quick:
         args.d_model, args.layers, args.seq, args.micro, args.steps = 768, 8, 512, 8, 6
-    report: dict = {"args": vars(args)}
-    speed(args, report)
-    if args.scale:
-        scale(args, report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.tiny:
+        args.d_model, args.layers, args.seq, args.micro, args.steps, args.vocab = 64, 2, 32, 2, 4, 256
+        # the stand-in's RAM is this machine's: capstan's search stops at 64 layers (12.6M parameters)
+        args.scale_d_model, args.cpu_budget, args.scale_max_layers = 128, 8 << 20, 64
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    args.peers_d_model = args.peers_d_model or args.d_model
+    args.peers_layers = args.peers_layers or args.layers
+    sections = [s for s in args.sections.split(",") if s] + (["scale"] if args.scale else [])
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    run = Runner(args)
+    report: dict = {"args": vars(args), "device": args.device, "sections": {}, "skipped": {}, "ratios": {}}
+    for name in sections:
+        t0 = time.monotonic()
+        try:
+            SECTIONS[name](args, run, report)
+            report["sections"][name] = {"seconds": round(time.monotonic() - t0, 1)}
+        except Exception as exc:  # one section's failure costs only that section
+            report["sections"][name] = {"seconds": round(time.monotonic() - t0, 1), "error": repr(exc)}
+            print(f"bench_gpu: section {name} failed: {exc!r}", file=sys.stderr)
+        _write(args, report)
+    failed = [n for n, s in report["sections"].items() if "error" in s]
+    # capstan failing a measurement (not a peer, not the scale search's out-of-memory) fails the run
+    failed += [f"{section}: {name}" for section in ("speed", "peers") for name, r in report.get(section, {}).items()
+               if name.startswith("capstan") and "error" in r]
+    failed += [f"scale: {name}" for name, r in report.get("scale", {}).get("systems", {}).items()
+               if name.startswith("capstan") and r.get("not_memory")]
+    report["failed"] = failed
+    # what the deadline cut short: the run is then incomplete, not failed (the summary says which)
+    report["incomplete"] = [f"{section}: {name}" for section in ("speed", "peers")
+                            for name, r in report.get(section, {}).items()
+                            if "error" in r and ("not started" in r["error"] or "timed out" in r["error"])]
+    report["incomplete"] += [f"scale: {name}" for name, r in report.get("scale", {}).get("systems", {}).items()
+                             if r["end"] == "deadline"]
+    _write(args, report)
+    if failed:
+        print(f"bench_gpu: failed: {failed}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
