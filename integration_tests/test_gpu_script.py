@@ -1,4 +1,4 @@
-"""tools/gpu/run_gpu_tests.sh, checked on the CPU before a GPU machine ever runs it.
+"""tools/gpu/battery.sh's setup, checked on the CPU before a GPU machine ever runs it.
 
 A GPU is at hand rarely and for half an hour: the script must not lose that time to a missing test
 plugin. A bare GPU machine may lack pytest-timeout and hypothesis; here both are made unimportable
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tools" / "gpu" / "run_gpu_tests.sh"
+SCRIPT = ROOT / "tools" / "gpu" / "battery.sh"
 
 
 def _blocker(tmp_path: Path) -> Path:
@@ -41,7 +41,7 @@ def test_the_script_parses() -> None:
 
 def test_setup_goes_through_without_the_test_plugins(tmp_path: Path) -> None:
     """In a checkout with an empty .whl/ and neither plugin importable, the setup says what is
-    missing and runs pytest with a cap on the whole run instead of --timeout, and a module that
+    missing and runs pytest under the step's cap alone, without --timeout, and a module that
     fails to import does not stop the run; with them, pytest gets its per-test timeout."""
     repo = tmp_path / "repo"
     (repo / "tools" / "gpu").mkdir(parents=True)
@@ -54,16 +54,16 @@ def test_setup_goes_through_without_the_test_plugins(tmp_path: Path) -> None:
     assert bare.returncode == 0, bare.stdout + bare.stderr
     text = bare.stdout
     assert "pytest-timeout is not installed" in text and "hypothesis is not installed" in text, text
-    test_line = next(line for line in text.splitlines() if line.startswith("would test:"))
+    test_line = next(line for line in text.splitlines() if line.startswith("would tests:"))
     assert "--continue-on-collection-errors" in test_line and "-m cuda" in test_line
-    assert "--timeout" not in test_line and test_line.startswith("would test: timeout -k"), test_line
+    assert "--timeout" not in test_line and test_line.startswith("would tests: timeout -k"), test_line
     assert "would install" not in text  # an empty .whl/ installs nothing
 
     full = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                           env=_env(PYTHON=sys.executable, OUT=str(tmp_path / "out")))
     assert full.returncode == 0, full.stdout + full.stderr
-    test_line = next(line for line in full.stdout.splitlines() if line.startswith("would test:"))
-    assert "--timeout 420" in test_line and "not installed" not in full.stdout, full.stdout
+    test_line = next(line for line in full.stdout.splitlines() if line.startswith("would tests:"))
+    assert "--timeout 120" in test_line and "not installed" not in full.stdout, full.stdout
 
 
 def test_collection_survives_without_pytest_timeout_and_hypothesis(tmp_path: Path) -> None:

