@@ -35,6 +35,7 @@ import ctypes
 import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -94,10 +95,13 @@ def _build(out: Path) -> None:
 
 
 def available() -> bool:
-    """Whether this torch can carry the stand-in (a PrivateUse1 backend needs torch's C++ headers)."""
+    """Whether the stand-in can be had here: already built, or torch's C++ headers and a compiler."""
     from torch.utils import cpp_extension
 
-    return any((Path(p) / "ATen" / "ATen.h").exists() for p in cpp_extension.include_paths())
+    if _lib is not None or _library_path().exists():
+        return True
+    headers = any((Path(p) / "ATen" / "ATen.h").exists() for p in cpp_extension.include_paths())
+    return headers and shutil.which(_compiler().split()[0]) is not None
 
 
 def loaded() -> bool:
