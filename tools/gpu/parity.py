@@ -107,7 +107,7 @@ def trajectory(cfg: dict, steps: int | None = None, audit: bool = False, save_at
            "mem": infos[-1].mem if infos else {}}
     engine.close()
     if engine.device.type != "cpu":
-        torch.accelerator.empty_cache()
+        device_module(engine.device).empty_cache()
     return out
 
 

@@ -66,8 +66,9 @@ def run_plain(cfg: dict) -> dict:
 
     device, _ = _device_setup(cfg)
     c, _ = resolve(cfg)
-    with device:  # parameters made on the device, as a plain user would (and quick for the scale search)
-        model = build_reference_model(c, comm.single_process_groups()).to(device)
+    # Built on the CPU, then moved: the reference GPT's init draws from a CPU generator into tensors made
+    # where it runs, which CUDA refuses (the stand-in, drawing from the CPU generator, would not show it).
+    model = build_reference_model(c, comm.single_process_groups()).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     return _torch_loop(cfg, model, opt, autocast=cfg["precision"]["dtype"] == "bf16")
 

@@ -16,7 +16,7 @@ from capstan.comm.testing import run_ranks
 from capstan.native import standin
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not standin.available(), reason="torch without C++ headers: no stand-in device")]
+              pytest.mark.skipif(not standin.available(), reason="no stand-in device here (it needs torch's C++ headers and a C++ compiler)")]
 
 TOL = 1e-6
 STEPS = 6

@@ -145,7 +145,7 @@ def param():
     import pytest
 
     return pytest.param(NAME, id=NAME, marks=pytest.mark.skipif(
-        not available(), reason="the stand-in device needs torch's C++ headers, which this torch lacks"))
+        not available(), reason="the stand-in device needs torch's C++ headers and a C++ compiler"))
 
 
 def _device_count() -> int:
