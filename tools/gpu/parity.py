@@ -80,8 +80,6 @@ def trajectory(cfg: dict, steps: int | None = None, audit: bool = False, save_at
     """Train `cfg` to step `steps` (default: its train.steps), resumed from checkpoint `load`, saved into
     `save_dir` after step `save_at`. Returns the losses, gradient norms, the device, and per step the
     device tier's (resident, peak) bytes beside what the device allocator holds."""
-    import torch
-
     from capstan.comm.device import device_module
     from capstan.engine import initialize, open_data, train_batches
 
