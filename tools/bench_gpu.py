@@ -99,9 +99,21 @@ class Runner:
         for line in done.stdout.splitlines():
             if line.startswith("RESULT "):
                 return {**json.loads(line[7:]), "wall_s": wall}
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        oom = any("out of memory" in x.lower() or "outofmemory" in x.lower() for x in tail)
-        return {"error": "out of memory" if oom else " | ".join(tail), "wall_s": wall}
+        return {"error": _why(done.returncode, (done.stderr or done.stdout).strip().splitlines()[-3:]), "wall_s": wall}
+
+
+OOM_TEXTS = ("out of memory", "outofmemory", "can't allocate memory", "cannot allocate memory",
+             "no space left on device")
+
+
+def _why(code: int, tail: list[str]) -> str:
+    """A failed measurement's error: "out of memory" for every way a size limit shows (the device's
+    allocator, the host's, a full disk, the host's out-of-memory killer's SIGKILL), else its last lines."""
+    if any(t in x.lower() for x in tail for t in OOM_TEXTS):
+        return "out of memory"
+    if code == -9:
+        return "out of memory (killed by SIGKILL: the host's out-of-memory killer, most likely)"
+    return f"exit {code}: " + " | ".join(tail)
 
 
 def _has_deepspeed() -> bool:
@@ -277,8 +289,12 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
         def fits(layers: int, kind=kind, memory=memory, why=why) -> bool:
             cfg = _gpt_config(args, layers, d)
             cfg["train"]["steps"] = 1
-            cfg["memory"] = memory
+            cfg["memory"] = dict(memory)
+            if "disk_dir" in memory:  # each probe its own directory, removed after it (killed ones too)
+                cfg["memory"]["disk_dir"] = str(Path(memory["disk_dir"]) / f"probe-{layers}")
             result = run(kind, cfg, until - time.monotonic())
+            if "disk_dir" in memory:
+                shutil.rmtree(cfg["memory"]["disk_dir"], ignore_errors=True)
             if "step_s" not in result:
                 why[layers] = result.get("error", "?")[-300:]
             return "step_s" in result
@@ -286,7 +302,8 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
         found = search_largest(fits, max(1, int(start)), until, args.scale_resolution, args.scale_max_layers)
         # A failure other than running out of memory (or time) is a defect, not a size limit: named apart
         found["failures"] = {str(n): e for n, e in why.items()}
-        found["not_memory"] = sorted(n for n, e in why.items() if e != "out of memory" and "timed out" not in e)
+        found["not_memory"] = sorted(n for n, e in why.items()
+                                     if not e.startswith("out of memory") and "timed out" not in e)
         found["params"] = _params(found["layers"], d, args.vocab)
         out["systems"][name] = found
         bound = {"found": "", "none fits": "", "cap": " (the search's cap: at least this)",

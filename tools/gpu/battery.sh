@@ -82,7 +82,7 @@ fi
 # stand-in gets tiny ones (bench_gpu.py --tiny), its memory capped so the scale search ends.
 if [[ $DEVICE == cuda ]]; then
   SPEED=(--quick); PEERS=(--d-model 2048 --layers 16 --seq 1024 --micro 4 --steps 5)
-  SCALE=(--scale-d-model 2048 --seq 1024 --micro 1 --scale-resolution 1.25)
+  SCALE=(--scale-d-model 2048 --seq 1024 --micro 1 --scale-resolution 1.5)  # a probe of billions: ~a minute
   BUILD=("$PY" native/build_native.py -j "$(nproc)")
 else
   SPEED=(--tiny); PEERS=(--tiny); SCALE=(--tiny)
