@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-# A bare GPU machine may lack hypothesis (tools/gpu/run_gpu_tests.sh): skip this module there
+# A bare GPU machine may lack hypothesis (tools/gpu/battery.sh): skip this module there
 # rather than fail its collection; the hatch environment always has it.
 hypothesis = pytest.importorskip("hypothesis", reason="needs hypothesis (pip install hypothesis)")
 given, settings, st = hypothesis.given, hypothesis.settings, hypothesis.strategies

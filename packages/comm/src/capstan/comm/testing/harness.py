@@ -204,7 +204,7 @@ def requires_mpirun() -> Any:
 
 
 def cuda_marks() -> list[Any]:
-    """The `cuda` marker (``pytest -m cuda`` runs only such tests, as tools/gpu/run_gpu_tests.sh does)
+    """The `cuda` marker (``pytest -m cuda`` runs only such tests, as tools/gpu/battery.sh does)
     and a skip naming why where torch sees no GPU."""
     import pytest
     import torch
