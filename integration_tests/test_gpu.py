@@ -41,7 +41,7 @@ _cfg, _trajectory = parity.config, parity.trajectory
 
 def _failures(report: dict) -> list[str]:
     return [f"{name}: {'; '.join(r['problems'])}" for name, r in report["layouts"].items() if not r["ok"]] + \
-        [f"{label}: {error}" for label, error in report["errors"].items()]
+        [f"{label}: {error}" for label, error in report["errors"].items()] + report["incomplete"]
 
 
 @requires_cuda()

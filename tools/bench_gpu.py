@@ -116,6 +116,11 @@ def _why(code: int, tail: list[str]) -> str:
     return f"exit {code}: " + " | ".join(tail)
 
 
+def _cut(error: str) -> bool:
+    """Whether a measurement's error is the deadline's (not started, or stopped at its time limit)."""
+    return error.startswith(("not started", "timed out"))
+
+
 def _has_deepspeed() -> bool:
     from importlib.util import find_spec
 
@@ -400,14 +405,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = [n for n, s in report["sections"].items() if "error" in s]
     # capstan failing a measurement (not a peer, not the scale search's out-of-memory) fails the run
     failed += [f"{section}: {name}" for section in ("speed", "peers") for name, r in report.get(section, {}).items()
-               if name.startswith("capstan") and "error" in r]
+               if name.startswith("capstan") and "error" in r and not _cut(r["error"])]
     failed += [f"scale: {name}" for name, r in report.get("scale", {}).get("systems", {}).items()
                if name.startswith("capstan") and r.get("not_memory")]
     report["failed"] = failed
     # what the deadline cut short: the run is then incomplete, not failed (the summary says which)
     report["incomplete"] = [f"{section}: {name}" for section in ("speed", "peers")
                             for name, r in report.get(section, {}).items()
-                            if "error" in r and ("not started" in r["error"] or "timed out" in r["error"])]
+                            if "error" in r and _cut(r["error"])]
     report["incomplete"] += [f"scale: {name}" for name, r in report.get("scale", {}).get("systems", {}).items()
                              if r["end"] == "deadline"]
     _write(args, report)

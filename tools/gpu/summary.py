@@ -95,14 +95,16 @@ def _rows(title: str, rows: dict) -> list[str]:
 def _result(name: str, result: dict) -> list[str]:
     lines: list[str] = []
     if "layouts" in result:  # the parity report
-        lines += [f"**Parity on {result['device']}**: {'ok' if result.get('ok') else 'FAILED'}, {result['steps']} "
+        verdict = "ok" if result.get("ok") else "FAILED" if result.get("failed", True) else "incomplete"
+        lines += [f"**Parity on {result['device']}**: {verdict}, {result['steps']} "
                   f"steps, losses within {result['tol_loss']:.0e} relative, norms within {result['tol_norm']:.0e}"
                   + (f", two ranks' transport {result['transport']}" if result.get("transport") else ""), "",
                   "| layout | max rel. loss diff | max rel. norm diff | verdict |", "| --- | --- | --- | --- |"]
         for layout, r in result["layouts"].items():
             lines.append(f"| {layout} | {_fmt(r.get('max_rel_loss'), '.1e')} | {_fmt(r.get('max_rel_norm'), '.1e')} | "
                          f"{'ok' if r['ok'] else 'FAIL: ' + '; '.join(r['problems'])} |")
-        lines += [f"- {label}: {error[:300]}" for label, error in result.get("errors", {}).items()] + [""]
+        lines += [""] + [f"- {label}: {error[:300]}" for label, error in result.get("errors", {}).items()]
+        lines += [f"- cut short: {what}" for what in result.get("incomplete", [])] + [""]
     for section in ("speed", "peers"):
         if section in result:
             lines += _rows(f"{section} ({result['device']})", result[section])
