@@ -69,6 +69,9 @@ def _battery() -> dict:
     r_dev = torch.randn(5, device="standin")
     out["random_equal"] = bool(torch.equal(r_cpu, r_dev.cpu()))
 
+    with torch.autocast("standin", dtype=torch.bfloat16):  # CUDA's autocast policy
+        out["autocast"] = (str((x.reshape(2, 2) @ x.reshape(2, 2)).dtype), str(torch.exp(x.bfloat16()).dtype))
+
     # In-place ops write the device tensor's memory; an out= that must resize moves the result.
     y = torch.zeros(3, device="standin")
     y.add_(2)
@@ -144,6 +147,7 @@ def test_mixing_with_cpu_raises_as_cuda_does(battery):
 def test_computes_the_cpu_values_bit_for_bit(battery):
     assert battery["forward_equal"] and battery["grad_equal"] and battery["random_equal"]
     assert battery["layer_norm_equal"]
+    assert battery["autocast"] == ("torch.bfloat16", "torch.float32")  # matmul lowered, exp kept in fp32
     assert battery["grad_device"] == "standin:0"
     assert battery["inplace"] == [2.0, 2.0, 2.0]
     assert battery["resized_out"] == ([3.0] * 5, "standin:0")

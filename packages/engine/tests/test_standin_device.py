@@ -22,8 +22,8 @@ TOL = 1e-6
 STEPS = 6
 
 
-def _config(device: str, memory: dict, **parallel) -> dict:
-    return {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
+def _config(device: str, memory: dict, dtype: str = "fp32", **parallel) -> dict:
+    return {"precision": {"dtype": dtype},"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
             "data": {"max_bytes": 200_000},
             "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 1e-2, "min_lr": 1e-3,
                       "device": device, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
@@ -104,6 +104,8 @@ def _single(tmp: str) -> dict:
     for name, (memory, extra) in cases.items():
         cpu_memory = {k: v for k, v in memory.items() if k != "gpu_budget"}
         out[name] = (_run(_config("cpu", cpu_memory), **extra), _run(_config("standin", memory), **extra))
+    for offload in ("none", "cpu"):  # autocast: CUDA's policy on the stand-in, the CPU's on the CPU
+        out[f"bf16-{offload}"] = tuple(_run(_config(d, {"offload": offload}, dtype="bf16")) for d in ("cpu", "standin"))
     hf = {"model": {"seq_len": 16}, "data": {"max_bytes": 100_000},
           "train": {"steps": STEPS, "micro_batch_size": 2, "lr": 3e-3, "lr_schedule": "constant",
                     "warmup_steps": 0, "grad_clip": 1.0}}
@@ -166,6 +168,17 @@ def test_eval_between_steps_leaves_the_trace_alone(single) -> None:
     assert dev["moments"] == [0] and cpu["moments"] == [0]
     assert dev["evals"] == pytest.approx(cpu["evals"], rel=TOL)
     _close(dev["losses"], single["cpu-budget"][1]["losses"])  # the same run without the eval
+
+
+@pytest.mark.parametrize("case", ["bf16-none", "bf16-cpu"])
+def test_bf16_autocast_on_the_standin_follows_the_cpu_trajectory(single, case: str) -> None:
+    """bf16 under autocast: the stand-in casts by CUDA's op lists, the CPU by its own, so the losses are a
+    trajectory within BF16_VS_CPU of each other (capstan.comm.testing.devices), not bits."""
+    from capstan.comm.testing import BF16_VS_CPU
+
+    cpu, dev = single[case]
+    assert dev["losses"] == pytest.approx(cpu["losses"], rel=BF16_VS_CPU)
+    assert dev["losses"] != cpu["losses"]  # the two policies differ: the stand-in really took CUDA's
 
 
 @pytest.mark.parametrize("case", ["llama-none", "llama-cpu", "gpt2-none", "gpt2-cpu"])

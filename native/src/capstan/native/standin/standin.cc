@@ -30,6 +30,7 @@
 #include "standin.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -463,6 +464,19 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   for (const char* op : {"native_layer_norm", "native_layer_norm_backward"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
+}
+
+// Autocast: CUDA's policy (the same op lists, lower precision for matmuls and convolutions, fp32 for the
+// ops that need its range), so `torch.autocast("standin", torch.bfloat16)` casts what it casts on a GPU.
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+#define STANDIN_LOWER(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define STANDIN_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+  AT_FORALL_LOWER_PRECISION_FP(STANDIN_LOWER)
+  AT_FORALL_FP32(STANDIN_FP32)
+#undef STANDIN_LOWER
+#undef STANDIN_FP32
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }
