@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from capstan.comm.testing import no_tf32
+
 
 def _wants_standin(item) -> bool:
     callspec = getattr(item, "callspec", None)
@@ -27,3 +29,11 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     except Exception as exc:  # a build failure names itself on each test instead of ending collection
         for item in wanted:
             item.add_marker(pytest.mark.skip(reason=f"the stand-in device could not be loaded: {exc}"))
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32_on_cuda(request: pytest.FixtureRequest):
+    """TF32 off while a test parametrized with device="cuda" runs: fp32 is compared with the CPU."""
+    callspec = getattr(request.node, "callspec", None)
+    with no_tf32(callspec.params.get("device") if callspec else None):
+        yield

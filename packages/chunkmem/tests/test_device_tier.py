@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkKind, ChunkManager
-from capstan.native import standin
 from capstan.comm.testing import BF16_VS_CPU, cpu_arithmetic, cuda_param
+from capstan.native import standin
 
 CHUNK = 4096
-DEVICES = ["cpu", standin.param(), cuda_param()]  # "cpu": a device tier in RAM; "standin": an accelerator that is not the CPU (capstan.native.standin); "cuda" where there is a GPU
+# "cpu": a device tier in RAM; "standin": an accelerator that is not the CPU (capstan.native.standin);
+# "cuda" where there is a GPU
+DEVICES = ["cpu", standin.param(), cuda_param()]
 
 
 def _net() -> torch.nn.Module:

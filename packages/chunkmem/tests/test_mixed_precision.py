@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from capstan.chunkmem import ChunkAdam, ChunkedModel, ChunkKind, ChunkManager, DiskStore, DynamicLossScaler
+from capstan.comm.testing import BF16_VS_CPU, cpu_arithmetic, cuda_param
 from capstan.native import standin
-from capstan.comm.testing import BF16_VS_CPU, cpu_arithmetic, cuda_param, no_tf32
 
 CHUNK = 4096
 STEPS = 10
@@ -106,15 +106,9 @@ def test_chunks_that_stay_put_train_without_module_hooks_like_the_hooked_path(tm
     m1.manager.close()
 
 
-DEVICES = ["cpu", standin.param(), cuda_param()]  # "cpu": a device tier in RAM; "standin": an accelerator that is not the CPU (capstan.native.standin); "cuda" where there is a GPU
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32_on_cuda(request: pytest.FixtureRequest):
-    """TF32 off while a test parametrized with device="cuda" runs: fp32 is compared with the CPU."""
-    callspec = getattr(request.node, "callspec", None)
-    with no_tf32(callspec.params.get("device") if callspec else None):
-        yield
+# "cpu": a device tier in RAM; "standin": an accelerator that is not the CPU (capstan.native.standin);
+# "cuda" where there is a GPU (TF32 off: conftest.py)
+DEVICES = ["cpu", standin.param(), cuda_param()]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -16,22 +16,16 @@ import torch
 from torch import nn
 
 from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkKind, ChunkManager, DiskStore
+from capstan.comm.testing import FP32_VS_CPU, cpu_arithmetic, cuda_param
 from capstan.native import standin
-from capstan.comm.testing import FP32_VS_CPU, cpu_arithmetic, cuda_param, no_tf32
 
 VOCAB, SEQ, D, HEADS, LAYERS = 64, 16, 32, 4, 2
 CHUNK = 4096  # elements: ~11 param chunks, x4 kinds, so the budget below forces disk traffic
 # A compute device above RAM: a CPU stand-in here (the same moves, into separately counted
 # buffers); on a machine with CUDA the real device is tested as well.
-DEVICES = ["cpu", standin.param(), cuda_param()]  # "cpu": a device tier in RAM; "standin": an accelerator that is not the CPU (capstan.native.standin); "cuda" where there is a GPU
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32_on_cuda(request: pytest.FixtureRequest):
-    """TF32 off while a test parametrized with device="cuda" runs: fp32 is compared with the CPU."""
-    callspec = getattr(request.node, "callspec", None)
-    with no_tf32(callspec.params.get("device") if callspec else None):
-        yield
+# "cpu": a device tier in RAM; "standin": an accelerator that is not the CPU (capstan.native.standin);
+# "cuda" where there is a GPU (TF32 off: conftest.py)
+DEVICES = ["cpu", standin.param(), cuda_param()]
 
 
 class Block(nn.Module):
