@@ -502,7 +502,7 @@ class Engine:
             tier = self.device.type  # the model states live where the model computes
             out = {f"mem.{tier}.peak_bytes": held, f"mem.{tier}.resident_bytes": held, "mem.moved_bytes": 0,
                    "mem.process.rss_peak_bytes": vm_hwm()}
-            return {**out, **self._cuda_allocator_stats()}
+            return {**out, **self._device_allocator_stats()}
         s = self.manager.stats()
         disk = s["disk"]["resident_bytes"]  # type: ignore[index]
         self._disk_peak = max(self._disk_peak, disk)
@@ -515,14 +515,14 @@ class Engine:
             t = self.device.type
             out[f"mem.{t}.peak_bytes"] = s[t]["peak_bytes"]  # type: ignore[index]
             out[f"mem.{t}.resident_bytes"] = s[t]["resident_bytes"]  # type: ignore[index]
-        return {**out, **self._cuda_allocator_stats()}
+        return {**out, **self._device_allocator_stats()}
 
     @property
     def disk_peak(self) -> int:
         """The most bytes this rank's disk tier held at a step's end (0 without one)."""
         return self._disk_peak
 
-    def _cuda_allocator_stats(self) -> dict[str, float]:
+    def _device_allocator_stats(self) -> dict[str, float]:
         """What torch's caching allocator reserved on this rank's device (activations, fragmentation and
         cache included), peak since the last call; read through chunkmem's `device_peak`, which also feeds
         the manager's per-moment measure, so neither resets the counter under the other."""
