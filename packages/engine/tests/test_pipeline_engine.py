@@ -151,3 +151,35 @@ def test_pipeline_accepts_chunked_memory(overrides: list[str]) -> None:
     # Chunked memory composes with pp (test_chunked_parallel.py runs it): the loader lets it through.
     cfg = resolve(_cfg(), ["parallel.pp=2", *overrides])[0]
     assert cfg.parallel.pp == 2
+
+
+def _dict_batches_at_pp2() -> str:
+    engine = initialize(config=_cfg(accum=2, pp=2))
+    it = train_batches(open_data(engine.config), engine.config, 1, 0)
+    dicts = ({"input_ids": x, "labels": x} for x, _ in it)
+    try:
+        engine.train_batch(dicts)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    return "trained"
+
+
+def test_dict_batches_at_pp2_are_refused_on_every_rank() -> None:
+    """A dict batch (Hugging Face's convention) at pp = 2: one clear error on both stages before the
+    schedule's first transfer, not an AttributeError on the first stage and a wait on the other."""
+    for message in run_ranks(_dict_batches_at_pp2, 2, timeout=120):
+        assert "tuple batches" in message and "input_ids, labels" in message
+
+
+def test_a_tuple_batch_whose_targets_equal_its_inputs_is_warned_about_once(caplog) -> None:
+    engine = initialize(config=_cfg(accum=1))
+    x, _ = next(train_batches(open_data(engine.config), engine.config, 1, 0))
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            engine.backward(engine((x, x)))
+            engine.step()
+    engine.close()
+    warned = [r for r in caplog.records if "targets equal its inputs" in r.getMessage()]
+    assert len(warned) == 1

@@ -40,7 +40,7 @@ from capstan.comm.device import device_module, is_accelerator
 from torch import nn
 
 from .config.load import check_states_fit, uses_chunks
-from .outputs import loss_of
+from .outputs import check_batch_convention, loss_of
 from .metrics import vm_hwm
 from .config.schema import Config
 from .pipe import PipelineStage
@@ -145,6 +145,7 @@ class Engine:
         self.context = ContextParallel.of(groups.cp, config.parallel.cp_mode)
         # each micro-batch's loss, kept on its device until the step reads them all at once
         self._micro_losses: list[torch.Tensor | float] = []
+        self._batch_checked = False
         self._step_start: float | None = None
         self._disk_peak = 0
         if self.chunked:
@@ -289,11 +290,18 @@ class Engine:
                 self.manager.begin_step()
                 self._stepping = True
         faults.crash_point("forward", step=self.global_step + 1)
+        self._check_first_batch(batch, pipelined=False)
         batch = self.tokens_of_this_rank(to_device(batch, self.device))
         with autocast(self.config.precision, self.device.type), self._targets_of(batch):
             return loss_of(self.module, batch, self.loss_fn)
 
     __call__ = forward
+
+    def _check_first_batch(self, batch: object, pipelined: bool) -> None:
+        """The batch conventions, checked on the first micro-batch only (outputs.check_batch_convention)."""
+        if not self._batch_checked:
+            check_batch_convention(batch, pipelined)
+            self._batch_checked = True
 
     def _targets_of(self, batch: object) -> AbstractContextManager[None]:
         """The reference GPT's head computes its loss in tiles when it knows the targets (memory.tiled_loss;
@@ -438,7 +446,9 @@ class Engine:
         assert self.pipeline is not None
         self._step_start = time.perf_counter()
         # Every stage reads alike; the first uses the inputs, the last the targets.
-        batches = [self.tokens_of_this_rank(to_device(next(data_iter), self.device)) for _ in range(self.accum)]
+        read = [next(data_iter) for _ in range(self.accum)]
+        self._check_first_batch(read[0], pipelined=True)  # every rank, before the schedule's first transfer
+        batches = [self.tokens_of_this_rank(to_device(b, self.device)) for b in read]
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.chunked:
             # The executor calls this stage's modules itself, so the chunk hooks fetch parameters;
@@ -464,6 +474,9 @@ class Engine:
         # between steps: chunk accesses stay out of the trace and leave the moment at the next step's start
         with self.manager.off_trace() if self.chunked else nullcontext():
             if self.pipeline is not None:
+                batches = list(batches)
+                for batch in batches[:1]:
+                    check_batch_convention(batch, pipelined=True)  # a dict is refused on every rank
                 losses = [self.pipeline.eval_loss(self.tokens_of_this_rank(to_device(batch, self.device)))
                           for batch in batches]
             else:

@@ -15,8 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
+from capstan.comm.log import get_logger, warn_once
 
-__all__ = ["logits_of", "loss_of"]
+__all__ = ["check_batch_convention", "logits_of", "loss_of"]
+
+log = get_logger(__name__)
 
 
 def logits_of(out: object) -> torch.Tensor:
@@ -48,3 +51,26 @@ def loss_of(model: Callable[..., object], batch: object, loss_fn: Callable[[torc
     x, y = batch  # type: ignore[misc]
     # The loss in fp32: a 16-bit softmax over the vocabulary loses the small probabilities.
     return loss_fn(logits_of(model(x)).float(), y)
+
+
+def check_batch_convention(batch: object, pipelined: bool) -> None:
+    """What a first micro-batch tells about how it was made (the engine checks one, before any work).
+
+    A tuple batch is (inputs, next-token targets): targets already shifted. A dict batch is the model's
+    own keywords, `labels` shifted by the model (Hugging Face). A tuple whose targets equal its inputs is
+    almost certainly the Hugging Face convention (labels = input_ids) passed as a tuple: the model would
+    learn to copy its input, so say so once. A pipeline takes tuple batches only (its stages pass
+    activations, not keywords): a dict there is refused on every rank, each of which reads the batch."""
+    if isinstance(batch, Mapping):
+        if pipelined:
+            keys = ", ".join(sorted(map(str, batch)))
+            raise ValueError(f"parallel.pp > 1 takes (inputs, next-token targets) tuple batches, got a dict batch "
+                             f"({keys}); pass (ids[:, :-1], ids[:, 1:]) for a causal LM, or run at pp = 1, where "
+                             "dict batches go to the model as keywords")
+        return
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        x, y = batch
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y):
+            warn_once(log, "a tuple batch's targets equal its inputs: a tuple is (inputs, next-token targets), "
+                           "already shifted; Hugging Face's labels = input_ids (shifted by the model) go in a dict "
+                           "batch {'input_ids': ..., 'labels': ...}, or pass (ids[:, :-1], ids[:, 1:])")
