@@ -333,29 +333,25 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t begin = stack->size() - n;
   DeviceCheck check{schema, std::nullopt};
 
-  // 1. Which device, and is anything on another one?
+  // 1. Which device, and is anything on another one? (Every tensor argument, in lists too; CPU index
+  //    tensors pass where CUDA takes them.)
+  auto each_tensor = [&](const c10::IValue& v, bool optional_lists, auto&& fn) {
+    if (v.isTensor()) {
+      fn(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) fn(t);
+    } else if (v.isOptionalTensorList() && optional_lists) {
+      for (const auto& t : v.toOptionalTensorVector()) if (t) fn(*t);
+    }
+  };
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = (*stack)[begin + i];
-    if (v.isTensor()) {
-      check.see(v.toTensor(), args[i]);
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorVector()) check.see(t, args[i]);
-    } else if (v.isOptionalTensorList()) {
-      for (const auto& t : v.toOptionalTensorVector()) if (t) check.see(*t, args[i]);
-    } else if (v.isDevice() && v.toDevice().is_privateuseone() && !check.device) {
-      check.device = target(v.toDevice());
-    }
+    each_tensor(v, true, [&](const at::Tensor& t) { check.see(t, args[i]); });
+    if (v.isDevice() && v.toDevice().is_privateuseone() && !check.device) check.device = target(v.toDevice());
   }
   const bool cpu_indices = allows_cpu_indices(schema.operator_name());
   for (size_t i = 0; i < n; ++i) {
-    const c10::IValue& v = (*stack)[begin + i];
-    if (v.isTensor()) {
-      check.check_cpu(v.toTensor(), args[i]);
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorVector()) check.check_cpu(t, args[i]);
-    } else if (v.isOptionalTensorList() && !cpu_indices) {
-      for (const auto& t : v.toOptionalTensorVector()) if (t) check.check_cpu(*t, args[i]);
-    }
+    each_tensor((*stack)[begin + i], !cpu_indices, [&](const at::Tensor& t) { check.check_cpu(t, args[i]); });
   }
   TORCH_CHECK(check.device.has_value(), "standin fallback for ", schema.operator_name(), " found no standin tensor");
   const c10::DeviceGuard guard(*check.device);
