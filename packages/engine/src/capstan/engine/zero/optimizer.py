@@ -286,13 +286,14 @@ class ZeroOptimizer:
         """Global L2 norm of the (loss-scaled) gradients over dp, tp and pp (stages' parameters are disjoint)."""
         g = self._shard_grad()
         # On an accelerator the terms are summed there: one read by the host per step, not one per segment.
-        local = torch.zeros((), dtype=torch.float64, device=g.device) if is_accelerator(g.device) else 0.0
+        on_device = is_accelerator(g.device)
+        sumsq = device_ops.sumsq_tensor if on_device else kernels.sumsq
+        local = torch.zeros((), dtype=torch.float64, device=g.device) if on_device else 0.0
         for seg, a, b in self._pieces():
             # Replicated parameters count once per tp group, tied weights once over the stages.
             if seg.counted and (seg.sliced or self.groups.tp.rank == 0):
-                piece = g[a - self.lo : b - self.lo]
-                local = local + (device_ops.sumsq_tensor(piece) if is_accelerator(g.device) else kernels.sumsq(piece))
-        total = local.reshape(1) if isinstance(local, torch.Tensor) else torch.tensor([local], dtype=torch.float64)
+                local = local + sumsq(g[a - self.lo : b - self.lo])
+        total = local.reshape(1) if on_device else torch.tensor([local], dtype=torch.float64)
         if self.stage > 0:
             comm.all_reduce(total, group=self.groups.replicas)
         elif self.compressing:  # each rank's own gradient: the root mean square of their norms
