@@ -13,8 +13,11 @@ the device is waited for by the compute stream on the GPU, not by the host;
 a chunk leaving it is waited for by the host only when CPU code reads it
 (`_land`). The RAM buffer a chunk leaves behind on its way to the device is
 kept for its way back when RAM is unbounded (`_Entry.spare`, still counted
-in the cpu tier), so pinned memory is allocated once per chunk; under a RAM
-budget it is freed once the copy has read it.
+in the cpu tier), so pinned memory is allocated once per chunk. Under a RAM
+budget chunk buffers are pageable and freed once copied up: copies go
+through a fixed pool of page-locked staging buffers counted in the cpu tier
+(transfer.py says why: the caching host allocator's rounding and cached
+blocks made pinned chunk buffers hold up to twice what the tier counted).
 
 With the warm-up trace the manager also prefetches to the device: after each
 access, the next chunks the trace computes with are copied up ahead of use,
@@ -40,17 +43,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from capstan.comm.device import device_module, indexed
+from capstan.comm.device import device_module, indexed, is_accelerator
 
 from .nonmodel import check_memory_limit, nonmodel_ahead
 from .states import ChunkKind
 from .tiers import BudgetError, Tier
-from .transfer import Transfers
+from .transfer import STAGING_BUFFERS, Transfers, staging_buffer_bytes
 
 if TYPE_CHECKING:
     from .manager import _Entry
 
-__all__ = ["DeviceMoves", "DevicePeak", "device_peak", "device_tier"]
+__all__ = ["DeviceMoves", "DevicePeak", "device_peak", "device_tier", "staging_bytes"]
 
 DEVICE_KINDS = (ChunkKind.PARAM, ChunkKind.GRAD)  # the chunks that compute on the device
 DEVICE_PREFETCH = 2  # chunks copied to the device ahead of use
@@ -66,6 +69,13 @@ def device_tier(device: torch.device | str | None, budget: int | None) -> tuple[
     if budget is not None and budget <= 0:
         raise ValueError(f"device budget must be positive, got {budget}")
     return dev, Tier("device" if dev.type == "cpu" else dev.type, budget)
+
+
+def staging_bytes(device: torch.device | None, cpu_budget: int | None, largest_chunk: int) -> int:
+    """RAM the staging pool of a manager with this device and cpu budget holds (0: none; transfer.py)."""
+    if device is None or cpu_budget is None or not is_accelerator(indexed(device)):
+        return 0
+    return STAGING_BUFFERS * staging_buffer_bytes(largest_chunk)
 
 
 class DevicePeak:
@@ -125,7 +135,8 @@ class DeviceMoves:
     counters: dict
 
     def _init_device(self, device_limit: int | None, device_measure: Callable[[], int] | None) -> None:
-        self.transfers = Transfers(self.device) if self.device is not None else None
+        staged = self.cpu.capacity is not None  # a RAM budget: pageable chunk buffers, staged copies
+        self.transfers = Transfers(self.device, staged=staged) if self.device is not None else None
         self._retiring: list[tuple[object, Tier, int, object]] = []  # (event, tier, bytes, buffer kept alive)
         self._retiring_bytes = {"cpu": 0, "device": 0}
         self.device_transient = 0  # device bytes of buffers outside chunks (sharding.py's gathered units)
@@ -169,15 +180,17 @@ class DeviceMoves:
         if fresh is not None:
             buf, event = self.transfers.fresh(chunk.capacity, chunk.dtype, zero=fresh == "zeros"), None
         else:
-            # A copy into `host` still in flight runs first: both are on the copy stream, in order.
-            buf, event = self.transfers.to_device(host)
+            # A copy into `host` still in flight runs first: both are on the copy stream, in order
+            # (staged: the copy into it has landed, `_land` by the caller).
+            self._ensure_staging()
+            buf, event, reading = self.transfers.to_device(host)
         chunk.payload, entry.where, entry.arriving, entry.landing = buf, "device", event, None
         if host is None:
             pass  # nothing in RAM (a kept buffer of an earlier visit stays kept, and counted)
         elif self._keeps_host(entry):
             entry.spare, entry.spare_busy = host, event  # stays counted in the cpu tier, reused on the way back
-        else:
-            self._retire(event, self.cpu, chunk.nbytes, host)  # the cpu bytes go once the copy has read them
+        else:  # the cpu bytes go once the copy has read them (staged: read already)
+            self._retire(event if reading else None, self.cpu, chunk.nbytes, host)
         if fresh is None:
             self.dev.stats.bytes_in += chunk.nbytes
         self._resident(chunk)  # type: ignore[attr-defined]
@@ -197,10 +210,27 @@ class DeviceMoves:
             self._make_room(chunk.nbytes, protect=chunk.chunk_id)  # type: ignore[attr-defined]
             self.cpu.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
             host = self._alloc(chunk)  # type: ignore[attr-defined]
+        self._ensure_staging()
         event = self.transfers.to_host(chunk.payload, host)
         self._retire(event, self.dev, chunk.nbytes, chunk.payload)  # device bytes go once the copy has read them
         chunk.payload, entry.where, entry.landing, entry.arriving = host, "cpu", event, None
         self.dev.stats.bytes_out += chunk.nbytes
+
+    def _ensure_staging(self) -> None:
+        """Under a RAM budget on an accelerator: the staging pool, made (and counted) before the first copy."""
+        assert self.transfers is not None
+        pool = self.transfers.staging
+        if pool is None or pool.allocated:
+            return
+        nbytes = self.staging_bytes()
+        self._make_room(nbytes, protect=-1)  # type: ignore[attr-defined]
+        self.cpu.reserve(nbytes, "pinned staging buffers")
+        pool.allocate(nbytes // pool.count)
+
+    def staging_bytes(self) -> int:
+        """RAM of the staging pool this manager uses (0: none), sized for its largest device-bound chunk."""
+        largest = max((e.chunk.nbytes for e in self.entries.values() if e.chunk.kind in DEVICE_KINDS), default=0)
+        return staging_bytes(self.device, self.warmup_budget, largest)  # type: ignore[attr-defined]
 
     def _land(self, entry: _Entry) -> None:
         """Wait on the host for a copy into this chunk's RAM buffer (before CPU code reads or writes it)."""
@@ -335,7 +365,9 @@ class DeviceMoves:
 
     def _host_extra_bytes(self) -> int:
         """cpu-tier bytes outside chunk payloads: kept buffers of chunks on the device, copies in flight."""
-        return sum(e.chunk.nbytes for e in self.entries.values() if e.spare is not None) + self._retiring_bytes["cpu"]
+        staging = self.transfers.staging.nbytes if self.transfers is not None and self.transfers.staging else 0
+        return (sum(e.chunk.nbytes for e in self.entries.values() if e.spare is not None)
+                + self._retiring_bytes["cpu"] + staging)
 
     def _device_stats(self) -> dict[str, object]:
         if self.dev is None:
@@ -344,6 +376,10 @@ class DeviceMoves:
         return {d.name: {"budget_bytes": d.capacity, "resident_bytes": d.resident, "peak_bytes": d.stats.peak_bytes,
                          "bytes_in": d.stats.bytes_in, "bytes_out": d.stats.bytes_out,
                          "evictions": d.stats.evictions, "copies": self.transfers.copies if self.transfers else 0,
+                         "staging_bytes": self.transfers.staging.nbytes if self.transfers and self.transfers.staging
+                         else 0,
+                         "staging_waits": self.transfers.staging.waits if self.transfers and self.transfers.staging
+                         else 0,
                          "nonmodel_peak_bytes": max(self.nonmodel_device, default=0)}}
 
     def _close_device(self) -> None:

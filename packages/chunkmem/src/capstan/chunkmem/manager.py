@@ -409,8 +409,9 @@ class ChunkManager(DeviceMoves):
 
     def _alloc(self, chunk: Chunk) -> torch.Tensor:
         """A payload buffer (aligned for direct I/O when the disk tier uses it; page-locked, which is
-        page-aligned too, for a chunk that visits an accelerator)."""
-        if self.transfers is not None and self.transfers.accelerated and chunk.kind in DEVICE_KINDS:
+        page-aligned too, for a chunk that visits an accelerator while RAM is unbounded: under a RAM
+        budget it stays pageable and copies go through the staging pool, transfer.py)."""
+        if self.transfers is not None and self.transfers.pins_chunks and chunk.kind in DEVICE_KINDS:
             return self.transfers.pinned(chunk.capacity, chunk.dtype)
         if self.disk is not None:
             return self.disk.alloc(chunk.capacity, chunk.dtype)

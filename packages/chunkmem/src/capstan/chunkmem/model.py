@@ -183,6 +183,9 @@ class ChunkedModel(nn.Module):
         if capacity is None:
             return
         need, what = self._budget_need() if dev is None else self._group_need(*self._optimizer_need())
+        staging = self.manager.staging_bytes()  # a device's copies through pinned buffers (transfer.py)
+        if staging:
+            need, what = need + staging, f"{what} and the {staging} bytes of pinned staging buffers"
         if capacity >= need:
             return
         if self.budget_need_exact:
