@@ -12,7 +12,10 @@ tbf limits the rate alone where it does not, and the table says which) started t
 
     exact-z0  compression none, ZeRO 0 (all-reduce of fp32 gradients)
     onebit    1-bit Adam, ZeRO 0, exact for `--freeze` steps
-    exact-z2  compression none, ZeRO 2 (reduce-scatter of gradients, all-gather of parameters)
+    exact-z2  compression none, ZeRO 2 with its default zero2_collective = "all_reduce" (gradients
+              all-reduced, each rank keeps its shard; all-gather of parameters)
+    exact-z2rs  compression none, ZeRO 2 with zero2_collective = "reduce_scatter" (the schema's setting
+              for bandwidth-bound networks: half the gradient bytes of an all-reduce)
     int8      int8 ZeRO 2
     exact-disk  compression none, states offloaded to disk under `--budget` (ZeRO-3 through chunks)
     onebit-disk 1-bit Adam, states offloaded to disk under `--budget` (chunks replicated on every rank,
@@ -40,6 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"exact-z0": (0, "none", "none"), "onebit": (0, "onebit", "none"), "exact-z2": (2, "none", "none"),
+         "exact-z2rs": (2, "none", "none"),
          "int8": (2, "int8", "none"), "exact-disk": (3, "none", "disk"), "onebit-disk": (0, "onebit", "disk")}
 DEFAULT_MODES = "exact-z0,onebit,exact-z2,int8"
 PAIRS = (("onebit", "exact-z0"), ("int8", "exact-z2"), ("onebit-disk", "exact-disk"))
@@ -68,6 +72,7 @@ eval_every = 0
 [parallel]
 dp = {a.hosts}
 zero_stage = {stage}
+zero2_collective = "{'reduce_scatter' if mode == 'exact-z2rs' else 'all_reduce'}"
 compression = "{compression}"
 compression_freeze_steps = {a.freeze}
 [precision]
@@ -192,7 +197,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 s = summarize(run_mode(a, hosts, mode, work / rate, port), skip)
                 results[rate][mode] = s
-                print(f"{rate:>9} {mode:>9}: {s['tokens_per_s']:8.0f} tok/s  step {s['step_s']:.3f} s  "
+                print(f"{rate:>9} {mode:>10}: {s['tokens_per_s']:8.0f} tok/s  step {s['step_s']:.3f} s  "
                       f"wire {s['wire_bytes'] / 2**20:7.2f} MiB  final loss {s['final_loss']:.4f} "
                       f"(last 5 {s['last5_loss']:.4f})  states RAM/disk peak {s['ram_peak'] / 2**20:.1f}/"
                       f"{s['disk_peak'] / 2**20:.1f} MiB  [{time.perf_counter() - t0:.0f} s]", flush=True)

@@ -91,7 +91,43 @@ def _all_cases(_unused: int = 0) -> list[str]:
     comm.all_gather(out, torch.full((r + 1,), float(r)), counts=counts)
     check("all_gather uneven", out, torch.cat([torch.full((i + 1,), float(i)) for i in range(n)]))
     comm.barrier()
+    failures += _reduce_scatter_sends_half_an_all_reduce(w)
     return failures
+
+
+def _written() -> int:
+    """Bytes this process passed to write/send system calls (gloo's sockets among them)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("wchar:")).split()[1])
+
+
+def _reduce_scatter_sends_half_an_all_reduce(w) -> list[str]:
+    """A reduce-scatter sends (n-1)/n of the buffer, half an all-reduce's 2 (n-1)/n: measured in the bytes
+    that left the process. gloo's own reduce-scatter was an all-reduce (as many bytes: 100.7 MB each for
+    64 MiB over 4 ranks), which made ZeRO-2's reduce-scatter mode no faster than all-reduce on a slow link."""
+    from capstan import comm
+    from capstan.comm import mpi_backend, shard_bounds
+
+    n = 1 << 20  # 4 MiB of fp32
+    if mpi_backend.supports(torch.ones(1), w):
+        return []  # MPI on one node moves bytes through shared memory, not sockets: the gloo runs check this
+    start, end = shard_bounds(n, w.size, w.rank)
+    sent = {}
+    for name, run in (("all_reduce", lambda: comm.all_reduce(torch.ones(n), "sum")),
+                      ("reduce_scatter", lambda: comm.reduce_scatter(torch.empty(end - start), torch.ones(n))),
+                      ("reduce_scatter async", lambda: comm.reduce_scatter(torch.empty(end - start), torch.ones(n),
+                                                                          async_op=True).wait())):
+        comm.barrier()
+        before = _written()
+        run()
+        sent[name] = _written() - before
+    payload = 4 * n * (w.size - 1) / w.size
+    out = []
+    for name in ("reduce_scatter", "reduce_scatter async"):
+        if not payload <= sent[name] <= 1.1 * payload or sent[name] > 0.6 * sent["all_reduce"]:
+            out.append(f"{name} sent {sent[name]} bytes, all_reduce {sent['all_reduce']}: want (n-1)/n of "
+                       f"{4 * n} = {payload:.0f}")
+    return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
