@@ -79,7 +79,6 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
          "no-tok.json' does not exist"),
         (s + ["data.tokenizer=\"bpe\"", "--set", f"data.tokenizer_file={bad_tok}"], "cannot load the tokenizer"),
         (s + [f"data.tokenizer_file={bad_tok}"], "it only applies to data.tokenizer = \"bpe\""),
-        (s + ["memory.offload=\"disk\""], "needs memory.cpu_budget"),
         (s + ["memory.cpu_budget=1000000"], "memory.cpu_budget only applies to chunked memory"),
         (s + ["memory.offload=\"disk\"", "--set", "memory.cpu_budget=1000"], "cannot hold one chunk"),
         # Past the config check (one 1024-element chunk fits), below the chunk sized for the model.

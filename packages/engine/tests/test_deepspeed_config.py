@@ -5,12 +5,17 @@ the translated runs train (`capstan train --deepspeed`, and `initialize(deepspee
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from capstan.engine import ConfigError, cli, initialize, open_data, train_batches
+from capstan import comm
+from capstan.engine import ConfigError, cli, initialize, open_data, ram_budget, train_batches
 from capstan.engine.config import from_deepspeed, resolve
+from capstan.engine.ram_budget import with_default_cpu_budget
 
 ZERO2_OFFLOAD = {  # ZeRO-Offload as in DeepSpeed's tutorial
     "train_batch_size": 16, "gradient_accumulation_steps": 2,
@@ -61,7 +66,7 @@ def test_zero3_nvme_and_what_has_no_equivalent() -> None:
     assert sections["precision"] == {"dtype": "bf16"} and sections["parallel"]["zero_stage"] == 3
     assert sections["train"]["min_lr"] == pytest.approx(1e-4) and sections["train"]["lr_schedule"] == "cosine"
     for key in ("some_future_key: no equivalent", "flops_profiler: ignored", "zero_optimization.sub_group_size",
-                "zero_optimization.offload_param.buffer_count", "offload to nvme: set memory.cpu_budget"):
+                "zero_optimization.offload_param.buffer_count", "offload to nvme: memory.cpu_budget"):
         assert any(n.startswith(key) for n in notes), (key, notes)
     sections, notes = from_deepspeed(STATIC_FP16, world_size=1)
     assert any("fp16.loss_scale = 128" in n for n in notes) and any("optimizer.type = 'Lamb'" in n for n in notes)
@@ -109,5 +114,117 @@ def test_initialize_with_a_deepspeed_dict(tmp_path: Path) -> None:
     losses = [engine.train_batch(it).loss for _ in range(4)]
     engine.close()
     assert losses[-1] < losses[0] and (tmp_path / "nvme").is_dir()
-    with pytest.raises(ConfigError, match="offload = \"disk\" needs memory.cpu_budget"):
-        resolve(TINY, layers=[(from_deepspeed(ds)[0], "ds")])
+
+
+# ---- ZeRO-Infinity without a RAM budget: memory.cpu_budget chosen from the machine (ram_budget.py) ----------
+
+
+def _machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, available_kib: int | None,
+             cgroup: dict[str, str] | None = None) -> None:
+    """This machine as /proc/meminfo (MemAvailable) and a memory cgroup (v2) say, written under tmp_path."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       99999999 kB\n" + (f"MemAvailable:   {available_kib} kB\n"
+                                                          if available_kib is not None else ""))
+    root = tmp_path / "cgroup"
+    (root / "job").mkdir(parents=True, exist_ok=True)
+    for name, text in (cgroup or {}).items():
+        (root / "job" / name).write_text(text)
+    (tmp_path / "self-cgroup").write_text("0::/job\n")
+    monkeypatch.setattr(ram_budget, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(ram_budget, "CGROUP_ROOT", root)
+    monkeypatch.setattr(ram_budget, "PROC_CGROUP", str(tmp_path / "self-cgroup"))
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def logged() -> Iterator[list[str]]:
+    handler = _Lines()
+    logger = logging.getLogger("capstan.engine.ram_budget")
+    logger.addHandler(handler)
+    yield handler.lines
+    logger.removeHandler(handler)
+
+
+def test_zero_infinity_gets_a_cpu_budget_from_the_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          logged: list[str]) -> None:
+    _machine(monkeypatch, tmp_path, available_kib=8 << 20)  # MemAvailable 8 GiB
+    cfg, _ = resolve(TINY, layers=[(from_deepspeed(ZERO3_NVME)[0], "ds")])  # no "needs memory.cpu_budget"
+    assert (cfg.memory.offload, cfg.memory.cpu_budget) == ("disk", None)
+    chosen = with_default_cpu_budget(cfg, comm.single_process_groups())
+    activations, minimum = ram_budget._planned(cfg, 1)  # the planner's: activations, logits, one block's gradients
+    assert 0 < activations < 8 << 20 and minimum > 0
+    expect = int(0.9 * ((8 << 30) - activations)) // 2**20 * 2**20
+    assert chosen.memory.cpu_budget == expect and chosen.memory.disk_dir == "NVME"
+    assert logged == [ram_budget.RamBudget(8 << 30, "MemAvailable", 1, activations, "the planner's estimate",
+                                           minimum, "chunkmem's minimum for this model and chunk size").describe()]
+    assert logged[0].startswith(f"memory.cpu_budget not set: using {expect / 2**30:.1f} GiB of chunks in RAM per "
+                                "rank = 0.9 x (MemAvailable 8.0 GiB / 1 rank on this node = 8.0 GiB, minus ")
+    # Ranks on a node share its RAM; a model the planner cannot see leaves a quarter of the share to activations.
+    two = ram_budget.RamBudget(20 << 30, "MemAvailable", 2, int(1.5 * 2**30), "given", 1 << 20, "given")
+    assert two.budget == int(0.9 * 8.5 * 2**30) // 2**20 * 2**20
+    assert "MemAvailable 20.0 GiB / 2 ranks on this node = 10.0 GiB, minus 1.5 GiB for activations" in two.describe()
+    user = ram_budget.derive_budget(cfg, comm.single_process_groups(), torch.device("cpu"), reference_model=False)
+    assert user.activations == (8 << 30) // 4 and user.minimum == 1024 * 4  # one chunk: chunkmem checks the rest
+    # A memory cgroup (a container's limit) tighter than MemAvailable: its limit less its working set.
+    _machine(monkeypatch, tmp_path, available_kib=8 << 20, cgroup={
+        "memory.max": str(3 << 30), "memory.current": str(1 << 30), "memory.stat": "inactive_file 536870912\n"})
+    assert ram_budget.available_ram() == ((3 << 30) - (1 << 29), "the memory cgroup's limit less its working set")
+
+
+def test_an_explicit_cpu_budget_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, logged: list[str]) -> None:
+    _machine(monkeypatch, tmp_path, available_kib=None)  # nothing to read: the key must be used as given
+    cfg, _ = resolve(TINY, ["memory.cpu_budget=3MiB"], layers=[(from_deepspeed(ZERO3_NVME)[0], "ds")])
+    assert with_default_cpu_budget(cfg, comm.single_process_groups()) is cfg and cfg.memory.cpu_budget == 3 << 20
+    assert logged == []
+    unreadable, _ = resolve(TINY, layers=[(from_deepspeed(ZERO3_NVME)[0], "ds")])
+    with pytest.raises(ConfigError, match="cannot be read here: set memory.cpu_budget"):
+        with_default_cpu_budget(unreadable, comm.single_process_groups())
+
+
+def test_too_little_ram_for_the_chunks_is_one_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _machine(monkeypatch, tmp_path, available_kib=512)  # 512 KiB available
+    cfg, _ = resolve(TINY, layers=[(from_deepspeed(ZERO3_NVME)[0], "ds")])
+    activations, minimum = ram_budget._planned(cfg, 1)
+    room = max(0, (1 << 19) - activations)
+    message = (f"memory.cpu_budget is not set and this machine's RAM cannot hold the chunks a disk tier needs: "
+               f"MemAvailable 512.0 KiB / 1 rank on this node = 512.0 KiB, minus {activations / 1024:.1f} KiB for "
+               f"activations: the planner's estimate leaves {room / 1024:.1f} KiB per rank, below the "
+               f"{minimum / 1024:.1f} KiB ({minimum} bytes) of chunks that must be in RAM at once, chunkmem's minimum "
+               "for this model and chunk size; free RAM, run fewer ranks on this node, use a smaller "
+               "memory.chunk_size, or set memory.cpu_budget")
+    with pytest.raises(ConfigError) as info:
+        with_default_cpu_budget(cfg, comm.single_process_groups())
+    assert str(info.value) == message
+    base, ds = tmp_path / "base.json", tmp_path / "ds.json"
+    base.write_text(json.dumps(TINY))
+    ds.write_text(json.dumps(ZERO3_NVME).replace("NVME", str(tmp_path / "nvme")))
+    code = cli.main(["train", "--config", str(base), "--deepspeed", str(ds), "--set",
+                     f'log.run_dir="{tmp_path / "run"}"'])
+    assert code == 2  # one line, as every config error
+
+
+def test_capstan_train_with_zero_infinity_and_no_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture, logged: list[str]) -> None:
+    base, ds, run = tmp_path / "base.json", tmp_path / "ds.json", tmp_path / "run"
+    base.write_text(json.dumps(TINY))
+    ds.write_text(json.dumps(ZERO3_NVME).replace("NVME", str(tmp_path / "nvme")))
+    cfg, _ = resolve(TINY, layers=[(from_deepspeed(ZERO3_NVME)[0], "ds")])
+    activations, minimum = ram_budget._planned(cfg, 1)
+    # So little RAM that the budget is the chunks' minimum: most chunks live on disk, and it still trains.
+    _machine(monkeypatch, tmp_path, available_kib=(activations + minimum) // 1024 + 64)
+    code = cli.main(["train", "--config", str(base), "--deepspeed", str(ds), "--set", f'log.run_dir="{run}"',
+                     "--set", "train.steps=3"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "offload to nvme: memory.cpu_budget" in err and len(logged) == 1 and "MemAvailable" in logged[0]
+    assert f"cpu_budget = {minimum}" in (run / "config.resolved.toml").read_text()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and records[-1]["mem.disk.peak_bytes"] > 0 and records[-1]["mem.moved_bytes"] > 0

@@ -35,6 +35,7 @@ from torch import nn
 from .config.load import ConfigError, check_world, reference_gpt_config, resolve, uses_chunks
 from .config.schema import Config
 from .engine import Engine, LossFn
+from .ram_budget import with_default_cpu_budget
 
 __all__ = ["initialize", "build_reference_model", "build_reference_on_meta", "LayerwiseInit", "recompute_blocks",
            "resolve_device", "resolve_groups", "slice_for_tp"]
@@ -325,6 +326,7 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
     device = resolve_device(cfg)
     if is_accelerator(device) and uses_chunks(cfg):
         _check_gpu_chunks(cfg, groups)
+    cfg = with_default_cpu_budget(cfg, groups, reference_model=model is None)  # a disk tier's, where unset
     torch.manual_seed(cfg.train.seed)
     if cfg.parallel.pp > 1:
         from .pipe import PipelineStage, user_layer_specs

@@ -23,6 +23,7 @@ from .config.schema import Config
 from .data.sources import TokenData, train_batches, val_batches
 from .engine import Engine
 from .metrics import MetricsSink, memory_summary, plot_losses, plot_memory, progress_line
+from .ram_budget import with_default_cpu_budget
 from .rundir import check_resume, lock_run
 
 __all__ = ["run"]
@@ -47,6 +48,8 @@ def run(cfg: Config, sources: Sources, data: TokenData, plan: str | None = None)
 
 def _run(cfg: Config, data: TokenData, groups: comm.Groups, plan: str | None = None) -> list[dict]:
     watch = None
+    # a disk tier's RAM budget, where unset, chosen now: the prediction, the engine and config.resolved.toml use it
+    cfg = with_default_cpu_budget(cfg, groups)
     if plan is not None:  # before the model exists: the prediction does not depend on the run
         from .plan.run import RunPlan
 

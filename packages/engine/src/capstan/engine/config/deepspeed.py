@@ -16,9 +16,13 @@ states in chunks (parameters too, sharded over dp: ZeRO-3's layout), which is
 what makes them fit, so ``offload_optimizer`` maps to ``memory.offload`` at
 any stage, with a note. Bucket sizes in elements become ``parallel.bucket_mb``
 (fp32 bytes). An ``nvme_path`` becomes ``memory.disk_dir`` with
-``offload = "disk"``; a disk tier needs ``memory.cpu_budget`` (bytes of chunks
-in RAM), which DeepSpeed has no key for: the translation says so, and the
-user sets it (``--set memory.cpu_budget=8GiB``).
+``offload = "disk"``. A disk tier keeps ``memory.cpu_budget`` bytes of chunks
+in RAM, which DeepSpeed has no key for: unset, the run chooses it from the
+machine's available RAM, its ranks per node and the activations, and logs the
+choice (ram_budget.py); ``--set memory.cpu_budget=8GiB`` chooses it by hand.
+``offload_param.max_in_cpu`` (parameter elements DeepSpeed keeps in RAM) is not
+taken for it: it counts parameters only, and DeepSpeed's examples copy its
+default (1e9) without meaning a RAM budget.
 """
 
 from __future__ import annotations
@@ -277,9 +281,11 @@ def _zero(z: object, put: Any, notes: list[str]) -> None:
                  if (z.get(k) or {}).get("nvme_path")), None)
     if path:
         put("memory", "disk_dir", str(path))
-    notes.append("offload to nvme: set memory.cpu_budget (bytes of chunks kept in RAM; DeepSpeed has no such "
-                 "key), e.g. --set memory.cpu_budget=8GiB")
+    notes.append("offload to nvme: memory.cpu_budget (bytes of chunks kept in RAM per rank; DeepSpeed has no "
+                 "such key) is chosen at start from this machine's available RAM, its ranks and the activations, "
+                 "and logged; set it to choose, e.g. --set memory.cpu_budget=8GiB")
     for k in ("offload_optimizer", "offload_param"):
         for extra in sorted(set(z.get(k) or {}) - {"device", "nvme_path", "pin_memory"}):
-            notes.append(f"zero_optimization.{k}.{extra}: ignored (the disk tier's I/O is capstan's own: "
-                         "O_DIRECT, 8 requests in flight)")
+            why = ("it counts parameter elements only; the RAM budget of all model states is memory.cpu_budget"
+                   if extra == "max_in_cpu" else "the disk tier's I/O is capstan's own: O_DIRECT, 8 requests in flight")
+            notes.append(f"zero_optimization.{k}.{extra}: ignored ({why})")

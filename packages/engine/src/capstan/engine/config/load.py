@@ -384,8 +384,7 @@ def _check_chunk_path(cfg: Config, sources: Sources, reference_model: bool = Tru
     chunk = (f"memory.chunk_size = {mem.chunk_size} fp32 elements" if mem.chunk_size is not None
              else "the smallest chunk (1024 fp32 elements; memory.chunk_size unset)")
     chunk_bytes = (mem.chunk_size or 1024) * 4
-    if mem.offload == "disk" and mem.cpu_budget is None:
-        raise ConfigError("memory.offload = \"disk\" needs memory.cpu_budget (bytes of chunks kept in RAM)")
+    # offload = "disk" without cpu_budget: chosen from the machine's RAM at start (ram_budget.py)
     if mem.cpu_budget is not None and mem.cpu_budget < chunk_bytes:
         raise ConfigError(f"memory.cpu_budget = {mem.cpu_budget} bytes cannot hold one chunk of "
                           f"{chunk} ({chunk_bytes} bytes)")
