@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkKind, ChunkManager, DiskStore
-from capstan.chunkmem.transfer import STAGING_BUFFERS, staging_buffer_bytes
+from capstan.chunkmem.memory.transfer import STAGING_BUFFERS, staging_buffer_bytes
 from capstan.comm.testing import BF16_VS_CPU, cpu_arithmetic, cuda_param
 from capstan.native import standin
 
@@ -63,7 +63,7 @@ def test_ram_buffers_are_kept_for_chunks_on_the_device(device: str) -> None:
     manager._alloc = lambda chunk: (allocs.append(chunk.kind), real(chunk))[1]  # type: ignore[method-assign]
     per_step = []
     _train(manager, 5, device, each_step=lambda s, m: per_step.append(len(allocs)))
-    moved = manager.transfers.copies
+    moved = manager.device_tier.transfers.copies
     assert moved > 5 * 4  # the optimizer takes every parameter chunk off the device, forward brings it back
     assert per_step[1] == per_step[-1], per_step  # steps 3-5 allocated nothing
     assert manager.stats()["cpu"]["resident_bytes"] == manager.cpu.resident  # kept buffers are counted
@@ -75,8 +75,8 @@ def test_gradient_chunks_are_made_on_the_device_not_copied_up_as_zeros(device: s
     is made (zeroed there), instead of zeroing RAM and copying the zeros up every step."""
     moves: list[tuple[ChunkKind, str | None]] = []
     manager = ChunkManager(None, audit=True, device=device)
-    real = manager._to_device
-    manager._to_device = lambda entry, fresh=None: (moves.append((entry.chunk.kind, fresh)),  # type: ignore
+    real = manager.device_tier.to_device
+    manager.device_tier.to_device = lambda entry, fresh=None: (moves.append((entry.chunk.kind, fresh)),  # type: ignore
                                                     real(entry, fresh))[1]
     want, _ = _train(ChunkManager(None, audit=True), 4, "cpu", dtype=torch.float32)
     got, _ = _train(manager, 4, device, dtype=torch.float32)
@@ -91,13 +91,13 @@ def test_prefetch_to_the_device_skips_chunks_pinned_in_ram(device: str) -> None:
     that would copy it up ahead of use leaves it for later."""
     manager = ChunkManager(None, audit=True, device=device, device_budget=3 * CHUNK * 4)
     _train(manager, 2, device)
-    first = next(cid for cid, compute in zip(manager.trace, manager.trace_compute, strict=True)
+    first = next(cid for cid, compute in zip(manager.trace, manager.device_tier.trace_compute, strict=True)
                  if compute and manager.entries[cid].where == "cpu")
     manager.entries[first].pins += 1
-    manager._prefetch_device()
+    manager.device_tier.prefetch()
     assert manager.entries[first].where == "cpu"
     manager.entries[first].pins -= 1
-    manager._prefetch_device()
+    manager.device_tier.prefetch()
     assert manager.entries[first].where == "device"  # unpinned, the same prefetch takes it
 
 
@@ -127,16 +127,16 @@ def test_the_device_budget_follows_the_activations() -> None:
     manager = ChunkManager(None, audit=True, device="cpu", device_budget=8 * CHUNK * 2, device_limit=limit,
                            device_measure=lambda: manager.dev.resident + activations(manager.moment))
     seen = []
-    real = manager._record_device
+    real = manager.device_tier.record
 
     def record(chunk_id: int, compute: bool) -> None:
         real(chunk_id, compute)
         if manager.trace is not None:
             seen.append((manager.moment, manager.dev.capacity, manager.dev.resident))
 
-    manager._record_device = record  # type: ignore[method-assign]
+    manager.device_tier.record = record  # type: ignore[method-assign]
     _train(manager, 4, "cpu")
-    nonmodel = manager.nonmodel_device
+    nonmodel = manager.device_tier.nonmodel_device
     assert nonmodel == [activations(m) for m in range(len(nonmodel))]  # what the warm-up measured
     assert len({cap for _, cap, _ in seen}) > 3  # the capacity moved with the activations
     assert all(held <= cap for _, cap, held in seen)
@@ -189,7 +189,7 @@ def test_pinned_ram_under_a_budget_is_a_staging_pool_counted_in_the_cpu_tier(dev
     stats = manager.stats()
     largest = max(c.nbytes for k in (ChunkKind.PARAM, ChunkKind.GRAD) for lst in model.chunks.get(k, []) for c in lst)
     staging = STAGING_BUFFERS * staging_buffer_bytes(largest)
-    assert stats[device]["staging_bytes"] == staging == manager.staging_bytes()
+    assert stats[device]["staging_bytes"] == staging == manager.device_tier.staging_bytes()
     assert stats["disk"]["bytes_out"] > 0 and stats[device]["evictions"] > 0  # it streamed
     assert _pinned_host_bytes(device) - before == staging  # all the pinned RAM there is, and counted
     assert stats["cpu"]["peak_bytes"] <= budget

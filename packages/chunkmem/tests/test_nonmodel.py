@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from capstan.chunkmem import BudgetError, ChunkAdam, ChunkedModel, ChunkManager, DiskStore
-from capstan.chunkmem.nonmodel import check_memory_limit, nonmodel_ahead
+from capstan.chunkmem.memory.nonmodel import check_memory_limit, nonmodel_ahead
 
 WIDTH, LAYERS, BATCH = 512, 6, 2048
 CHUNK = WIDTH * WIDTH + WIDTH  # one layer per chunk: 1 MiB of fp32

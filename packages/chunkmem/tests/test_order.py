@@ -128,7 +128,7 @@ def test_trace_errors_are_clear() -> None:
 
 
 def test_atomic_subtrees_and_uncalled_modules() -> None:
-    from capstan.chunkmem.order import module_order
+    from capstan.chunkmem.model.order import module_order
 
     class Net(nn.Module):
         def __init__(self) -> None:

@@ -252,14 +252,14 @@ def test_a_device_tier_above_ram_and_disk_trains_like_plain_pytorch(device: str,
                            device_budget=DEVICE_BUDGET)
     model = ChunkedModel(net, manager, chunk_size=CHUNK)
     opt = ChunkAdam(model, lr=3e-3, weight_decay=0.1)
-    to_device = manager._to_device
+    to_device = manager.device_tier.to_device
     kinds_on_device: set[ChunkKind] = set()
 
     def spy(entry, fresh=None) -> None:
         kinds_on_device.add(entry.chunk.kind)
         to_device(entry, fresh)
 
-    manager._to_device = spy  # type: ignore[method-assign]
+    manager.device_tier.to_device = spy  # type: ignore[method-assign]
     got = []
     for batch in _batches(steps, 1):
         manager.begin_step()

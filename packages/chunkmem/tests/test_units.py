@@ -16,7 +16,7 @@ from capstan.chunkmem import (
     list_capacity, plan_layout, search_chunk_size,
     utilization,
 )
-from capstan.chunkmem.states import chunk_state_of
+from capstan.chunkmem.model.states import chunk_state_of
 
 
 def test_chunk_state_is_derived_from_tensor_states() -> None:

@@ -36,20 +36,20 @@ device; never run on a GPU (see docs/chunkmem.md).
 """
 
 from .activations import ActivationOffload
-from .chunk import Chunk, TensorSlot
-from .disk import DiskStore, DiskTierError
-from .eviction import LRU, Belady, EvictionPolicy, make_policy
-from .layout import (LayoutError, ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, plan_layout,
+from .model.chunk import Chunk, TensorSlot
+from .memory.disk import DiskStore, DiskTierError
+from .memory.eviction import LRU, Belady, EvictionPolicy, make_policy
+from .model.layout import (LayoutError, ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, plan_layout,
                      search_chunk_size, utilization)
-from .manager import BudgetError, ChunkManager
-from .model import ChunkedModel
-from .onebit import OneBitChunkAdam, frozen_variance_step
-from .optim import AdamGroup, ChunkAdam
-from .precision import DynamicLossScaler, LossScaleError
-from .replicated import ReplicatedChunkedModel
-from .sharding import ShardedChunkedModel
-from .states import ChunkKind, ChunkState, StateError, TensorState
-from .tiers import Tier
+from .memory.manager import BudgetError, ChunkManager
+from .model.chunked import ChunkedModel
+from .optim.onebit import OneBitChunkAdam, frozen_variance_step
+from .optim.adam import AdamGroup, ChunkAdam
+from .optim.precision import DynamicLossScaler, LossScaleError
+from .parallel.replicated import ReplicatedChunkedModel
+from .parallel.sharding import ShardedChunkedModel
+from .model.states import ChunkKind, ChunkState, StateError, TensorState
+from .memory.tiers import Tier
 
 __all__ = [
     "ActivationOffload", "AdamGroup", "Belady", "BudgetError", "Chunk", "ChunkAdam", "ChunkKind", "ChunkManager", "ChunkState",

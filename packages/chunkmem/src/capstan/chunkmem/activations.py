@@ -34,7 +34,7 @@ import torch
 
 from capstan.comm.device import current_stream, indexed, is_accelerator
 
-from .disk import ALIGN, DiskStore
+from .memory.disk import ALIGN, DiskStore
 
 __all__ = ["ActivationOffload"]
 

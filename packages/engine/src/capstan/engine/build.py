@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from capstan import comm
-from capstan.chunkmem.nonmodel import trim_heap
+from capstan.chunkmem.memory.nonmodel import trim_heap
 from capstan.comm.device import is_accelerator
 from torch import nn
 

@@ -192,11 +192,11 @@ class Engine:
         rank = self.groups.world.rank
         disk = DiskStore(mem.disk_dir, rank=rank) if mem.offload == "disk" else None
         # On a GPU, parameter (and gradient) chunks compute there within memory.gpu_budget; masters and
-        # Adam moments stay in RAM / on disk, where the native CPU Adam steps them (chunkmem/device.py).
+        # Adam moments stay in RAM / on disk, where the native CPU Adam steps them (chunkmem/memory/device.py).
         gpu = self.device if is_accelerator(self.device) else None
         budget, limit, measure = (mem.gpu_budget, None, None) if gpu is not None else (None, None, None)
         if gpu is not None and budget is None:  # derived from the GPU and the activations the warm-up measures
-            from capstan.chunkmem.device import device_peak
+            from capstan.chunkmem.memory.device import device_peak
 
             limit = gpu_chunk_limit(gpu)
             budget, measure = limit // GPU_WARMUP_SHARE, device_peak(gpu).moment
@@ -541,7 +541,7 @@ class Engine:
         the manager's per-moment measure, so neither resets the counter under the other."""
         if not is_accelerator(self.device):
             return {}
-        from capstan.chunkmem.device import device_peak
+        from capstan.chunkmem.memory.device import device_peak
 
         return {f"mem.{self.device.type}.reserved_peak_bytes": device_peak(self.device).step()}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from capstan.chunkmem.precision import DynamicLossScaler
+from capstan.chunkmem.optim.precision import DynamicLossScaler
 
 from .config.schema import PrecisionConfig
 

@@ -239,7 +239,7 @@ class ChunkView(StateView):
 
     def __init__(self, engine: Engine) -> None:
         from capstan.chunkmem import OneBitChunkAdam, ReplicatedChunkedModel
-        from capstan.chunkmem.state_io import owned_homes
+        from capstan.chunkmem.model.state_io import owned_homes
 
         self.model, self.opt = engine.module, engine.optimizer
         self._onebit = self.opt if isinstance(self.opt, OneBitChunkAdam) else None
@@ -260,13 +260,13 @@ class ChunkView(StateView):
             self._homes[lp.name] = (home, id(home.param) in mine)
 
     def read(self, lp: LocalParam, field: str) -> torch.Tensor:
-        from capstan.chunkmem.state_io import read_state
+        from capstan.chunkmem.model.state_io import read_state
 
         home, _ = self._homes[lp.name]
         return read_state(self.model, home, field).reshape(-1)[lp.own[0] : lp.own[1]]
 
     def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
-        from capstan.chunkmem.state_io import write_state
+        from capstan.chunkmem.model.state_io import write_state
 
         home, owned = self._homes[lp.name]
         if owned:

@@ -127,7 +127,7 @@ def _compression_rates() -> dict[str, float]:
     a 1-bit Adam step past its freeze (the momentum update, `comm.onebit_all_reduce`'s packing and
     unpacking in both stages, the step over the frozen variance: zero/compression.py's calls), and one
     int8 collective's quantizing and dequantizing of every element."""
-    from capstan.chunkmem.onebit import frozen_variance_step
+    from capstan.chunkmem.optim.onebit import frozen_variance_step
     from capstan.comm import Group, dequantize_int8, onebit_all_reduce, onebit_residual_sizes, quantize_int8
 
     n = 1 << 22
@@ -150,7 +150,7 @@ def _compression_rates() -> dict[str, float]:
 def _per_access() -> float:
     """Seconds of one chunkmem access + release of a resident chunk (what a hook does per parameter)."""
     from capstan.chunkmem import ChunkManager
-    from capstan.chunkmem.chunk import Chunk, ChunkKind
+    from capstan.chunkmem.model.chunk import Chunk, ChunkKind
 
     manager = ChunkManager(cpu_budget=1 << 30)
     chunk = Chunk(0, ChunkKind.PARAM, torch.float32, 1024)

@@ -16,7 +16,7 @@ chunks in order; backward: the same in reverse, each followed by its gradient ch
 the gradient pass for clipping, then master, gradient, moments and parameter per chunk) against the
 budget with chunkmem's own eviction policy (Belady from the trace, or LRU), and counts what is read
 back from disk and what dirty chunks are written out. It is a model of the manager
-(chunkmem/manager.py), not the manager: pins are one module at a time, prefetch (which moves
+(chunkmem/memory/manager.py), not the manager: pins are one module at a time, prefetch (which moves
 nothing extra) is left out. `tests/test_plan_time.py` checks it against the bytes a real run moves.
 """
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from capstan.chunkmem.eviction import make_policy
-from capstan.chunkmem.layout import (
+from capstan.chunkmem.memory.eviction import make_policy
+from capstan.chunkmem.model.layout import (
     ModuleSpec,
     ParamSpec,
     auto_chunk_size,
@@ -56,7 +56,7 @@ class ChunkLists:
     shard: int  # ZeRO-3 data-parallel size (1: not sharded)
     mixed: bool  # 16-bit parameters with fp32 masters
     grad_chunks: bool  # gradients in chunks of their own (else in the 16-bit parameter's slot)
-    onebit: int = 0  # 1-bit Adam's replicas (chunkmem/replicated.py: two residual lists beside the others); 0: none
+    onebit: int = 0  # 1-bit Adam's replicas (chunkmem/parallel/replicated.py: two residual lists beside the others); 0: none
 
     @property
     def elements(self) -> int:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 from capstan import comm
-from capstan.chunkmem.onebit import frozen_variance_step
+from capstan.chunkmem.optim.onebit import frozen_variance_step
 
 __all__ = ["OneBitAdam", "int8_reduce_scatter", "int8_all_gather"]
 

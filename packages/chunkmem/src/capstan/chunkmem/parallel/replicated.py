@@ -29,9 +29,9 @@ from torch import nn
 from capstan import comm
 from capstan.comm import Group
 
-from .manager import ChunkManager
-from .model import ChunkedModel
-from .states import ChunkKind
+from ..memory.manager import ChunkManager
+from ..model.chunked import ChunkedModel
+from ..model.states import ChunkKind
 
 __all__ = ["ReplicatedChunkedModel", "ONEBIT_KINDS", "onebit_scratch_bytes"]
 

@@ -32,9 +32,9 @@ import torch
 from capstan import comm
 from capstan.native import kernels
 
-from .optim import AdamGroup, ChunkAdam
-from .replicated import ReplicatedChunkedModel, onebit_scratch_bytes
-from .states import ChunkKind
+from .adam import AdamGroup, ChunkAdam
+from ..parallel.replicated import ReplicatedChunkedModel, onebit_scratch_bytes
+from ..model.states import ChunkKind
 
 __all__ = ["OneBitChunkAdam", "frozen_variance_step"]
 

@@ -51,17 +51,17 @@ import torch
 
 from capstan.native import kernels
 
-from .states import ChunkKind
+from ..model.states import ChunkKind
 
 if TYPE_CHECKING:
-    from .optim import ChunkAdam
+    from .adam import ChunkAdam
 
 __all__ = ["Speculation", "can_overlap"]
 
 
 def can_overlap(model: object) -> str | None:
     """None if `model`'s optimizer step can overlap its backward, else why not."""
-    from .sharding import ShardedChunkedModel
+    from ..parallel.sharding import ShardedChunkedModel
 
     mgr = model.manager  # type: ignore[attr-defined]
     if isinstance(model, ShardedChunkedModel):
@@ -150,7 +150,7 @@ class Speculation:
         ids = [chunks[k][g][i].chunk_id for k in kinds]
         # Chunks coming off a GPU land in RAM while backward goes on: the worker waits for the copies.
         views = [mgr.access(cid, write=True, wait=False).payload[:n] for cid in ids]  # type: ignore[index]
-        job = _Job(g, i, n, ids, landing=[ev for ev in map(mgr.landing, ids) if ev is not None])
+        job = _Job(g, i, n, ids, landing=[ev for ev in map(mgr.device_tier.landing, ids) if ev is not None])
         slot_reuse = model.mixed and not model.grad_chunks
         if self._may_roll_back():
             # master, exp_avg, exp_avg_sq, and the 16-bit slot the kernel overwrites with the parameter

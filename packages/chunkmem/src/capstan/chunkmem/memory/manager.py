@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunk import Chunk
-from .device import DEVICE_KINDS, DeviceMoves, device_tier
+from ..model.chunk import Chunk
+from .device import DEVICE_KINDS, DeviceTier, device_tier
 from .disk import DiskStore
 from .eviction import EvictionPolicy, make_policy
 from .nonmodel import check_memory_limit, nonmodel_ahead, return_freed_memory
@@ -62,7 +62,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class ChunkManager(DeviceMoves):
+class ChunkManager:
     """Places chunks between the cpu tier (budget `cpu_budget` bytes) and an optional disk tier.
 
     device: an optional compute device above RAM (`device_budget` bytes for chunks on it, None
@@ -107,7 +107,7 @@ class ChunkManager(DeviceMoves):
         self.transient = 0  # bytes of buffers outside chunks (gathered remote chunks, reduction buffers)
         self._rss_base = _rss_bytes()
         self.counters = {"prefetch_hits": 0, "prefetch_misses": 0, "stall_s": 0.0, "reads": 0, "writes": 0}
-        self._init_device(device_limit, device_measure)
+        self.device_tier = DeviceTier(self, self.device, self.dev, device_limit, device_measure)
 
     # ---- registration -------------------------------------------------------------------------
     def add(self, chunk: Chunk, init: torch.Tensor | None = None) -> None:
@@ -140,7 +140,7 @@ class ChunkManager(DeviceMoves):
         self._record(chunk_id, compute)
         on_device = compute and self.dev is not None
         if entry.where == "device" and not on_device:
-            self._off_device(entry)
+            self.device_tier.off_device(entry)
         elif entry.where == "device" and entry.prefetched:
             self.counters["device_prefetch_hits"] += 1
         entry.prefetched = False
@@ -160,25 +160,26 @@ class ChunkManager(DeviceMoves):
             self._load(entry, overwrite)
         if entry.stale:
             if not overwrite:
-                self._land(entry)
+                self.device_tier.land(entry)
                 entry.chunk.payload.zero_()  # type: ignore[union-attr]
             entry.stale = False
         if on_device and entry.where != "device":
             entry.pins += 1  # so that making room on the device (into RAM) cannot evict it to disk
             try:
-                self._to_device(entry, fresh)
+                self.device_tier.to_device(entry, fresh)
             finally:
                 entry.pins -= 1
         if on_device:
-            self.transfers.ready_for_compute(entry.arriving)  # type: ignore[union-attr]  # on the GPU, no host wait
+            # on the GPU, no host wait
+            self.device_tier.transfers.ready_for_compute(entry.arriving)  # type: ignore[union-attr]
             entry.arriving = None
         elif wait:
-            self._land(entry)
+            self.device_tier.land(entry)
         entry.pins += 1
         if write or overwrite:
             entry.disk_valid = False
         self._prefetch()
-        self._prefetch_device()
+        self.device_tier.prefetch()
         self._after_move()
         return chunk
 
@@ -194,9 +195,9 @@ class ChunkManager(DeviceMoves):
         chunks that compute there)."""
         if on_device:
             assert self.dev is not None
-            self._make_device_room(nbytes, protect=-1)
+            self.device_tier.make_room(nbytes, protect=-1)
             self.dev.reserve(nbytes, what)
-            self.device_transient += nbytes
+            self.device_tier.transient += nbytes
         else:
             self._make_room(nbytes, protect=-1)
             self.cpu.reserve(nbytes, what)
@@ -207,7 +208,7 @@ class ChunkManager(DeviceMoves):
         if on_device:
             assert self.dev is not None
             self.dev.release(nbytes)
-            self.device_transient -= nbytes
+            self.device_tier.transient -= nbytes
             return
         self.cpu.release(nbytes)
         self.transient -= nbytes
@@ -239,7 +240,7 @@ class ChunkManager(DeviceMoves):
         if entry.read is not None:
             self._finish_read(entry)
         self._wait_write(entry)
-        self._land(entry)
+        self.device_tier.land(entry)
         entry.disk_valid = False
         if entry.where == "cpu" and self.cpu.capacity is None:
             # Unbounded RAM: zero in place. Dropping and re-allocating would cost a fresh
@@ -259,7 +260,7 @@ class ChunkManager(DeviceMoves):
     def _load(self, entry: _Entry, overwrite: bool = False) -> None:
         chunk = entry.chunk
         if entry.spare is not None and entry.where is None:  # freed on the device: its kept RAM buffer
-            chunk.payload = self._take_spare(entry)
+            chunk.payload = self.device_tier.take_spare(entry)
             if not overwrite:
                 chunk.payload.zero_()
             entry.where = "cpu"
@@ -302,7 +303,7 @@ class ChunkManager(DeviceMoves):
     def _make_room(self, nbytes: int, protect: int) -> None:
         self._reap_writes()
         while not self.cpu.fits(nbytes):
-            if self._retiring_bytes["cpu"] and self._reap_transfers(wait_for=self.cpu):
+            if self.device_tier.retiring_bytes["cpu"] and self.device_tier.reap(wait_for=self.cpu):
                 continue  # RAM buffers a copy to the device was still reading
             # Writes in flight free their bytes when done: wait for them rather than evicting more
             # than needed. This also makes eviction decisions independent of I/O timing.
@@ -341,7 +342,7 @@ class ChunkManager(DeviceMoves):
         chunk = entry.chunk
         if self.disk is None:
             raise BudgetError(f"cpu budget of {self.cpu.capacity} bytes is full and there is no disk tier")
-        self._land(entry)  # a copy from the device into this buffer finishes before it is written out
+        self.device_tier.land(entry)  # a copy from the device into this buffer finishes before it is written out
         if entry.stale:  # only under RAM unbounded, which never evicts; kept exact regardless
             chunk.payload.zero_()  # type: ignore[union-attr]
             entry.stale = False
@@ -411,8 +412,9 @@ class ChunkManager(DeviceMoves):
         """A payload buffer (aligned for direct I/O when the disk tier uses it; page-locked, which is
         page-aligned too, for a chunk that visits an accelerator while RAM is unbounded: under a RAM
         budget it stays pageable and copies go through the staging pool, transfer.py)."""
-        if self.transfers is not None and self.transfers.pins_chunks and chunk.kind in DEVICE_KINDS:
-            return self.transfers.pinned(chunk.capacity, chunk.dtype)
+        transfers = self.device_tier.transfers
+        if transfers is not None and transfers.pins_chunks and chunk.kind in DEVICE_KINDS:
+            return transfers.pinned(chunk.capacity, chunk.dtype)
         if self.disk is not None:
             return self.disk.alloc(chunk.capacity, chunk.dtype)
         return torch.empty(chunk.capacity, dtype=chunk.dtype)
@@ -438,7 +440,7 @@ class ChunkManager(DeviceMoves):
         self.policy.on_access(chunk_id, self.moment)
         if self._off_trace:
             return
-        self._record_device(chunk_id, compute)
+        self.device_tier.record(chunk_id, compute)
         if self.trace is None:
             self._recording.append(chunk_id)
             self.nonmodel.append(max(0, _rss_bytes() - self._rss_base - self.cpu.resident))
@@ -457,12 +459,12 @@ class ChunkManager(DeviceMoves):
         if self.trace is None:
             if self.memory_limit is not None:
                 check_memory_limit(self.memory_limit, self._pinned, self.nonmodel)
-            self._end_device_warmup()
+            self.device_tier.end_warmup()
             self.trace = list(self._recording)
             self.policy.set_trace(self.trace)
         self.step += 1
         self.moment = 0
-        self._prefetch_device()  # the next step's first chunks (updated by the optimizer) go up now
+        self.device_tier.prefetch()  # the next step's first chunks (updated by the optimizer) go up now
 
     def begin_step(self) -> None:
         self.cpu.stats.timeline = []
@@ -489,8 +491,8 @@ class ChunkManager(DeviceMoves):
 
     def audit(self) -> None:
         """Recompute the cpu tier's bytes from the chunks and check them against the counter and budget."""
-        self._audit_device()
-        held = self.transient + self._host_extra_bytes()
+        self.device_tier.audit()
+        held = self.transient + self.device_tier.host_extra_bytes()
         for e in self.entries.values():
             if e.chunk.payload is not None and e.where != "device":
                 held += e.chunk.nbytes
@@ -510,7 +512,7 @@ class ChunkManager(DeviceMoves):
                     "bytes_out": self.cpu.stats.bytes_out, "evictions": self.cpu.stats.evictions},
             "disk": {"resident_bytes": disk_resident, "bytes_in": self.disk_tier.stats.bytes_in,
                      "bytes_out": self.disk_tier.stats.bytes_out},
-            **self._device_stats(),
+            **self.device_tier.stats(),
             "moved_bytes": self.cpu.stats.bytes_in + self.cpu.stats.bytes_out
             + (self.dev.stats.bytes_in + self.dev.stats.bytes_out if self.dev is not None else 0),
             "nonmodel_peak_bytes": max(self.nonmodel, default=0),
@@ -519,7 +521,7 @@ class ChunkManager(DeviceMoves):
         }
 
     def close(self) -> None:
-        self._close_device()
+        self.device_tier.close()
         for e in self.entries.values():
             if e.read is not None:
                 e.read.result()

@@ -46,14 +46,14 @@ import torch
 from capstan.comm.device import device_module, indexed, is_accelerator
 
 from .nonmodel import check_memory_limit, nonmodel_ahead
-from .states import ChunkKind
+from ..model.states import ChunkKind
 from .tiers import BudgetError, Tier
 from .transfer import STAGING_BUFFERS, Transfers, staging_buffer_bytes
 
 if TYPE_CHECKING:
-    from .manager import _Entry
+    from .manager import ChunkManager, _Entry
 
-__all__ = ["DeviceMoves", "DevicePeak", "device_peak", "device_tier", "staging_bytes"]
+__all__ = ["DeviceTier", "DevicePeak", "device_peak", "device_tier", "staging_bytes"]
 
 DEVICE_KINDS = (ChunkKind.PARAM, ChunkKind.GRAD)  # the chunks that compute on the device
 DEVICE_PREFETCH = 2  # chunks copied to the device ahead of use
@@ -123,23 +123,22 @@ def device_peak(device: torch.device) -> DevicePeak:
 _PEAKS: dict[torch.device, DevicePeak] = {}
 
 
-class DeviceMoves:
-    """Moves between the device tier and RAM; mixed into `ChunkManager`."""
+class DeviceTier:
+    """The device tier's moves and bookkeeping, owned by a `ChunkManager` (`manager.device_tier`).
 
-    device: torch.device | None
-    dev: Tier | None
-    entries: dict
-    cpu: Tier
-    moment: int
-    trace: list[int] | None
-    counters: dict
+    It works on the manager's entries and cpu tier (`self.m`): a chunk leaving the device needs room in
+    RAM, which may evict to disk, and the device's warm-up trace runs on the manager's moments. With no
+    device every method is a no-op (or an identity), so the manager calls them unconditionally."""
 
-    def _init_device(self, device_limit: int | None, device_measure: Callable[[], int] | None) -> None:
-        staged = self.cpu.capacity is not None  # a RAM budget: pageable chunk buffers, staged copies
+    def __init__(self, manager: ChunkManager, device: torch.device | None, dev: Tier | None,
+                 device_limit: int | None, device_measure: Callable[[], int] | None) -> None:
+        self.m = manager
+        self.device, self.dev = device, dev
+        staged = self.m.cpu.capacity is not None  # a RAM budget: pageable chunk buffers, staged copies
         self.transfers = Transfers(self.device, staged=staged) if self.device is not None else None
         self._retiring: list[tuple[object, Tier, int, object]] = []  # (event, tier, bytes, buffer kept alive)
-        self._retiring_bytes = {"cpu": 0, "device": 0}
-        self.device_transient = 0  # device bytes of buffers outside chunks (sharding.py's gathered units)
+        self.retiring_bytes = {"cpu": 0, "device": 0}
+        self.transient = 0  # device bytes of buffers outside chunks (sharding.py's gathered units)
         if device_limit is not None:
             if self.dev is None or device_measure is None or self.dev.capacity is None:
                 raise ValueError("a device limit needs a device, a device budget for the warm-up step and a "
@@ -153,12 +152,12 @@ class DeviceMoves:
         self._pinned_device: list[int] = []
         self._recording_compute: list[bool] = []
         self.trace_compute: list[bool] | None = None
-        self.counters.update(device_prefetches=0, device_prefetch_hits=0, landing_waits=0)
+        self.m.counters.update(device_prefetches=0, device_prefetch_hits=0, landing_waits=0)
 
-    def _keeps_host(self, entry: _Entry) -> bool:
-        return self.cpu.capacity is None and entry.chunk.kind in DEVICE_KINDS
+    def keeps_host(self, entry: _Entry) -> bool:
+        return self.m.cpu.capacity is None and entry.chunk.kind in DEVICE_KINDS
 
-    def raise_device_warmup(self, nbytes: int) -> None:
+    def raise_warmup(self, nbytes: int) -> None:
         """With a device limit: let the warm-up step hold `nbytes` of chunks on the device (a model whose
         largest module needs more than the default warm-up share)."""
         assert self.dev is not None and self.device_limit is not None
@@ -168,13 +167,13 @@ class DeviceMoves:
         self.dev.capacity = self.device_warmup = max(self.device_warmup or 0, nbytes)
 
     # ---- moves ---------------------------------------------------------------------------------------------
-    def _to_device(self, entry: _Entry, fresh: str | None = None) -> None:
+    def to_device(self, entry: _Entry, fresh: str | None = None) -> None:
         """RAM -> device, asynchronously (the caller pins the entry, so making room cannot evict it).
         fresh: "zeros" or "empty" makes the device buffer there instead of copying RAM's (a stale chunk)."""
         chunk = entry.chunk
         assert self.dev is not None and self.transfers is not None
         assert entry.where == "cpu" or (fresh is not None and entry.where is None), entry.where
-        self._make_device_room(chunk.nbytes, protect=chunk.chunk_id)
+        self.make_room(chunk.nbytes, protect=chunk.chunk_id)
         self.dev.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
         host = chunk.payload if entry.where == "cpu" else None  # None: freed, no RAM buffer
         if fresh is not None:
@@ -182,83 +181,83 @@ class DeviceMoves:
         else:
             # A copy into `host` still in flight runs first: both are on the copy stream, in order
             # (staged: the copy into it has landed, `_land` by the caller).
-            self._ensure_staging()
+            self.ensure_staging()
             buf, event, reading = self.transfers.to_device(host)
         chunk.payload, entry.where, entry.arriving, entry.landing = buf, "device", event, None
         if host is None:
             pass  # nothing in RAM (a kept buffer of an earlier visit stays kept, and counted)
-        elif self._keeps_host(entry):
+        elif self.keeps_host(entry):
             entry.spare, entry.spare_busy = host, event  # stays counted in the cpu tier, reused on the way back
         else:  # the cpu bytes go once the copy has read them (staged: read already)
-            self._retire(event if reading else None, self.cpu, chunk.nbytes, host)
+            self.retire(event if reading else None, self.m.cpu, chunk.nbytes, host)
         if fresh is None:
             self.dev.stats.bytes_in += chunk.nbytes
-        self._resident(chunk)  # type: ignore[attr-defined]
+        self.m._resident(chunk)
 
-    def _off_device(self, entry: _Entry) -> None:
+    def off_device(self, entry: _Entry) -> None:
         """Device -> RAM, asynchronously (making room in RAM, down to disk if needed); CPU readers wait
         for it through `_land`."""
         chunk = entry.chunk
         assert self.dev is not None and self.transfers is not None
         if entry.pins:
             raise RuntimeError(f"chunk {chunk.chunk_id} is in use on the device and cannot move to RAM")
-        for cb in self.on_evict:  # type: ignore[attr-defined]
+        for cb in self.m.on_evict:
             cb(chunk)
         if entry.spare is not None:
             host, entry.spare, entry.spare_busy = entry.spare, None, None  # counted already; in stream order
         else:
-            self._make_room(chunk.nbytes, protect=chunk.chunk_id)  # type: ignore[attr-defined]
-            self.cpu.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
-            host = self._alloc(chunk)  # type: ignore[attr-defined]
-        self._ensure_staging()
+            self.m._make_room(chunk.nbytes, protect=chunk.chunk_id)
+            self.m.cpu.reserve(chunk.nbytes, f"chunk {chunk.chunk_id}")
+            host = self.m._alloc(chunk)
+        self.ensure_staging()
         event = self.transfers.to_host(chunk.payload, host)
-        self._retire(event, self.dev, chunk.nbytes, chunk.payload)  # device bytes go once the copy has read them
+        self.retire(event, self.dev, chunk.nbytes, chunk.payload)  # device bytes go once the copy has read them
         chunk.payload, entry.where, entry.landing, entry.arriving = host, "cpu", event, None
         self.dev.stats.bytes_out += chunk.nbytes
 
-    def _ensure_staging(self) -> None:
+    def ensure_staging(self) -> None:
         """Under a RAM budget on an accelerator: the staging pool, made (and counted) before the first copy."""
         assert self.transfers is not None
         pool = self.transfers.staging
         if pool is None or pool.allocated:
             return
         nbytes = self.staging_bytes()
-        self._make_room(nbytes, protect=-1)  # type: ignore[attr-defined]
-        self.cpu.reserve(nbytes, "pinned staging buffers")
+        self.m._make_room(nbytes, protect=-1)
+        self.m.cpu.reserve(nbytes, "pinned staging buffers")
         pool.allocate(nbytes // pool.count)
 
     def staging_bytes(self) -> int:
         """RAM of the staging pool this manager uses (0: none), sized for its largest device-bound chunk."""
-        largest = max((e.chunk.nbytes for e in self.entries.values() if e.chunk.kind in DEVICE_KINDS), default=0)
-        return staging_bytes(self.device, self.warmup_budget, largest)  # type: ignore[attr-defined]
+        largest = max((e.chunk.nbytes for e in self.m.entries.values() if e.chunk.kind in DEVICE_KINDS), default=0)
+        return staging_bytes(self.device, self.m.warmup_budget, largest)
 
-    def _land(self, entry: _Entry) -> None:
+    def land(self, entry: _Entry) -> None:
         """Wait on the host for a copy into this chunk's RAM buffer (before CPU code reads or writes it)."""
         if entry.landing is not None:
             if not Transfers.done(entry.landing):
-                self.counters["landing_waits"] += 1
+                self.m.counters["landing_waits"] += 1
             Transfers.land(entry.landing)
             entry.landing = None
 
     def landing(self, chunk_id: int) -> object | None:
         """The event of a copy into the chunk's RAM buffer still in flight (None: none): a worker thread
         about to read the chunk waits for it itself instead of the main thread (overlap.py)."""
-        return self.entries[chunk_id].landing
+        return self.m.entries[chunk_id].landing
 
-    def _take_spare(self, entry: _Entry) -> torch.Tensor:
+    def take_spare(self, entry: _Entry) -> torch.Tensor:
         """The RAM buffer kept for this chunk, once the copy that read it is done (the host writes next)."""
         Transfers.land(entry.spare_busy)
         buf, entry.spare, entry.spare_busy = entry.spare, None, None
         return buf
 
-    def _retire(self, event: object | None, tier: Tier, nbytes: int, buf: object) -> None:
+    def retire(self, event: object | None, tier: Tier, nbytes: int, buf: object) -> None:
         if Transfers.done(event):
             tier.release(nbytes)
             return
         self._retiring.append((event, tier, nbytes, buf))
-        self._retiring_bytes[tier.name if tier is self.cpu else "device"] += nbytes
+        self.retiring_bytes[tier.name if tier is self.m.cpu else "device"] += nbytes
 
-    def _reap_transfers(self, wait_for: Tier | None = None) -> bool:
+    def reap(self, wait_for: Tier | None = None) -> bool:
         """Release the bytes of finished copies; with `wait_for`, wait for that tier's oldest one first.
         Returns True if anything was released."""
         released = False
@@ -272,20 +271,20 @@ class DeviceMoves:
             event, tier, nbytes, _ = item
             if Transfers.done(event):
                 tier.release(nbytes)
-                self._retiring_bytes["cpu" if tier is self.cpu else "device"] -= nbytes
+                self.retiring_bytes["cpu" if tier is self.m.cpu else "device"] -= nbytes
                 released = True
             else:
                 keep.append(item)
         self._retiring = keep
         return released
 
-    def _make_device_room(self, nbytes: int, protect: int) -> None:
+    def make_room(self, nbytes: int, protect: int) -> None:
         assert self.dev is not None
-        self._reap_transfers()
+        self.reap()
         while not self.dev.fits(nbytes):
-            if self._retiring_bytes["device"] and self._reap_transfers(wait_for=self.dev):
+            if self.retiring_bytes["device"] and self.reap(wait_for=self.dev):
                 continue  # a chunk's bytes leaving the device were still being copied out
-            movable = [cid for cid, e in self.entries.items()
+            movable = [cid for cid, e in self.m.entries.items()
                        if e.where == "device" and e.pins == 0 and cid != protect]
             if not movable:
                 raise BudgetError(
@@ -293,54 +292,54 @@ class DeviceMoves:
                     f"are in use and {nbytes} more are needed now; the minimum for this model is "
                     f"{self.dev.resident + nbytes} bytes")
             self.dev.stats.evictions += 1
-            self._off_device(self.entries[self.policy.victim(movable, self.moment)])  # type: ignore[attr-defined]
+            self.off_device(self.m.entries[self.m.policy.victim(movable, self.m.moment)])
 
     # ---- prefetch and the non-model memory of the device ----------------------------------------------------------
-    def _prefetch_device(self) -> None:
+    def prefetch(self) -> None:
         """Copy the next chunks the trace computes with onto the device, into free budget only."""
-        if self.dev is None or self.trace is None or self.trace_compute is None:
+        if self.dev is None or self.m.trace is None or self.trace_compute is None:
             return
-        issued, m, seen = 0, self.moment, set()
-        while issued < DEVICE_PREFETCH and m < len(self.trace) and len(seen) < 8 * DEVICE_PREFETCH:
-            cid, compute = self.trace[m], self.trace_compute[m]
+        issued, m, seen = 0, self.m.moment, set()
+        while issued < DEVICE_PREFETCH and m < len(self.m.trace) and len(seen) < 8 * DEVICE_PREFETCH:
+            cid, compute = self.m.trace[m], self.trace_compute[m]
             m += 1
             if not compute or cid in seen:
                 continue
             seen.add(cid)
-            e = self.entries[cid]
+            e = self.m.entries[cid]
             if e.where != "cpu" or e.pins or e.read is not None or e.write is not None or e.stale:
                 continue  # a chunk pinned in RAM is being read there (the overlapped optimizer's worker)
             if not self.dev.fits(e.chunk.nbytes):
                 return
             e.pins += 1
             try:
-                self._to_device(e)
+                self.to_device(e)
             finally:
                 e.pins -= 1
             e.prefetched = True
             issued += 1
-            self.counters["device_prefetches"] += 1
+            self.m.counters["device_prefetches"] += 1
 
-    def _record_device(self, chunk_id: int, compute: bool) -> None:
+    def record(self, chunk_id: int, compute: bool) -> None:
         """At a moment: the warm-up records the device's non-model bytes; later moments follow them."""
         if self.dev is None:
             return
-        if self.trace is None:
+        if self.m.trace is None:
             self._recording_compute.append(compute)
             if self._measure is not None:
                 held = self.dev.resident
                 self.nonmodel_device.append(max(0, self._measure() - held))
-                pinned = sum(e.chunk.nbytes for e in self.entries.values() if e.pins and e.where == "device")
-                entry = self.entries[chunk_id]
+                pinned = sum(e.chunk.nbytes for e in self.m.entries.values() if e.pins and e.where == "device")
+                entry = self.m.entries[chunk_id]
                 extra = entry.chunk.nbytes if compute and not (entry.pins and entry.where == "device") else 0
                 self._pinned_device.append(pinned + extra)
         elif self.device_limit is not None:
-            cap = self.device_limit - nonmodel_ahead(self.nonmodel_device, self.moment)
+            cap = self.device_limit - nonmodel_ahead(self.nonmodel_device, self.m.moment)
             self.dev.capacity = cap
             if self.dev.resident > cap:
-                self._make_device_room(0, protect=chunk_id)
+                self.make_room(0, protect=chunk_id)
 
-    def _end_device_warmup(self) -> None:
+    def end_warmup(self) -> None:
         if self.dev is None:
             return
         self.trace_compute = list(self._recording_compute)
@@ -349,27 +348,27 @@ class DeviceMoves:
                                what=f"{self.dev.name} memory limit")
 
     # ---- accounting ----------------------------------------------------------------------------------------------
-    def _audit_device(self) -> None:
+    def audit(self) -> None:
         if self.dev is None:
             return
-        held = sum(e.chunk.nbytes for e in self.entries.values() if e.where == "device")
-        held += self._retiring_bytes["device"] + self.device_transient
+        held = sum(e.chunk.nbytes for e in self.m.entries.values() if e.where == "device")
+        held += self.retiring_bytes["device"] + self.transient
         if held != self.dev.resident:
             raise AssertionError(f"{self.dev.name} tier counter says {self.dev.resident} bytes but chunks hold {held}")
         if self.dev.capacity is not None and held > self.dev.capacity:
             raise AssertionError(f"{self.dev.name} tier holds {held} bytes over its budget of {self.dev.capacity}")
-        for e in self.entries.values():
+        for e in self.m.entries.values():
             if e.where == "device" and e.chunk.payload.device != self.device:
                 raise AssertionError(f"chunk {e.chunk.chunk_id} is counted on {self.dev.name} but its buffer "
                                      f"is on {e.chunk.payload.device}")
 
-    def _host_extra_bytes(self) -> int:
+    def host_extra_bytes(self) -> int:
         """cpu-tier bytes outside chunk payloads: kept buffers of chunks on the device, copies in flight."""
         staging = self.transfers.staging.nbytes if self.transfers is not None and self.transfers.staging else 0
-        return (sum(e.chunk.nbytes for e in self.entries.values() if e.spare is not None)
-                + self._retiring_bytes["cpu"] + staging)
+        return (sum(e.chunk.nbytes for e in self.m.entries.values() if e.spare is not None)
+                + self.retiring_bytes["cpu"] + staging)
 
-    def _device_stats(self) -> dict[str, object]:
+    def stats(self) -> dict[str, object]:
         if self.dev is None:
             return {}
         d = self.dev
@@ -382,7 +381,7 @@ class DeviceMoves:
                          else 0,
                          "nonmodel_peak_bytes": max(self.nonmodel_device, default=0)}}
 
-    def _close_device(self) -> None:
+    def close(self) -> None:
         if self.transfers is not None:
             self.transfers.synchronize()
-            self._reap_transfers()
+            self.reap()

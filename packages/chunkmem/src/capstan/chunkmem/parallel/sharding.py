@@ -57,10 +57,10 @@ from torch import nn
 from capstan import comm
 from capstan.comm import Group, faults
 
-from .chunk import Chunk
-from .manager import ChunkManager
-from .model import ChunkedModel, ParamHome
-from .states import ChunkKind, TensorState
+from ..model.chunk import Chunk
+from ..memory.manager import ChunkManager
+from ..model.chunked import ChunkedModel, ParamHome
+from ..model.states import ChunkKind, TensorState
 
 __all__ = ["ShardedChunkedModel"]
 
@@ -124,7 +124,7 @@ class ShardedChunkedModel(ChunkedModel):
         pinned stay resident.
 
         Gradients: at most one reduction buffer per parameter group with gradients is open
-        (`_grad_arrived` flushes the oldest early otherwise). A flush adds the reduce-scatter's
+        (`grad_arrived` flushes the oldest early otherwise). A flush adds the reduce-scatter's
         output (one chunk, normal mode) and the owner's GRAD chunk it is added into; a gather adds
         this rank's own chunk of the new unit (the all-gather's source) instead.
         """
@@ -137,9 +137,9 @@ class ShardedChunkedModel(ChunkedModel):
         open_grads = sum(self._span * widest[g] * 4 for g in with_grads)  # one buffer per group
         flush = (0 if self.memory_saving else max(widest.values()) * 4) + self._largest_capacity() * 4
         users: dict[int, int] = {}
-        hooked = [m for m in self._hooked_modules() if self._module_homes(m)]
+        hooked = [m for m in self.hooked_modules() if self.module_homes(m)]
         for m in hooked:
-            for h in {id(h): h for h in self._module_homes(m)}.values():
+            for h in {id(h): h for h in self.module_homes(m)}.values():
                 users[id(h)] = users.get(id(h), 0) + 1
         sticky = [h for h in self.homes.values() if users.get(id(h), 0) > 1 or not h.param.requires_grad]
         parent: dict[int, nn.Module] = {id(c): m for m in self.module.modules() for c in m.children()}
@@ -147,11 +147,11 @@ class ShardedChunkedModel(ChunkedModel):
         names = {id(m): n for n, m in self.module.named_modules()}
         need, what = 0, "nothing"
         for m in hooked:
-            pinned = self._module_homes(m) + sticky
+            pinned = self.module_homes(m) + sticky
             up = parent.get(id(m))
             while up is not None:
                 if id(up) in hooked_ids:
-                    pinned += self._module_homes(up)
+                    pinned += self.module_homes(up)
                 up = parent.get(id(up))
             units = {self._key(h) for h in pinned}
             own = sum({(h.group, h.index): self._capacity(h.group) for h in pinned if self.owned(h.index)}.values())
@@ -318,18 +318,18 @@ class ShardedChunkedModel(ChunkedModel):
         return self._homes_in(self.chunks[ChunkKind.PARAM][g][index])
 
     # ---- access and release ---------------------------------------------------------------------
-    def _access(self, home: ParamHome) -> None:
+    def access_param(self, home: ParamHome) -> None:
         self._gather(home.group, self._unit(home.index))
         if self.owned(home.index):
-            super()._access(home)
+            super().access_param(home)
             return
         chunk = self.chunk_of(home, ChunkKind.PARAM)
         chunk.set_state(home.slot, TensorState.COMPUTE)
         home.pins += 1
 
-    def _release(self, home: ParamHome, state: TensorState, all_pins: bool = False) -> None:
+    def release_param(self, home: ParamHome, state: TensorState, all_pins: bool = False) -> None:
         if self.owned(home.index):
-            super()._release(home, state, all_pins)
+            super().release_param(home, state, all_pins)
             return
         count = home.pins if all_pins else min(home.pins, 1)
         home.pins -= count
@@ -341,7 +341,7 @@ class ShardedChunkedModel(ChunkedModel):
     def _grad_key(self, home: ParamHome) -> tuple[int, int]:
         return (home.group, home.index) if self.memory_saving else (home.group, self._unit(home.index))
 
-    def _grad_arrived(self, home: ParamHome, grad: torch.Tensor) -> None:
+    def grad_arrived(self, home: ParamHome, grad: torch.Tensor) -> None:
         key = self._grad_key(home)
         buf = self._grad_bufs.pop(key, None)
         if buf is None:

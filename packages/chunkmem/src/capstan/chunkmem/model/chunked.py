@@ -38,7 +38,7 @@ from capstan.comm import Group
 from .chunk import Chunk, TensorSlot
 from .hooks import install_hooks
 from .layout import ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, plan_layout
-from .manager import BudgetError, ChunkManager
+from ..memory.manager import BudgetError, ChunkManager
 from .order import module_order
 from .saved import ChunkViewSaver
 from .states import ChunkKind, TensorState
@@ -147,9 +147,9 @@ class ChunkedModel(nn.Module):
         gradient lands."""
         need, what = 0, "nothing"
         grad_bytes = max((c.nbytes for lst in self.chunks.get(ChunkKind.GRAD, []) for c in lst), default=0)
-        hooked = {id(m) for m in self._hooked_modules()}
+        hooked = {id(m) for m in self.hooked_modules()}
         for name, module in self.module.named_modules():
-            homes = self._module_homes(module) if id(module) in hooked else []
+            homes = self.module_homes(module) if id(module) in hooked else []
             chunks = {id(c): c for c in (self.chunk_of(h, ChunkKind.PARAM) for h in homes)}
             total = sum(c.nbytes for c in chunks.values()) + (grad_bytes if homes else 0)
             if total > need:
@@ -172,8 +172,8 @@ class ChunkedModel(nn.Module):
         dev = self.manager.dev
         if dev is not None and dev.capacity is not None:  # forward/backward compute on the device
             need, what = self._group_need(*self._hooks_need())
-            if dev.capacity < need and self.manager.device_limit is not None:
-                self.manager.raise_device_warmup(need)  # a budget derived from the device: give the warm-up more
+            if dev.capacity < need and self.manager.device_tier.device_limit is not None:
+                self.manager.device_tier.raise_warmup(need)  # a budget derived from the device: give the warm-up more
             if dev.capacity < need:
                 raise BudgetError(
                     f"{dev.name} budget of {dev.capacity} bytes is below the working set: {what} needs {need} "
@@ -183,7 +183,7 @@ class ChunkedModel(nn.Module):
         if capacity is None:
             return
         need, what = self._budget_need() if dev is None else self._group_need(*self._optimizer_need())
-        staging = self.manager.staging_bytes()  # a device's copies through pinned buffers (transfer.py)
+        staging = self.manager.device_tier.staging_bytes()  # a device's copies through pinned buffers (transfer.py)
         if staging:
             need, what = need + staging, f"{what} and the {staging} bytes of pinned staging buffers"
         if capacity >= need:
@@ -202,7 +202,7 @@ class ChunkedModel(nn.Module):
         # Not in mixed precision: autograd's gradient of a 16-bit parameter is 16-bit, the chunk fp32.
         # And not where a subclass handles arriving gradients itself (sharding.py reduces them).
         return (self.grad_chunks and not self.mixed and self._chunks_stay_put()
-                and type(self)._grad_arrived is ChunkedModel._grad_arrived)
+                and type(self).grad_arrived is ChunkedModel.grad_arrived)
 
     def _bind_resident_grads(self) -> None:
         """When RAM is unbounded and there is no disk tier, nothing ever moves: each `param.grad`
@@ -401,14 +401,18 @@ class ChunkedModel(nn.Module):
     def _homes_in(self, chunk: Chunk) -> list[ParamHome]:
         return self._by_chunk.get(chunk.chunk_id, [])
 
-    # ---- access and release -------------------------------------------------------------------
-    def _access(self, home: ParamHome) -> None:
+    # ---- access and release: the interface the hooks (hooks.py) drive; the sharded model overrides it ----
+    def access_param(self, home: ParamHome) -> None:
+        """Make a parameter's chunk resident in the compute tier for its module's forward or backward and pin
+        it (once per use: a parameter shared by several modules is pinned once per module)."""
         chunk = self.chunk_of(home, ChunkKind.PARAM)
         self.manager.access(chunk.chunk_id, compute=True)
         chunk.set_state(home.slot, TensorState.COMPUTE)
         home.pins += 1
 
-    def _release(self, home: ParamHome, state: TensorState, all_pins: bool = False) -> None:
+    def release_param(self, home: ParamHome, state: TensorState, all_pins: bool = False) -> None:
+        """Unpin one use of a parameter (`all_pins`: every use, after its gradient arrived); once none is
+        left its slot takes `state` (HOLD_AFTER_FWD, HOLD_AFTER_BWD), and its chunk may move."""
         chunk = self.chunk_of(home, ChunkKind.PARAM)
         count = home.pins if all_pins else min(home.pins, 1)
         for _ in range(count):
@@ -417,11 +421,12 @@ class ChunkedModel(nn.Module):
         if home.pins == 0 and home.slot.state is TensorState.COMPUTE:
             chunk.set_state(home.slot, state)
 
-    def _module_homes(self, module: nn.Module) -> list[ParamHome]:
+    def module_homes(self, module: nn.Module) -> list[ParamHome]:
+        """The parameters a module's hooks access: its own, or its whole subtree's for an atomic module."""
         recurse = isinstance(module, self.atomic_types)
         return [self.homes[id(p)] for p in module.parameters(recurse=recurse) if id(p) in self.homes]
 
-    def _hooked_modules(self) -> Iterator[nn.Module]:
+    def hooked_modules(self) -> Iterator[nn.Module]:
         """Modules that get hooks: all, except those inside an atomic module."""
         inside: set[int] = set()
         for module in self.module.modules():
@@ -444,7 +449,7 @@ class ChunkedModel(nn.Module):
         grads = self.report_grads or not (self.static and self._grads_bound())
         install_hooks(self, modules=not self.static, grads=grads)
 
-    def _grad_arrived(self, home: ParamHome, grad: torch.Tensor) -> None:
+    def grad_arrived(self, home: ParamHome, grad: torch.Tensor) -> None:
         """Accumulate one gradient into its GRAD chunk slot, or store it in its parameter's slot."""
         kind = ChunkKind.GRAD if self.grad_chunks else ChunkKind.PARAM
         chunk = self.chunk_of(home, kind)
@@ -493,7 +498,7 @@ class ChunkedModel(nn.Module):
         gradient, and (sharded) reduces the gradients still buffered to their owners."""
         for home in self.homes.values():  # parameters that received no gradient this time
             if home.pins:
-                self._release(home, TensorState.HOLD, all_pins=True)
+                self.release_param(home, TensorState.HOLD, all_pins=True)
         self._end_backward()
 
     def named_chunk_params(self) -> Iterator[tuple[str, ParamHome]]:

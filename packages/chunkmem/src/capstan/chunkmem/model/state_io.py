@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import ChunkedModel, ParamHome
+from .chunked import ChunkedModel, ParamHome
 from .states import ChunkKind
 
 __all__ = ["FIELDS", "owned_homes", "read_state", "write_state"]

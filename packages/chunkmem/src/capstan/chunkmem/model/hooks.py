@@ -16,8 +16,8 @@ parameters stay bound to their slots and only gradients that do not
 accumulate straight into a chunk need their hook.
 
 Activation checkpointing works because recomputation simply runs the
-forward hooks again inside backward. The hooks call the model's `_access`,
-`_release` and `_grad_arrived`, which the sharded model overrides to gather
+forward hooks again inside backward. The hooks call the model's `access_param`,
+`release_param` and `grad_arrived`, which the sharded model overrides to gather
 and reduce (sharding.py).
 """
 
@@ -32,7 +32,7 @@ from torch import nn
 from .states import TensorState
 
 if TYPE_CHECKING:
-    from .model import ChunkedModel, ParamHome
+    from .chunked import ChunkedModel, ParamHome
 
 __all__ = ["install_hooks"]
 
@@ -55,8 +55,8 @@ def install_hooks(model: ChunkedModel, modules: bool, grads: bool) -> None:
     """modules: forward hooks on every module with parameters (access/release, pre-backward);
     grads: a post-accumulate hook on every trainable parameter."""
     if modules:
-        for module in model._hooked_modules():
-            homes = model._module_homes(module)
+        for module in model.hooked_modules():
+            homes = model.module_homes(module)
             if not homes:
                 continue
             module.register_forward_pre_hook(_pre_forward(model, homes))
@@ -70,18 +70,18 @@ def install_hooks(model: ChunkedModel, modules: bool, grads: bool) -> None:
 def _pre_forward(model: ChunkedModel, homes: list[ParamHome]) -> Callable[..., None]:
     def hook(module: nn.Module, args: object) -> None:
         for home in homes:
-            model._access(home)
+            model.access_param(home)
     return hook
 
 
 def _post_forward(model: ChunkedModel, homes: list[ParamHome]) -> Callable[..., object]:
     def pre_backward() -> None:
         for home in homes:
-            model._access(home)
+            model.access_param(home)
 
     def hook(module: nn.Module, args: object, output: object) -> object:
         for home in homes:
-            model._release(home, TensorState.HOLD_AFTER_FWD)
+            model.release_param(home, TensorState.HOLD_AFTER_FWD)
         if not torch.is_grad_enabled():
             return output
         if isinstance(output, torch.Tensor) and output.requires_grad:
@@ -103,9 +103,9 @@ def _grad_hook(model: ChunkedModel, home: ParamHome) -> Callable[[nn.Parameter],
     def hook(param: nn.Parameter) -> None:
         assert param.grad is not None
         if not model.resident_grads:  # else autograd already accumulated into the chunk slot
-            model._grad_arrived(home, param.grad)
+            model.grad_arrived(home, param.grad)
             param.grad = None
-        model._release(home, TensorState.HOLD_AFTER_BWD, all_pins=True)
+        model.release_param(home, TensorState.HOLD_AFTER_BWD, all_pins=True)
         if model.grad_listener is not None:
             model.grad_listener(home.group, home.index)
     return hook

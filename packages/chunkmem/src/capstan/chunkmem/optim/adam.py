@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 from capstan.native import kernels
 
-from .model import ChunkedModel
+from ..model.chunked import ChunkedModel
 from .overlap import Speculation, can_overlap
-from .states import ChunkKind
+from ..model.states import ChunkKind
 
 __all__ = ["ChunkAdam", "AdamGroup"]
 
