@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from capstan.comm import single_process_groups
+from capstan.native import standin
 from capstan.tensorpar import GPTConfig, build_gpt
 from capstan.tensorpar.gpt import loss_targets
 from capstan.tensorpar.testing import rel_err
@@ -75,3 +76,66 @@ def test_a_caller_that_takes_the_mean_skips_the_uniformity_check() -> None:
         tiled_head_cross_entropy(hh, ww, t, group, tile=5, uniform_grad=uniform).mean().backward()
         grads.append((hh.grad, ww.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def _peak_bytes(device: str, run) -> int:
+    """Peak bytes the device allocator handed out while `run()` ran, beyond what was allocated before: what
+    the tensors really took, not a counter kept by the code under test."""
+    mod = getattr(torch, device)
+    mod.synchronize()
+    base = mod.memory_allocated()
+    mod.reset_peak_memory_stats()
+    run()
+    mod.synchronize()
+    return mod.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("device", [standin.param()])
+def test_tiled_head_holds_one_tile_of_logits_on_the_device_not_all(device: str) -> None:
+    """The tiled loss's memory, measured by the stand-in device's allocator: forward and backward of the
+    untiled head take more than the whole fp32 logits (8 MiB here); the tiled one stays under a quarter
+    of that (its tile of 32 tokens is 512 KiB), a bound whole logits would break."""
+    from capstan.tensorpar.cross_entropy import vocab_parallel_cross_entropy
+
+    group = single_process_groups().tp
+    vocab, tokens, hidden = 4096, 512, 16
+    logits = tokens * vocab * 4
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(1, tokens, hidden, generator=g).to(device).requires_grad_()
+    w = torch.randn(vocab, hidden, generator=g).to(device).requires_grad_()
+    t = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
+
+    def whole() -> None:
+        vocab_parallel_cross_entropy(h @ w.t(), t, group, vocab).mean().backward()
+
+    def tiled() -> None:
+        tiled_head_cross_entropy(h, w, t, group, vocab, tile=32).mean().backward()
+
+    assert _peak_bytes(device, whole) >= logits
+    want = (h.grad.cpu(), w.grad.cpu())
+    h.grad = w.grad = None
+    peak = _peak_bytes(device, tiled)
+    assert peak < logits // 4, (peak, logits)
+    assert rel_err(h.grad.cpu(), want[0]) <= TOL and rel_err(w.grad.cpu(), want[1]) <= TOL
+
+
+@pytest.mark.parametrize("device", [standin.param()])
+def test_tiled_mlp_holds_one_tile_of_hidden_activations_on_the_device_not_all(device: str) -> None:
+    """The tiled MLP's memory, measured by the stand-in device's allocator: the untiled MLP keeps its
+    ffn-wide activations of the whole sequence for backward (fc output and GeLU: 2 x 4 MiB here); tiles of
+    64 tokens recompute them in backward and stay under half of one of them."""
+    from capstan.tensorpar.blocks import ParallelMLP
+
+    group = single_process_groups().tp
+    tokens, d_model, d_ffn = 1024, 64, 1024
+    hidden_bytes = tokens * d_ffn * 4
+    x = torch.randn(1, tokens, d_model, generator=torch.Generator().manual_seed(4)).to(device)
+    peaks, grads = {}, {}
+    for tile in (0, 64):
+        mlp = ParallelMLP(d_model, d_ffn, group, seed=5, tile=tile).to(device)
+        inp = x.clone().requires_grad_()
+        peaks[tile] = _peak_bytes(device, lambda: mlp(inp).sum().backward())  # noqa: B023
+        grads[tile] = inp.grad.cpu()
+    assert peaks[0] >= 2 * hidden_bytes, peaks
+    assert peaks[64] < hidden_bytes // 2, peaks
+    assert rel_err(grads[64], grads[0]) <= TOL

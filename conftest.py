@@ -1,4 +1,5 @@
-"""Tests parametrized with device "standin" run on the CPU suite's stand-in accelerator
+"""For every package's tests (the suite runs them in one pytest process): tests parametrized with device
+"standin" run on the CPU suite's stand-in accelerator
 (capstan.native.standin). It is loaded once collection is done and before any test runs: autograd
 sizes its per-device queues at the first backward of a process, so a device registered after that
 one cannot run a backward. (The stand-in then stays loaded for the rest of this pytest process.)
