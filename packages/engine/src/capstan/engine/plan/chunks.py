@@ -34,7 +34,7 @@ from capstan.chunkmem.model.layout import (
     list_capacity,
     plan_layout,
 )
-from capstan.chunkmem.replicated import onebit_scratch_bytes
+from capstan.chunkmem.parallel.replicated import onebit_scratch_bytes
 from capstan.comm import onebit_residual_sizes
 
 from .spec import Layout, ModelShape
