@@ -6,9 +6,10 @@
   both ranks hold the same parameters, each step sends the formula's bytes for the chunk groups
   (one 1-bit all-reduce per group), the chunk manager's RAM peak stays within the budget, and a
   budget one byte below the minimum (which counts the all-reduce's buffers) is refused on both ranks.
-* bf16 chunks (fp32 masters, the 16-bit copy cast after each compressed step) train, ranks equal.
+* bf16 chunks (fp32 masters, the 16-bit copy cast after each compressed step) follow the same run in
+  fp32 within 15% per step (measured: 6.5% at most over 6 steps at lr 1e-2), ranks equal.
 * `capstan plan`'s chunk model counts exactly the chunk bytes allocated and the minimum budget, and
-  its replay of a compressed step's disk traffic is within 10% of what the run moves.
+  its replay of a compressed step's disk traffic is within 4% of what the run moves (measured +1.6%).
 * A checkpoint past the freeze (residual chunks non-zero, some on disk) resumes bit for bit.
 * On the default corpus, 40 steps with a freeze at 10: the mean loss of the last 10 steps within 3%
   of exact AdamW's (measured +1.4%; the flat buffer's 1-bit Adam is within +0.4% to +2.3% for freezes
@@ -84,7 +85,8 @@ def _job(directory: str) -> dict:
     out = {"exact": _run(_cfg("none", offload="none", directory=directory), STEPS),
            "frozen": _run(_cfg(offload="cpu", directory=directory), STEPS),
            "onebit": _run(_cfg(freeze=3, directory=f"{directory}/a"), STEPS),
-           "bf16": _run(_cfg(freeze=3, dtype="bf16", offload="cpu", accum=1, directory=directory), 6)}
+           "bf16": _run(_cfg(freeze=3, dtype="bf16", offload="cpu", accum=1, directory=directory), 6),
+           "bf16-as-fp32": _run(_cfg(freeze=3, offload="cpu", accum=1, directory=directory), 6)}
     tight = _cfg(freeze=3, directory=f"{directory}/b")
     tight["memory"]["cpu_budget"] = out["onebit"]["minimum"] - 1
     out["refused"] = _refused(tight)
@@ -115,8 +117,10 @@ def test_onebit_adam_over_offloaded_chunks_on_two_ranks(tmp_path: Path) -> None:
     # the planner's chunk model (plan/chunks.py) counts the replicated chunks and residuals as allocated
     assert onebit["planned"] == (onebit["allocated"], onebit["minimum"])
     per_step = onebit["moved"][-1] - onebit["moved"][-2]  # a compressed step's disk reads and writes
-    assert onebit["traffic"] == pytest.approx(per_step, rel=0.10), (onebit["traffic"], per_step)  # measured +1.6%
+    assert onebit["traffic"] == pytest.approx(per_step, rel=0.04), (onebit["traffic"], per_step)  # measured +1.6%
     assert got["bf16"]["loss"][-1] < got["bf16"]["loss"][0] and max(got["bf16"]["wire"][3:]) > 0
+    # bf16 chunks against the same run in fp32: the trajectory, not only a falling loss (measured: 6.5% at most)
+    assert_trajectories_close(got["bf16"]["loss"], got["bf16-as-fp32"]["loss"], 0.15)
     whole, resumed = got["resume"]["whole"], got["resume"]["resumed"]
     assert any(w > 0 for w in whole["wire"][:4])  # saved with non-zero residuals
     assert resumed["loss"] == whole["loss"][4:] and resumed["params"] == whole["params"]

@@ -300,8 +300,9 @@ def test_sharded_chunks_are_what_each_rank_allocates() -> None:
 
 
 def test_the_traffic_model_moves_what_a_run_moves(tmp_path: object) -> None:
-    """disk_traffic against the bytes a real run's manager moves per step under the same budget (within 10%:
-    the model pins a module at a time and leaves prefetch out)."""
+    """disk_traffic against the bytes a real run's manager moves per step under the same budget (within 0.5%,
+    about 3x the measured -0.16%: the model pins a module at a time and leaves prefetch out; bytes moved do
+    not depend on the values, so the replay is deterministic)."""
     from capstan import comm
     from capstan.engine import initialize
 
@@ -321,7 +322,7 @@ def test_the_traffic_model_moves_what_a_run_moves(tmp_path: object) -> None:
     engine.close()
     per_step = moved[-1] - moved[-2]
     lists = chunk_lists(shape, Layout(dp=1, offload="disk", cpu_budget=budget, chunk_size=65536), list(range(7)))
-    assert disk_traffic(lists, budget).moved == pytest.approx(per_step, rel=0.10)
+    assert disk_traffic(lists, budget).moved == pytest.approx(per_step, rel=0.005)
 
 
 def test_gpu_presets_predict_a_step_from_their_stated_rates() -> None:
