@@ -16,7 +16,7 @@ offload, must give finite losses that fall. Compressed data parallelism
 (parallel.compression) on (2,2,2): 1-bit Adam frozen past the run equals one
 process within 1e-5; past its freeze (step 3) it stays within 10% (the
 first compressed steps move furthest: 7.7% here, at lr 1e-2), int8 ZeRO-2
-within 2% (0.4%), and every tp rank keeps the replicated parameters
+within 1% (0.4%), and every tp rank keeps the replicated parameters
 identical (both compress each segment of the flat buffer on its own, so a
 replicated range gets the same scales on every tp rank). The same for 1-bit
 Adam with disk offload (chunks replicated on the dp ranks, residuals among
@@ -129,7 +129,8 @@ def test_every_layout_stage_and_offload_equals_one_process(tmp_path: Path) -> No
         for run in runs:  # every rank reports the global loss
             losses = run["loss"]
             if name in ("222-onebit", "222-onebit-disk", "222-int8-zero2"):  # compressed: close to exact, not equal
-                assert losses == pytest.approx(reference, rel=1e-1 if "onebit" in name else 2e-2), (name, losses)
+                # 1-bit: measured 7.7% at most (its first compressed steps); int8: 0.4%, bound 2.5x that
+                assert losses == pytest.approx(reference, rel=1e-1 if "onebit" in name else 1e-2), (name, losses)
                 continue
             if name.endswith("bf16"):
                 assert all(x == x and abs(x) < 1e9 for x in losses), (name, losses)

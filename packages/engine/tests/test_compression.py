@@ -5,7 +5,7 @@
   default corpus within 2% of exact AdamW's loss after 40 steps, and on a convex least-squares
   problem whose ranks hold different data the loss after 300 steps is within the bound documented in
   docs/parallelism.md (exact Adam's final loss plus 1e-3 of the starting loss; measured: 2.5e-4).
-* int8 ZeRO 1/2/3 stays within 2% of exact ZeRO's loss over 20 steps (measured: 0.85%, 0.88%, 0.28%;
+* int8 ZeRO 1/2/3 stays within 2%, 2%, 0.75% of exact ZeRO's loss over 20 steps (measured: 0.85%, 0.88%, 0.28%;
   ZeRO-3 through sharded chunks, its unit gathers and gradient reductions quantized) (gradient accumulation 2, so
   stage 2 reduces every micro-batch), every rank computing with the same parameters; the parameter
   gather of stages 1/2 in buckets overlapped with the next forward (the reference GPT's default) and
@@ -27,6 +27,7 @@ from capstan.engine.testing import assert_trajectories_close, train_steps
 from capstan.engine.zero.compression import wire_formula
 
 STEPS = 20
+INT8_TOL = {1: 2e-2, 2: 2e-2, 3: 7.5e-3}  # about 2.5x the measured 0.85%, 0.88%, 0.28%
 
 
 def _cfg(stage: int = 0, compression: str = "none", freeze: int = 100, steps: int = STEPS, accum: int = 2) -> dict:
@@ -114,7 +115,7 @@ def test_onebit_adam_and_int8_zero_on_two_ranks(tmp_path: Path) -> None:
     for stage in (1, 2, 3):
         exact, int8 = got[f"zero{stage}"], got[f"int8-{stage}"]
         assert int8["loss"] != exact["loss"]  # quantized, so not the same sums
-        assert_trajectories_close(int8["loss"], exact["loss"], 2e-2)
+        assert_trajectories_close(int8["loss"], exact["loss"], INT8_TOL[stage])
         if stage == 3:  # every element gathered or reduced went as int8 and a scale per <= 256 of them
             assert exact["wire"] == [0] * STEPS and min(int8["wire"]) > 0
             assert sum(int8["wire"]) < int8["elements"] * 1.1 and int8["elements"] == exact["elements"]

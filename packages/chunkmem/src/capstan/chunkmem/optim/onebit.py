@@ -36,7 +36,17 @@ from .adam import AdamGroup, ChunkAdam
 from ..parallel.replicated import ReplicatedChunkedModel, onebit_scratch_bytes
 from ..model.states import ChunkKind
 
-__all__ = ["OneBitChunkAdam", "frozen_variance_step"]
+__all__ = ["OneBitChunkAdam", "compressed_momentum", "frozen_variance_step"]
+
+
+def compressed_momentum(exp_avg: torch.Tensor, grad: torch.Tensor, worker: torch.Tensor, server: torch.Tensor,
+                        group: comm.Group, *, beta1: float, grad_scale: float) -> None:
+    """1-bit Adam's momentum past its freeze, the one place its math lives (the engine's flat buffers and
+    the chunks here both call it): this rank's m = beta1 m + (1 - beta1) g with its *own* gradient (times
+    `grad_scale`: 1/loss scale and the clip), then every rank's m replaced by their 1-bit average, with
+    error feedback through this rank's `worker` and `server` residuals (comm.onebit_all_reduce)."""
+    exp_avg.mul_(beta1).add_(grad, alpha=(1.0 - beta1) * grad_scale)
+    comm.onebit_all_reduce(exp_avg, worker, server, group=group)
 
 
 def frozen_variance_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int,
@@ -122,11 +132,11 @@ class OneBitChunkAdam(ChunkAdam):
             master, grad, m, v, worker, server = (mgr.access(cid, write=k is not ChunkKind.EXP_AVG_SQ).payload
                                                   for k, cid in zip(kinds, ids))  # type: ignore[union-attr]
             m = m[:n]
-            m.mul_(beta1).add_(grad[:n], alpha=(1.0 - beta1) * unscale)
             scratch = onebit_scratch_bytes(n, group.size)
             mgr.reserve_transient(scratch, f"1-bit all-reduce of chunk group ({g}, {i})")
             try:
-                comm.onebit_all_reduce(m, worker[:worker_n], server[:server_n], group=group)
+                compressed_momentum(m, grad[:n], worker[:worker_n], server[:server_n], group, beta1=beta1,
+                                    grad_scale=unscale)
             finally:
                 mgr.release_transient(scratch)
             frozen_variance_step(master[:n], m, v[:n], step=hp.step, freeze_steps=self.freeze_steps, lr=hp.lr,

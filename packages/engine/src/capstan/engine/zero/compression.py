@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 from capstan import comm
-from capstan.chunkmem.optim.onebit import frozen_variance_step
+from capstan.chunkmem.optim.onebit import compressed_momentum, frozen_variance_step
 
 __all__ = ["OneBitAdam", "int8_reduce_scatter", "int8_all_gather"]
 
@@ -55,20 +55,15 @@ class OneBitAdam:
         """True once `steps_taken` optimizer steps of exact AdamW are behind (the next step is compressed)."""
         return steps_taken >= self.freeze_steps
 
-    def average_momentum(self, exp_avg: torch.Tensor) -> None:
-        """Every rank's momentum replaced by their 1-bit average, region by region (`exp_avg` is the
-        flat momentum, indexed like the parameter buffer)."""
-        for (a, b), w, s in zip(self.ranges, self.worker, self.server):
-            comm.onebit_all_reduce(exp_avg[a:b], w, s, group=self.group)
-
     def step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
              pieces: Sequence[tuple[int, int, float]], step: int, lr: float, beta1: float, beta2: float,
              eps: float, grad_scale: float) -> None:
-        """One compressed step: m = beta1 m + (1 - beta1) g with this rank's gradient `grad` (times
-        `grad_scale`: 1/loss scale and the clip), m averaged over dp in 1 bit, then AdamW with m and the
-        variance frozen at the freeze step. pieces: (start, end, weight decay) of the flat buffer."""
-        exp_avg.mul_(beta1).add_(grad, alpha=(1 - beta1) * grad_scale)
-        self.average_momentum(exp_avg)
+        """One compressed step: the momentum of each region (`compressed_momentum`: this rank's gradient in,
+        averaged over dp in 1 bit), then AdamW with it over the variance frozen at the freeze step.
+        pieces: (start, end, weight decay) of the flat buffer. Elements outside every region (the flat
+        buffer's padding) have no gradient and keep a zero momentum."""
+        for (a, b), w, s in zip(self.ranges, self.worker, self.server):
+            compressed_momentum(exp_avg[a:b], grad[a:b], w, s, self.group, beta1=beta1, grad_scale=grad_scale)
         for a, b, wd in pieces:
             frozen_variance_step(param[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=step, freeze_steps=self.freeze_steps,
                                  lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd)
