@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from capstan.comm.testing import mpirun_args, requires_mpirun
-from capstan.comm.testing.harness import _clean_env
+from capstan.comm.testing import clean_env, mpirun_args, requires_mpirun
 
 KEYS = {"step", "loss", "lr", "tokens_per_s", "grad_norm", "loss_scale", "mem.cpu.peak_bytes", "mem.moved_bytes"}
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +41,7 @@ def _check_metrics(run_dir: Path) -> None:
 @requires_mpirun()
 def test_train_under_mpirun_np2(tmp_path: Path) -> None:
     cmd = mpirun_args(2) + _capstan() + _small(tmp_path / "run", "--set", "parallel.zero_stage=2")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env(None))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
     assert out.returncode == 0, out.stdout + out.stderr
     assert "world 2 = dp 2 x tp 1 x pp 1, ZeRO stage 2" in out.stderr
     _check_metrics(tmp_path / "run")
@@ -56,7 +55,7 @@ def test_train_under_mpirun_np2(tmp_path: Path) -> None:
 def test_train_under_torchrun_np2(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "capstan.engine.cli"] + _small(tmp_path / "run", "--set", "parallel.tp=2")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env(None))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
     assert out.returncode == 0, out.stdout + out.stderr
     assert "world 2 = dp 1 x tp 2 x pp 1" in out.stderr
     _check_metrics(tmp_path / "run")
@@ -65,7 +64,7 @@ def test_train_under_torchrun_np2(tmp_path: Path) -> None:
 @requires_mpirun()
 def test_bad_config_under_mpirun_every_rank_exits_2(tmp_path: Path) -> None:
     cmd = mpirun_args(2) + _capstan() + _small(tmp_path / "run", "--set", "parallel.dp=3")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_clean_env(None))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("capstan: error:")]
     assert out.returncode == 2, out.stderr
     assert len(lines) == 2 and all("but world size 2 from OMPI_COMM_WORLD_SIZE" in ln for ln in lines), out.stderr
@@ -105,11 +104,11 @@ def test_pipeline_under_mpirun_matches_one_process(tmp_path: Path) -> None:
     fp32 training and validation losses equal one process running the same micro-batches (1e-5 relative)."""
     common = ("--set", "precision.dtype=\"fp32\"", "--set", "train.grad_accum_steps=4")
     cmd = mpirun_args(2) + _capstan() + _small(tmp_path / "pp", "--set", "parallel.pp=2", *common)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env(None))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
     assert out.returncode == 0, out.stdout + out.stderr
     assert "world 2 = dp 1 x tp 1 x pp 2" in out.stderr
     one = subprocess.run(_capstan() + _small(tmp_path / "one", *common), capture_output=True, text=True,
-                         timeout=240, env=_clean_env(None))
+                         timeout=240, env=clean_env())
     assert one.returncode == 0, one.stderr
     losses = {k: [json.loads(x)["loss"] for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
               for k in ("pp", "one")}
@@ -128,7 +127,7 @@ def test_the_main_job_config_streams_through_disk_and_reports_it(tmp_path: Path)
     cmd = _capstan() + ["train", "--config", str(REPO / "examples" / "offload.toml"), "--set", "train.steps=3",
                         "--set", "train.warmup_steps=1", "--set", "train.eval_every=0",
                         "--set", f'log.run_dir="{run}"', "--set", f'memory.disk_dir="{tmp_path / "chunks"}"']
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env({"OMP_NUM_THREADS": "1"}))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env({"OMP_NUM_THREADS": "1"}))
     assert out.returncode == 0, out.stderr[-3000:]
     done = [ln for ln in out.stderr.splitlines() if "done: 3 steps" in ln]
     assert len(done) == 1, out.stderr[-2000:]

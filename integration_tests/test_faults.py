@@ -24,8 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from capstan.comm.testing import requires_mpirun
-from capstan.comm.testing.harness import _clean_env
+from capstan.comm.testing import clean_env, requires_mpirun
 from capstan.engine.cli.launch import _alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +50,7 @@ class Launch:
         which checks every shard's size and SHA-256."""
         d = self.run / "checkpoints" / (f"step_{step:08d}" if step is not None else "")
         out = subprocess.run(CLI + ["checkpoint", "inspect", str(d)], capture_output=True, text=True,
-                             env=_clean_env(None), timeout=120)
+                             env=clean_env(), timeout=120)
         return out.returncode == 0 and "sha256 ok" in out.stdout
 
 
@@ -70,7 +69,7 @@ def _launch(tmp: Path, name: str, steps: int, *sets: str, env: dict[str, str] | 
             timeout: float = 150) -> Launch:
     """Run one job; `signal_after` = (file whose appearance triggers it, signal to send the launcher)."""
     run, status = tmp / name, tmp / f"{name}.status"
-    full_env = _clean_env({"CAPSTAN_STATUS_DIR": str(status), "CAPSTAN_COMM_TIMEOUT": str(COMM_TIMEOUT),
+    full_env = clean_env({"CAPSTAN_STATUS_DIR": str(status), "CAPSTAN_COMM_TIMEOUT": str(COMM_TIMEOUT),
                            **(env or {})})
     cmd = CLI + ["launch", "-np", "2", *launch_args, "--", *_args(run, steps, *sets)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
@@ -256,7 +255,7 @@ def test_garbage_and_empty_data_files(tmp_path: Path) -> None:
 def test_a_second_run_on_the_same_run_dir_is_refused(tmp_path: Path) -> None:
     run = tmp_path / "shared"
     status = tmp_path / "first.status"
-    env = _clean_env({"CAPSTAN_STATUS_DIR": str(status), "CAPSTAN_COMM_TIMEOUT": str(COMM_TIMEOUT)})
+    env = clean_env({"CAPSTAN_STATUS_DIR": str(status), "CAPSTAN_COMM_TIMEOUT": str(COMM_TIMEOUT)})
     first = subprocess.Popen(CLI + ["launch", "-np", "2", "--", *_args(run, 100_000)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
     try:

@@ -19,8 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from capstan.comm.testing import requires_mpirun
-from capstan.comm.testing.harness import _clean_env
+from capstan.comm.testing import clean_env, requires_mpirun
 from capstan.engine.cli.launch import _alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +50,7 @@ def _pid(status: Path, rank: int) -> int:
 def test_launch_np2_trains(tmp_path: Path) -> None:
     run = tmp_path / "run"
     cmd = CLI + ["launch", "-np", "2", "--"] + ["capstan"] + _train(run, 3)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_clean_env(None))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=clean_env())
     assert out.returncode == 0, out.stdout + out.stderr
     assert "world 2 = dp 2 x tp 1 x pp 1" in out.stderr
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
@@ -60,7 +59,7 @@ def test_launch_np2_trains(tmp_path: Path) -> None:
 @requires_mpirun()
 def test_launch_config_error_exits_nonzero_naming_a_rank(tmp_path: Path) -> None:
     cmd = CLI + ["launch", "-np", "2", "--", "capstan"] + _train(tmp_path / "run", 3, "--set", "parallel.dp=3")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_clean_env(None))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
     assert out.returncode != 0, out.stderr
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("capstan: error:")]
     assert len(errors) == 2, out.stderr
@@ -71,7 +70,7 @@ def test_launch_config_error_exits_nonzero_naming_a_rank(tmp_path: Path) -> None
 @requires_mpirun()
 def test_launch_kill9_one_rank_ends_the_job(tmp_path: Path) -> None:
     run, status = tmp_path / "run", tmp_path / "status"
-    env = _clean_env({"CAPSTAN_STATUS_DIR": str(status), "CAPSTAN_COMM_TIMEOUT": str(COMM_TIMEOUT)})
+    env = clean_env({"CAPSTAN_STATUS_DIR": str(status), "CAPSTAN_COMM_TIMEOUT": str(COMM_TIMEOUT)})
     cmd = CLI + ["launch", "-np", "3", "--", "capstan"] + _train(run, 100_000)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -107,7 +106,7 @@ def test_kill9_one_rank_survivors_name_it(tmp_path: Path) -> None:
     port = _free_port()
     procs, logs = [], []
     for r in range(n):
-        env = _clean_env({"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
+        env = clean_env({"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                           "CAPSTAN_STATUS_DIR": str(status), "CAPSTAN_COMM_TIMEOUT": str(COMM_TIMEOUT)})
         log = open(tmp_path / f"rank{r}.log", "w+")

@@ -29,8 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from capstan.comm.testing import mpirun_flavor, requires_mpirun
-from capstan.comm.testing.harness import _clean_env
+from capstan.comm.testing import clean_env, mpirun_flavor, requires_mpirun
 from capstan.comm.testing.netns import IFNAME, netns_reason, shaping, simulated_hosts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +65,7 @@ def _losses(run_dir: Path) -> list[float]:
 def _one_process(tmp_path: Path) -> list[float]:
     single = tmp_path / "single"
     one = subprocess.run(CLI + _train(single, "--set", "train.grad_accum_steps=2"), capture_output=True,
-                         text=True, timeout=120, env=_clean_env(None))
+                         text=True, timeout=120, env=clean_env())
     assert one.returncode == 0, one.stderr[-3000:]
     return _losses(single)
 
@@ -78,7 +77,7 @@ def test_two_namespaces_tp2_dp2_match_one_process(tmp_path: Path) -> None:
             multi = tmp_path / "multi"
             for rank in range(4):
                 host = rank // 2  # tp=2 fastest: ranks 0,1 (one tp group) on A, ranks 2,3 on B
-                env = _clean_env({"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
+                env = clean_env({"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": ADDR[0], "MASTER_PORT": "29511",
                                   "GLOO_SOCKET_IFNAME": IFNAME, "CAPSTAN_COMM_TIMEOUT": "60",
                                   "CAPSTAN_COMM_BACKEND": "gloo"})
@@ -136,7 +135,7 @@ def _launch_across(tmp_path: Path, ns: list[str], run_dir: Path, *extra: str) ->
                    "--mca", "btl_tcp_if_include", IFNAME]
     # MASTER_ADDR/MASTER_PORT: the namespaces share one hostname, so without them rank 0 would
     # take the world for one host and advertise 127.0.0.1.
-    env = _clean_env({"MASTER_ADDR": ADDR[0], "MASTER_PORT": "29512", "GLOO_SOCKET_IFNAME": IFNAME,
+    env = clean_env({"MASTER_ADDR": ADDR[0], "MASTER_PORT": "29512", "GLOO_SOCKET_IFNAME": IFNAME,
                       "CAPSTAN_COMM_TIMEOUT": "60", "CAPSTAN_COMM_BACKEND": "gloo"})
     cmd = ["ip", "netns", "exec", ns[0], *CLI, "launch", "-np", "4", "--hostfile", str(hostfile),
            *[f"--mpirun-arg={x}" for x in mpirun_opts], "--", "capstan",

@@ -14,8 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from capstan.comm.testing import requires_mpirun
-from capstan.comm.testing.harness import _clean_env
+from capstan.comm.testing import clean_env, requires_mpirun
 
 CLI = [sys.executable, "-m", "capstan.engine.cli"]
 JOB = """
@@ -41,7 +40,7 @@ def test_calibrate_then_train_with_the_plan(tmp_path: Path) -> None:
     machine = tmp_path / "machine.json"
     config = tmp_path / "job.toml"
     config.write_text(JOB)
-    env = _clean_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    env = clean_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
     cal = subprocess.run(CLI + ["plan", "--calibrate", "--quick", "--config", str(config), "--out", str(machine),
                                 "--disk-dir", str(tmp_path / "disk")], capture_output=True, text=True, env=env,
                          timeout=300)

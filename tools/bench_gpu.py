@@ -246,13 +246,9 @@ def search_largest(fits, start: int, deadline: float, resolution: float = 1.25, 
 
 
 def _meminfo_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16 << 30
+    from capstan.comm.procmem import mem_available_bytes
+
+    return mem_available_bytes() or 16 << 30
 
 
 def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:

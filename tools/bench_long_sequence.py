@@ -144,7 +144,7 @@ def capstan_worker(cfg: dict, seq: int) -> dict:
     import torch
 
     from capstan.engine import initialize
-    from capstan.engine.metrics import vm_hwm
+    from capstan.comm.procmem import peak_rss_bytes
 
     torch.set_num_threads(1)
     engine = initialize(config=cfg)
@@ -153,7 +153,7 @@ def capstan_worker(cfg: dict, seq: int) -> dict:
     info = engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]))
     seconds = time.perf_counter() - t0
     engine.close()
-    return {"rss_peak": vm_hwm(), "seconds": seconds, "loss": info.loss,
+    return {"rss_peak": peak_rss_bytes(), "seconds": seconds, "loss": info.loss,
             "act": {k: v for k, v in info.mem.items() if k.startswith("mem.act.")}}
 
 

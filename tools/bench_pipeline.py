@@ -26,6 +26,7 @@ import statistics
 import time
 
 import torch
+from capstan.comm.procmem import rss_bytes
 from capstan.comm.testing import run_mpirun, run_ranks
 from capstan.pipeline import PipelineExecutor, make_schedule, partition
 from capstan.pipeline.testing_models import gpt_loss, gpt_specs
@@ -52,8 +53,7 @@ def _data(cfg: dict, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    return rss_bytes() / 2**20
 
 
 def _throughput(cfg: dict) -> dict:

@@ -27,7 +27,8 @@ torch.set_num_threads(int(sys.argv[2]))
 from capstan.engine import initialize, open_data, train_batches
 cfg = json.loads(sys.argv[1])
 engine = initialize(config=cfg)
-rss_model = int(open("/proc/self/statm").read().split()[1]) * 4096
+from capstan.comm.procmem import rss_bytes
+rss_model = rss_bytes()
 it = train_batches(open_data(engine.config), engine.config, 1, 0)
 engine.train_batch(it)  # warm-up
 times = []

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from capstan.comm import LaunchError
-from capstan.comm.testing import run_ranks
-from capstan.comm.testing.harness import _clean_env
+from capstan.comm.testing import clean_env, run_ranks
 
 
 def _python(code: str, env: dict[str, str] | None = None, args: list[str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run((args or [sys.executable, "-c"]) + [code], env=_clean_env(env), capture_output=True,
+    return subprocess.run((args or [sys.executable, "-c"]) + [code], env=clean_env(env), capture_output=True,
                           text=True, timeout=120)
 
 

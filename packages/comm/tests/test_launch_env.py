@@ -76,3 +76,21 @@ def test_harness_file_rendezvous() -> None:
 def test_inconsistent_environments_name_the_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(LaunchError, match=message):
         detect_launch(env)
+
+
+@pytest.mark.parametrize(
+    ("env", "rank"),
+    [
+        ({}, None),
+        ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"}, 3),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, 1),
+        ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4"}, 2),
+        ({"RANK": "5"}, 5),  # a lone RANK: no launcher detect_launch knows, but still a rank
+        ({"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "4"}, 4),  # inconsistent: never raises
+        ({"PMI_RANK": "x", "PMI_SIZE": "4"}, None),
+    ],
+)
+def test_env_rank_never_raises(env: dict[str, str], rank: int | None) -> None:
+    from capstan.comm.launch_env import env_rank
+
+    assert env_rank(env) == rank

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from capstan.comm.testing import mpirun_args, requires_mpirun, run_mpirun
+from capstan.comm.testing import clean_env, mpirun_args, requires_mpirun, run_mpirun
 
 pytestmark = requires_mpirun()
 
@@ -19,9 +19,7 @@ def test_plain_mpirun_python_c_initializes_without_master_addr() -> None:
         "t = torch.ones(1); comm.all_reduce(t); "
         "print('OK', w.rank, w.size, dist.get_rank(), dist.get_world_size(), int(t.item()), comm.backend())"
     )
-    from capstan.comm.testing.harness import _clean_env
-
-    out = subprocess.run(mpirun_args(4) + [sys.executable, "-c", code], env=_clean_env(None),
+    out = subprocess.run(mpirun_args(4) + [sys.executable, "-c", code], env=clean_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("OK"))
@@ -62,9 +60,7 @@ def test_async_collectives_nobody_waited_for_complete_before_mpi_finalize() -> N
     # Before comm tracked in-flight requests this segfaulted in MPI_Finalize every time (3 of 3):
     # the dropped buffers were freed and reused while MPI delivered into them (the ZeRO-2
     # parameter all-gathers started after a run's last step did the same).
-    from capstan.comm.testing.harness import _clean_env
-
-    out = subprocess.run(mpirun_args(2) + [sys.executable, "-c", _DROPPED_GATHERS], env=_clean_env(None),
+    out = subprocess.run(mpirun_args(2) + [sys.executable, "-c", _DROPPED_GATHERS], env=clean_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(line for line in out.stdout.splitlines() if line.startswith("OK")) == ["OK 0 mpi", "OK 1 mpi"]
@@ -83,10 +79,8 @@ print('OK', w.rank, flush=True)
 
 
 def test_shutdown_gives_up_on_an_operation_no_peer_posted_within_the_timeout() -> None:
-    from capstan.comm.testing.harness import _clean_env
-
     out = subprocess.run(mpirun_args(2) + [sys.executable, "-c", _UNMATCHED_GATHER],
-                         env=_clean_env({"CAPSTAN_COMM_TIMEOUT": "2"}), capture_output=True, text=True, timeout=60)
+                         env=clean_env({"CAPSTAN_COMM_TIMEOUT": "2"}), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 non-blocking MPI operation(s) did not complete within 2 s" in out.stderr
 

@@ -24,18 +24,15 @@ import tempfile
 import torch
 
 from capstan.comm.testing import run_ranks
-from capstan.engine import initialize, open_data, train_batches
+from capstan.engine.testing import tiny_gpt_config, trajectory
 
 STEPS = 20
 CHUNK = 8192  # elements: the largest tensor (embedding, head at tp = 1); several chunks per stage
+EXTRA = ("moved", "skipped", "scale")  # what trajectory() reports beside loss and norm
 
 
 def _cfg(accum: int = 2, parallel: dict | None = None, memory: dict | None = None) -> dict:
-    return {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
-            "data": {"max_bytes": 200_000},
-            "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": accum, "lr": 1e-2,
-                      "min_lr": 1e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
-            "parallel": parallel or {}, "memory": memory or {}}
+    return tiny_gpt_config(STEPS, accum, parallel=parallel or {}, memory=memory or {})
 
 
 def _disk(budget_chunks: int) -> dict:
@@ -43,20 +40,10 @@ def _disk(budget_chunks: int) -> dict:
             "disk_dir": tempfile.mkdtemp(prefix="capstan-compose-")}
 
 
-def _trajectory(config: dict, steps: int = STEPS) -> dict:
-    engine = initialize(config=config)
-    it = train_batches(open_data(engine.config), engine.config, engine.groups.dp.size, engine.groups.dp.rank)
-    infos = [engine.train_batch(it) for _ in range(steps)]
-    engine.close()
-    return {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos],
-            "moved": infos[-1].mem["mem.moved_bytes"], "skipped": [i.skipped for i in infos],
-            "scale": [i.loss_scale for i in infos]}
-
-
 def _fp16_pipeline() -> dict:
     cfg = _cfg(parallel={"dp": 1, "pp": 2, "zero_stage": 3}, memory={"chunk_size": CHUNK})
     cfg["precision"] = {"dtype": "fp16", "initial_scale": 2.0 ** 20, "hysteresis": 1}
-    return _trajectory(cfg, steps=10)
+    return trajectory(cfg, 10, extra=EXTRA)
 
 
 # name -> (config, reference config: one process, no chunks)
@@ -74,7 +61,7 @@ FOUR = {
 
 def _layouts(which: str) -> dict:
     torch.set_num_threads(1)
-    out = {name: _trajectory(cfg) for name, (cfg, _) in (TWO if which == "2" else FOUR).items()}
+    out = {name: trajectory(cfg, STEPS, extra=EXTRA) for name, (cfg, _) in (TWO if which == "2" else FOUR).items()}
     if which == "2":
         out["fp16"] = _fp16_pipeline()
     return out
@@ -83,7 +70,7 @@ def _layouts(which: str) -> dict:
 def _check(results: list[dict], layouts: dict) -> None:
     refs: dict[str, dict] = {}
     for name, (_, ref) in layouts.items():
-        want = refs.setdefault(repr(ref), _trajectory(ref))
+        want = refs.setdefault(repr(ref), trajectory(ref, STEPS, extra=EXTRA))
         assert max(want["norm"]) > 0.5  # clipping is active
         for rank, got in enumerate(results):  # every rank reports the global values
             for key in ("loss", "norm"):

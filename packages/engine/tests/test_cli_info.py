@@ -7,8 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from capstan.comm.testing import mpirun_args, requires_mpirun
-from capstan.comm.testing.harness import _clean_env
+from capstan.comm.testing import clean_env, mpirun_args, requires_mpirun
 
 
 def _capstan() -> list[str]:
@@ -18,7 +17,7 @@ def _capstan() -> list[str]:
 
 def test_info_json_has_versions_native_and_launch() -> None:
     out = subprocess.run(_capstan() + ["info", "--json"], capture_output=True, text=True, timeout=120,
-                         env=_clean_env(None))
+                         env=clean_env())
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     import torch
@@ -36,7 +35,7 @@ def test_info_json_has_versions_native_and_launch() -> None:
 @requires_mpirun()
 def test_info_under_mpirun_reports_the_mpi_world() -> None:
     cmd = mpirun_args(2) + _capstan() + ["info", "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_clean_env(None))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
     assert out.returncode == 0, out.stderr
     infos = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert sorted(i["rank"] for i in infos) == ["rank 0 from OMPI_COMM_WORLD_RANK", "rank 1 from OMPI_COMM_WORLD_RANK"]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from capstan.comm.testing.harness import _clean_env
+from capstan.comm.testing import clean_env
 from capstan.engine import cli
 from capstan.engine.config.doc import render
 from capstan.engine.config.load import ConfigError, parse_override, resolve, to_toml
@@ -156,12 +156,12 @@ def test_bad_input_through_real_processes(tmp_path: Path) -> None:
                             (["--set", f"data.source={odd}"], "not a multiple of 2"),
                             (["--set", "parallel.dp=4"], "world size 1 from default")):
         out = subprocess.run(_capstan() + ["train", "--config", good] + extra, capture_output=True, text=True,
-                             timeout=120, env=_clean_env(None))
+                             timeout=120, env=clean_env())
         assert out.returncode == 2, out.stderr
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], out.stderr
     debug = subprocess.run(_capstan() + ["train", "--config", good, "--set", "train.lrr=1", "--debug"],
-                           capture_output=True, text=True, timeout=120, env=_clean_env(None))
+                           capture_output=True, text=True, timeout=120, env=clean_env())
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "ConfigError" in debug.stderr
 
 

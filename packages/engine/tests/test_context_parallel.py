@@ -21,27 +21,14 @@ import torch
 from capstan.comm.testing import run_ranks
 from capstan.engine import ConfigError, initialize, open_data, train_batches
 from capstan.engine.config import resolve
+from capstan.engine.testing import tiny_gpt_config, trajectory
 
 STEPS = 20
 TOL = 1e-5
 
 
 def _cfg(accum: int = 1, parallel: dict | None = None, memory: dict | None = None) -> dict:
-    return {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
-            "data": {"max_bytes": 200_000},
-            "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": accum, "lr": 1e-2,
-                      "min_lr": 1e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
-            "parallel": parallel or {}, "memory": memory or {}}
-
-
-def _trajectory(config: dict, steps: int = STEPS, save: str | None = None) -> dict:
-    engine = initialize(config=config)
-    it = train_batches(open_data(engine.config), engine.config, engine.groups.dp.size, engine.groups.dp.rank)
-    infos = [engine.train_batch(it) for _ in range(steps)]
-    if save is not None:
-        engine.save(save)
-    engine.close()
-    return {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos]}
+    return tiny_gpt_config(STEPS, accum, parallel=parallel or {}, memory=memory or {})
 
 
 def _disk() -> dict:
@@ -75,9 +62,9 @@ REFERENCE = {"dp2-cp2": _cfg(2), "pp2-cp2": _cfg(2), "pp2-cp2-offload": _cfg(2)}
 
 def _layouts(which: str, save: str) -> dict:
     torch.set_num_threads(1)
-    out = {name: _trajectory(cfg) for name, cfg in (TWO if which == "2" else FOUR).items()}
+    out = {name: trajectory(cfg, STEPS) for name, cfg in (TWO if which == "2" else FOUR).items()}
     if which == "4":  # cp 4 ring, saved after 10 steps, for the resume at cp 1
-        out["saved"] = _trajectory(FOUR["cp4-ring"], steps=10, save=save)
+        out["saved"] = trajectory(FOUR["cp4-ring"], 10, save=save)
     return out
 
 
@@ -87,7 +74,7 @@ def runs() -> dict:
     two = run_ranks(_layouts, 2, "2", save, timeout=300)[0]
     four = run_ranks(_layouts, 4, "4", save, timeout=400)[0]
     torch.set_num_threads(1)
-    refs = {key: _trajectory(cfg) for key, cfg in {"plain": _cfg(), **REFERENCE}.items()}
+    refs = {key: trajectory(cfg, STEPS) for key, cfg in {"plain": _cfg(), **REFERENCE}.items()}
     return {**two, **four, "refs": refs, "save": save}
 
 

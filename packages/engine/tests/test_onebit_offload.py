@@ -25,7 +25,7 @@ import torch
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize
-from capstan.engine.testing import assert_trajectories_close, train_steps
+from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config, train_steps
 from capstan.engine.zero.compression import wire_formula
 
 STEPS = 10
@@ -37,13 +37,9 @@ def _cfg(compression: str = "onebit", freeze: int = 100, steps: int = STEPS, off
     memory = {"offload": offload}
     if offload == "disk":
         memory.update(cpu_budget=BUDGET, disk_dir=f"{directory}/chunks")
-    return {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
-            "data": {"max_bytes": 200_000},
-            "train": {"steps": steps, "micro_batch_size": 2, "grad_accum_steps": accum, "lr": 1e-2, "min_lr": 1e-3,
-                      "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
-            "precision": {"dtype": dtype},
-            "parallel": {"dp": 2, "compression": compression, "compression_freeze_steps": freeze},
-            "memory": memory}
+    return tiny_gpt_config(steps, accum, precision={"dtype": dtype},
+                           parallel={"dp": 2, "compression": compression, "compression_freeze_steps": freeze},
+                           memory=memory)
 
 
 def _run(config: dict, steps: int, save_at: int = 0, directory: str = "", load: str = "") -> dict:

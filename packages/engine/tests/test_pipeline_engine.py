@@ -20,18 +20,14 @@ import pytest
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches, val_batches
-from capstan.engine.testing import assert_trajectories_close
+from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config
 from capstan.engine.config.load import ConfigError, resolve
 
 STEPS = 12
 
 
 def _cfg(n_layers: int = 2, accum: int = 4, dtype: str = "fp32", **parallel: object) -> dict:
-    return {"model": {"n_layers": n_layers, "n_heads": 4, "d_model": 32, "seq_len": 16},
-            "data": {"max_bytes": 200_000},
-            "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": accum, "lr": 1e-2,
-                      "min_lr": 1e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
-            "precision": {"dtype": dtype}, "parallel": parallel}
+    return tiny_gpt_config(STEPS, accum, model={"n_layers": n_layers}, precision={"dtype": dtype}, parallel=parallel)
 
 
 def _trajectory(config: dict) -> dict:

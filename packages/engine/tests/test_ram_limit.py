@@ -40,7 +40,7 @@ def _peak_rss_per_step(disk: str, limit: int) -> tuple[list[int], int, int]:
     manager was made (what ram_limit counts from), the chunks' capacity at the end and their total bytes."""
     import torch
 
-    from capstan.engine.metrics import proc_kib
+    from capstan.comm.procmem import peak_rss_bytes
 
     torch.set_num_threads(1)
     cfg = {"model": {"n_layers": 4, "n_heads": 4, "d_model": 256, "seq_len": 64}, "data": {"max_bytes": 200_000},
@@ -54,7 +54,7 @@ def _peak_rss_per_step(disk: str, limit: int) -> tuple[list[int], int, int]:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
         engine.train_batch(it)
-        peaks.append(proc_kib("/proc/self/status", "VmHWM") - base)
+        peaks.append(peak_rss_bytes() - base)
     capacity = engine.manager.stats()["chunk_capacity_bytes"]
     total = sum(e.chunk.nbytes for e in engine.manager.entries.values())
     engine.close()

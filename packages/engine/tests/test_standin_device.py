@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from capstan.comm.testing import run_ranks
+from capstan.engine.testing import tiny_gpt_config
 from capstan.native import standin
 
 pytestmark = [pytest.mark.slow,
@@ -23,11 +24,8 @@ STEPS = 6
 
 
 def _config(device: str, memory: dict, dtype: str = "fp32", **parallel) -> dict:
-    return {"precision": {"dtype": dtype},"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
-            "data": {"max_bytes": 200_000},
-            "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 1e-2, "min_lr": 1e-3,
-                      "device": device, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
-            "parallel": parallel, "memory": memory}
+    return tiny_gpt_config(STEPS, 2, precision={"dtype": dtype}, train={"device": device}, parallel=parallel,
+                           memory=memory)
 
 
 def _run(cfg: dict, eval_after: int | None = None, model=None) -> dict:

@@ -19,7 +19,7 @@ import torch
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches
-from capstan.engine.testing import assert_trajectories_close
+from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config, trajectory
 from capstan.engine.config.load import resolve
 from capstan.engine.data import micro_batch
 from capstan.engine.schedule_lr import lr_at
@@ -28,24 +28,12 @@ STEPS = 20
 
 
 def _cfg(**sections: dict) -> dict:
-    base = {"model": {"n_layers": 1, "n_heads": 4, "d_model": 32, "seq_len": 16},
-            "data": {"max_bytes": 200_000},
-            "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 1e-2, "min_lr": 1e-3,
-                      "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1}}
-    for name, body in sections.items():
-        base[name] = {**base.get(name, {}), **body}
-    return base
+    # One layer, two micro-batches a step.
+    return tiny_gpt_config(STEPS, 2, **{**sections, "model": {"n_layers": 1, **sections.get("model", {})}})
 
 
 def _trajectory(config: dict, steps: int = STEPS) -> dict:
-    engine = initialize(config=config)
-    data = open_data(engine.config)
-    it = train_batches(data, engine.config, engine.groups.dp.size, engine.groups.dp.rank)
-    infos = [engine.train_batch(it) for _ in range(steps)]
-    engine.close()
-    return {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos],
-            "scale": [i.loss_scale for i in infos], "skipped": [i.skipped for i in infos],
-            "moved": infos[-1].mem["mem.moved_bytes"]}
+    return trajectory(config, steps, extra=("scale", "skipped", "moved"))
 
 
 def _two_rank_layouts() -> dict:

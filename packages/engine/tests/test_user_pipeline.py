@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from capstan.comm.testing import run_ranks
-from capstan.engine import initialize, open_data, train_batches
-from capstan.engine.testing import assert_trajectories_close
+from capstan.engine import initialize
+from capstan.engine.testing import assert_trajectories_close, trajectory
 from capstan.engine.config.load import resolve
 from capstan.pipeline import LayerSpec
 
@@ -83,17 +83,8 @@ MODELS = {"specs": specs, "tied": lambda: specs(tied=True), "sequential": sequen
 
 
 def _trajectory(kind: str, config: dict, save_to: str = "") -> dict:
-    engine = initialize(model=MODELS[kind](), config=config)
-    data = open_data(engine.config)
-    it = train_batches(data, engine.config, engine.groups.dp.size, engine.groups.dp.rank)
-    infos = [engine.train_batch(it) for _ in range(STEPS)]
-    out = {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos],
-           "params": sum(p.numel() for p in engine.module.parameters())}
-    if save_to:
-        engine.save(save_to)
-        out["values"] = engine.parameters_snapshot()
-    engine.close()
-    return out
+    return trajectory(config, STEPS, model=MODELS[kind](), save=save_to,
+                      extra=("params", "values") if save_to else ("params",))
 
 
 def _layouts(which: str, tmp: str = "") -> dict:

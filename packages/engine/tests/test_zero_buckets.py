@@ -23,7 +23,7 @@ import torch
 
 from capstan.comm.testing import requires_mpirun, run_mpirun, run_ranks
 from capstan.engine import initialize, open_data, train_batches
-from capstan.engine.testing import assert_trajectories_close
+from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config
 from capstan.engine.zero.buckets import plan_all_reduce, plan_reduce_scatter
 
 STEPS = 8
@@ -54,14 +54,8 @@ def test_reduce_scatter_plan_covers_every_shard_once() -> None:
 
 def _cfg(stage: int, dp: int, accum: int, bucket_mb: float, collective: str = "reduce_scatter",
          **extra: dict) -> dict:
-    cfg = {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
-           "data": {"max_bytes": 200_000},
-           "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": accum, "lr": 1e-2, "min_lr": 1e-3,
-                     "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
-           "parallel": {"dp": dp, "zero_stage": stage, "bucket_mb": bucket_mb, "zero2_collective": collective}}
-    for name, body in extra.items():
-        cfg[name] = {**cfg.get(name, {}), **body}
-    return cfg
+    parallel = {"dp": dp, "zero_stage": stage, "bucket_mb": bucket_mb, "zero2_collective": collective}
+    return tiny_gpt_config(STEPS, accum, **{**extra, "parallel": {**parallel, **extra.get("parallel", {})}})
 
 
 def _run(config: dict, probe: dict | None = None) -> dict:

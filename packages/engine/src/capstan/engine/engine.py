@@ -37,11 +37,11 @@ import torch
 from capstan import comm
 from capstan.comm import faults
 from capstan.comm.device import device_module, is_accelerator
+from capstan.comm.procmem import peak_rss_bytes
 from torch import nn
 
 from .config.load import check_states_fit, uses_chunks
 from .outputs import check_batch_convention, loss_of
-from .metrics import vm_hwm
 from .config.schema import Config
 from .pipe import PipelineStage
 from .precision import autocast, loss_scaler
@@ -514,12 +514,12 @@ class Engine:
             held = self.optimizer.state_bytes()  # fixed-size buffers: held is also the peak
             tier = self.device.type  # the model states live where the model computes
             out = {f"mem.{tier}.peak_bytes": held, f"mem.{tier}.resident_bytes": held, "mem.moved_bytes": 0,
-                   "mem.process.rss_peak_bytes": vm_hwm()}
+                   "mem.process.rss_peak_bytes": peak_rss_bytes()}
             return {**out, **self._device_allocator_stats()}
         s = self.manager.stats()
         disk = s["disk"]["resident_bytes"]  # type: ignore[index]
         self._disk_peak = max(self._disk_peak, disk)
-        rss = {"mem.process.rss_peak_bytes": vm_hwm()}
+        rss = {"mem.process.rss_peak_bytes": peak_rss_bytes()}
         out = {"mem.cpu.peak_bytes": s["cpu"]["peak_bytes"],  # type: ignore[index]
                "mem.cpu.resident_bytes": s["cpu"]["resident_bytes"],  # type: ignore[index]
                "mem.disk.peak_bytes": self._disk_peak, "mem.disk.resident_bytes": disk,

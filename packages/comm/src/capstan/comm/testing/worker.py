@@ -50,6 +50,7 @@ def main(spec_path: str) -> int:
 
     torch.set_num_threads(int(os.environ.get("CAPSTAN_TEST_THREADS", "1")))
     from capstan import comm
+    from capstan.comm.launch_env import env_rank
 
     rank = -1
     try:
@@ -66,7 +67,7 @@ def main(spec_path: str) -> int:
         code = 0
     except BaseException:  # noqa: BLE001 - every failure must reach the report
         if rank < 0:
-            rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))))
+            rank = env_rank() or 0
         (run_dir / f"error.{rank}.txt").write_text(traceback.format_exc())
         code = 1
     sys.stdout.flush()

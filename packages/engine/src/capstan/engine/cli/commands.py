@@ -135,9 +135,9 @@ def _launch_world_size() -> int:
 
 
 def _launch_rank() -> int:
-    from .launch import _env_rank
+    from capstan.comm.launch_env import env_rank
 
-    return _env_rank() or 0
+    return env_rank() or 0
 
 
 def build_parser() -> argparse.ArgumentParser:

