@@ -85,7 +85,7 @@ def test_async_is_an_identity_on_a_group_of_one() -> None:
     assert run_ranks(_group_of_one, 2) == [[1.0, 2.0], [1.0, 2.0]]
 
 
-def _wait_on_a_dead_peer() -> tuple[str, str, list[int]] | None:
+def _wait_on_a_dead_peer(op: str) -> tuple[str, str, list[int]] | None:
     from capstan import comm
 
     w = comm.world()
@@ -93,7 +93,10 @@ def _wait_on_a_dead_peer() -> tuple[str, str, list[int]] | None:
     if w.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(0.5)
-    handle = comm.all_reduce(torch.ones(1000), async_op=True)
+    if op == "all_reduce":
+        handle = comm.all_reduce(torch.ones(1000), async_op=True)
+    else:  # over gloo a ring of point-to-point rounds on a worker thread (gloo_reduce_scatter.py)
+        handle = comm.reduce_scatter(torch.empty(500), torch.ones(1000), async_op=True)
     try:
         handle.wait()
     except comm.CommError as exc:
@@ -101,8 +104,9 @@ def _wait_on_a_dead_peer() -> tuple[str, str, list[int]] | None:
     return None
 
 
-def test_async_wait_on_a_dead_peer_raises_comm_error_naming_it() -> None:
-    results = run_ranks(_wait_on_a_dead_peer, 2, comm_timeout=5.0, tolerate_dead=(1,), timeout=90)
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+def test_async_wait_on_a_dead_peer_raises_comm_error_naming_it(op: str) -> None:
+    results = run_ranks(_wait_on_a_dead_peer, 2, op, comm_timeout=5.0, tolerate_dead=(1,), timeout=90)
     name, message, lost = results[0]
     assert name == "CommError" and lost == [1], message
-    assert "all_reduce on group world[0, 1] failed" in message
+    assert f"{op} on group world[0, 1] failed" in message

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from . import mpi_backend, state
 from .errors import CommError
+from .gloo_reduce_scatter import gloo_reduce_scatter
 from .groups import Group
 from .log import get_logger
 
@@ -422,46 +423,10 @@ def _reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, op: str, g
     return CollectiveHandle("reduce_scatter", g, work, finish, nbytes, (output, src, dst))
 
 
-class _Reduced:
-    """The work of a reduce-scatter made of an all-to-all: waits for it, then reduces the received shards."""
-
-    def __init__(self, work: object, reduce: Callable[[], None]) -> None:
-        self._work, self._reduce = work, reduce
-
-    def wait(self) -> None:
-        self._work.wait()  # type: ignore[attr-defined]
-        self._reduce()
-
-
-def _gloo_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, op: object, pg: object,
-                         async_op: bool) -> object:
-    """Reduce-scatter over gloo as one all-to-all and a local reduction.
-
-    gloo has no reduce-scatter: torch's gloo backend runs a whole all-reduce and keeps a shard, so each
-    rank sends 2 (n-1)/n of the buffer, as much as an all-reduce (measured: 100.7 MB written per rank for
-    a 64 MiB buffer over 4 ranks, the same as all_reduce). Here each rank sends every other rank that
-    rank's shard of its buffer and sums what it receives for its own: (n-1)/n of the buffer (50.3 MB),
-    what a ring reduce-scatter sends, which is the point of ZeRO-2's reduce-scatter on a slow network.
-    The shards are summed in rank order, the same order on every run."""
-    n = dist.get_world_size(pg)  # type: ignore[arg-type]
-    recv = torch.empty_like(src)
-    work = dist.all_to_all_single(recv, src, group=pg, async_op=True)  # type: ignore[arg-type]
-    reducer = {dist.ReduceOp.SUM: torch.sum, dist.ReduceOp.MAX: torch.amax, dist.ReduceOp.MIN: torch.amin}[op]
-
-    def reduce() -> None:
-        reducer(recv.view(n, -1), 0, out=dst)
-
-    handle = _Reduced(work, reduce)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
-
-
 def _torch_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, op: object, pg: object,
                           async_op: bool = False) -> object:
     if dist.get_backend(pg) == "gloo":  # type: ignore[arg-type]
-        return _gloo_reduce_scatter(dst, src, op, pg, async_op)
+        return gloo_reduce_scatter(dst, src, op, pg, async_op)  # gloo's own is an all-reduce
     single = getattr(dist, "reduce_scatter_single", None)
     if single is not None:
         return single(dst, src, op=op, group=pg, async_op=async_op)
