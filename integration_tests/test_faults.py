@@ -159,7 +159,8 @@ def test_sigterm_during_a_save_leaves_only_a_partial(tmp_path: Path) -> None:
     """Rank 0 pauses after writing its shard of step 4 (the manifest not yet written): SIGTERM then.
     The step-4 directory stays `.partial`, step 2 verifies, and a resumed run continues from it."""
     partial_shard = tmp_path / "save" / "checkpoints" / "step_00000004.partial" / "rank_00000.json"
-    got = _launch(tmp_path, "save", 8, env={"CAPSTAN_CRASH_AT": "save.shard_written:step=4:rank=0:action=pause:seconds=60"},
+    got = _launch(tmp_path, "save", 8,
+                  env={"CAPSTAN_CRASH_AT": "save.shard_written:step=4:rank=0:action=pause:seconds=60"},
                   signal_after=(str(partial_shard), signal.SIGTERM))
     # Rank 1 waits in the save's agreement (a C++ collective) for rank 0: it stops with it (143, or 1 for
     # the lost peer) or, blocked in the collective past the launcher's grace, is killed (no status).

@@ -35,7 +35,8 @@ bench = _load("capstan_bench_gpu", ROOT / "tools" / "bench_gpu.py")
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(not standin.available(), reason="no stand-in device here (it needs torch's C++ headers and a C++ compiler)")
+@pytest.mark.skipif(not standin.available(),
+                    reason="no stand-in device here (it needs torch's C++ headers and a C++ compiler)")
 def test_the_battery_parity_part_on_the_standin(tmp_path: Path) -> None:
     """`battery.sh --device standin --part 1 --only parity`, 6 steps, ZeRO-3 on two ranks sharing standin:0:
     every layout within 1e-6 of the CPU, and the summary (JSON and Markdown) says so."""

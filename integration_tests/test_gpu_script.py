@@ -24,7 +24,8 @@ def _blocker(tmp_path: Path) -> Path:
     d = tmp_path / "blocked"
     (d / "hypothesis").mkdir(parents=True)
     for name, f in (("pytest_timeout", d / "pytest_timeout.py"), ("hypothesis", d / "hypothesis" / "__init__.py")):
-        f.write_text(f'raise ModuleNotFoundError("No module named {name!r} (a simulated bare machine)", name={name!r})\n')
+        f.write_text(f'raise ModuleNotFoundError("No module named {name!r} (a simulated bare machine)", '
+                     f'name={name!r})\n')
     return d
 
 

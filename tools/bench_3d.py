@@ -52,7 +52,6 @@ import os
 import statistics
 import sys
 import time
-
 from pathlib import Path
 
 import torch
@@ -255,7 +254,7 @@ def make_peer(a: dict, axis: str, rank: int, world: int):
 
         def step() -> None:
             x, y = next(data)
-            loss = lm_loss(model(x), y)
+            loss = lm_loss(model(x), y)  # noqa: F821 (bound above; ruff reads the `del model` below as unbinding it)
             loss.backward()
             clip_(params, 1.0)
             for o in opts:
@@ -265,9 +264,10 @@ def make_peer(a: dict, axis: str, rank: int, world: int):
 
         return step, losses, note, model
     # pp: the same layer boundaries as capstan's engine (partition by parameter count)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
     from capstan.engine.config.load import resolve
     from capstan.engine.pipe import balanced_bounds
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     cfg, _ = resolve(capstan_config(a, axis), ())
     bounds = balanced_bounds(cfg, world)

@@ -135,7 +135,8 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, object]:
         tc += timed_steps(chunked, args.steps, args.batch, args.seq, 10 + r * args.steps)
     tokens = args.batch * args.seq
     return {"bench": "overhead", "params": n_params(args.layers, args.d_model, args.seq),
-            "plain_tokens_per_s": tokens / statistics.median(tp), "capstan_tokens_per_s": tokens / statistics.median(tc),
+            "plain_tokens_per_s": tokens / statistics.median(tp),
+            "capstan_tokens_per_s": tokens / statistics.median(tc),
             "ratio": statistics.median(tp) / statistics.median(tc)}
 
 
@@ -166,7 +167,9 @@ def bench_offload(args: argparse.Namespace) -> dict[str, object]:
             result[f"{k}_peak_cpu_bytes"] = trainers[k].manager.stats()["cpu"]["peak_bytes"]
             result[f"{k}_stall_s"] = trainers[k].manager.stats()["stall_s"]
         result["disk_vs_ram"] = result["disk_belady_tokens_per_s"] / result["in_ram_tokens_per_s"]
-        result["belady_vs_lru_bytes"] = result["disk_belady_moved_bytes_per_step"] / result["disk_lru_moved_bytes_per_step"]
+        result["belady_vs_lru_bytes"] = (
+            result["disk_belady_moved_bytes_per_step"] / result["disk_lru_moved_bytes_per_step"]
+        )
         for t in trainers.values():
             t.manager.close()
     return result

@@ -20,7 +20,6 @@ import json
 import statistics
 import time
 
-import numpy as np
 import torch
 from mpi4py import MPI
 

@@ -51,8 +51,8 @@ import json
 import os
 import resource
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 
 import torch
@@ -90,8 +90,8 @@ def peak_rss() -> int:
 
 def plain_model(a: dict):
     from capstan import comm
-    from capstan.engine.config.load import resolve
     from capstan.engine.build import build_reference_model
+    from capstan.engine.config.load import resolve
 
     cfg, _ = resolve(model_config(a), ())
     torch.manual_seed(cfg.train.seed)
@@ -128,7 +128,8 @@ def make_system(system: str, a: dict, world: int, rank: int):
                    # ZeRO-3 through chunks (chunkmem): all states in RAM, or a RAM budget with the rest on disk.
                    "capstan-z3-cpu": {"zero_stage": 3, "memory": {"offload": "cpu", "chunk_size": chunk}},
                    "capstan-z3-disk": {"zero_stage": 3, "memory": {
-                       "offload": "disk", "chunk_size": chunk, "cpu_budget": a.get("disk_budget_mib", DISK_RUN_BUDGET_MIB) << 20,
+                       "offload": "disk", "chunk_size": chunk,
+                       "cpu_budget": a.get("disk_budget_mib", DISK_RUN_BUDGET_MIB) << 20,
                        "disk_dir": os.path.join(tempfile.gettempdir(), f"bench-engine-chunks-{os.getpid()}")}},
                    }.get(system, {})
         engine = initialize(config=model_config(dict(a, **variant)))
@@ -191,7 +192,6 @@ def make_system(system: str, a: dict, world: int, rank: int):
 def worker(system: str, a: dict) -> dict:
     """One system's run on this rank: `warmup` untimed steps, then `steps` timed ones."""
     torch.set_num_threads(1)
-    import torch.distributed as dist
 
     # Set by run_ranks, or by mpirun (capstan starts its own comm from them).
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))

@@ -16,7 +16,6 @@ import os
 import sys
 
 import torch
-
 from bench_engine import VOCAB, batches, timed_steps
 
 
@@ -149,7 +148,9 @@ def run_deepspeed_once(python: str, stage: int, world: int, a: dict) -> list[dic
                 p.wait()
             raise
         if any(codes):
-            raise DeepSpeedFailed(f"deepspeed ranks exited {codes}:\n" + open(os.path.join(tmp, "log.0")).read()[-3000:])
+            raise DeepSpeedFailed(
+                f"deepspeed ranks exited {codes}:\n" + open(os.path.join(tmp, "log.0")).read()[-3000:]
+            )
         return [json.load(open(os.path.join(tmp, f"result.{r}.json"))) for r in range(world)]
 
 

@@ -7,8 +7,8 @@
 
 Every figure comes from the same run on the same device (docs/benchmarks.md says which). Each
 measurement (tools/gpu/systems.py) runs in a subprocess of its own, so one system's memory (or its
-out-of-memory error) never touches the next; `--deadline` bounds the whole run (each subprocess gets what is left), and the
-JSON report is rewritten after every section, so a run stopped from outside keeps what it measured.
+out-of-memory error) never touches the next; `--deadline` bounds the whole run (each subprocess gets what
+is left), and the JSON report is rewritten after every section, so a run stopped from outside keeps what it measured.
 Sections (`--sections`, default speed,peers):
 
 * ``speed``: tokens/s of capstan (train.device = the device, bf16, ZeRO 0, fused AdamW on the device)

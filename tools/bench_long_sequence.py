@@ -18,13 +18,13 @@ give, so the benchmark measures instead of killing.)
   AdamW; and the same with `torch.utils.checkpoint` around every block (a user's standard lever).
   Each sequence length runs in a fresh interpreter; lengths double from `--start` until the peak
   passes the limit, then a bisection to `--grain` tokens finds the longest that fits.
-* **capstan**, `--cp` ranks (capstan.comm.testing.run_ranks: fresh interpreters, gloo, one thread each): `parallel.cp` over the
-  ranks (`--cp-mode`), ZeRO (`--zero-stage`, 2 by default: a ZeRO-3 unit of this model's 12.9M-parameter
-  embedding gathered with its gradient buffers costs more than the sharded states save) over them, with
-  `--cpu-budget-mib` the states in chunks on disk, `memory.tiled_loss` (default), `memory.mlp_tile`, `activation_checkpointing` and
-  `activation_offload` to a disk directory (`--disk-dir`). It runs
-  at `--ratios` times plain PyTorch's longest sequence (the better of the two peers) and reports
-  whether each fits.
+* **capstan**, `--cp` ranks (capstan.comm.testing.run_ranks: fresh interpreters, gloo, one thread each):
+  `parallel.cp` over the ranks (`--cp-mode`), ZeRO (`--zero-stage`, 2 by default: a ZeRO-3 unit of this
+  model's 12.9M-parameter embedding gathered with its gradient buffers costs more than the sharded
+  states save) over them, with `--cpu-budget-mib` the states in chunks on disk, `memory.tiled_loss`
+  (default), `memory.mlp_tile`, `activation_checkpointing` and `activation_offload` to a disk directory
+  (`--disk-dir`). It runs at `--ratios` times plain PyTorch's longest sequence (the better of the two
+  peers) and reports whether each fits.
 
 Prints a markdown table (for docs/benchmarks.md) and writes JSON with `--out`.
 """
@@ -94,7 +94,7 @@ PLAIN = textwrap.dedent("""
     seconds = time.perf_counter() - t0
     hwm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
     print(json.dumps({"loss": float(loss), "rss_peak": hwm, "seconds": seconds}))
-""" % VOCAB)
+""" % VOCAB)  # noqa: UP031 (a code template: its braces would need doubling for str.format)
 
 
 def plain_step(a: argparse.Namespace, seq: int, ckpt: bool) -> dict:
@@ -143,8 +143,8 @@ def capstan_worker(cfg: dict, seq: int) -> dict:
     """One rank: one step on random tokens (every cp rank reads the same sequence, keeps its share)."""
     import torch
 
-    from capstan.engine import initialize
     from capstan.comm.procmem import peak_rss_bytes
+    from capstan.engine import initialize
 
     torch.set_num_threads(1)
     engine = initialize(config=cfg)

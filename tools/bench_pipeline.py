@@ -26,6 +26,7 @@ import statistics
 import time
 
 import torch
+
 from capstan.comm.procmem import rss_bytes
 from capstan.comm.testing import run_mpirun, run_ranks
 from capstan.pipeline import PipelineExecutor, make_schedule, partition
@@ -57,8 +58,9 @@ def _rss_mib() -> float:
 
 
 def _throughput(cfg: dict) -> dict:
-    from capstan import comm
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from capstan import comm
 
     groups = comm.build_groups(comm.Topology(pp=STAGES))
     stage = groups.pp.rank

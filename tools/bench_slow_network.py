@@ -195,7 +195,7 @@ def main() -> None:
     skip = max(a.freeze, 3)
     port = 29600
     print(f"dp {a.hosts} on {a.hosts} simulated hosts, links shaped by {kind} "
-          f"({'delay %.1f ms each way' % a.delay_ms if kind == 'netem' else 'no added delay'}); "
+          f"({f'delay {a.delay_ms:.1f} ms each way' if kind == 'netem' else 'no added delay'}); "
           f"{a.layers} layers x d {a.d_model}, seq {a.seq}, micro {a.micro}; steps {a.steps}, freeze {a.freeze}; "
           f"tokens/s = median over steps {skip + 1}..{a.steps}", flush=True)
     for rate, modes in plan:
@@ -251,7 +251,8 @@ def main() -> None:
                 continue
             compare(rates[-1], mode, peer, bases, fast)
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "shaping": kind, "results": results, "ratios": ratios}, indent=1))
+        Path(a.json).write_text(json.dumps({"args": vars(a), "shaping": kind, "results": results, "ratios": ratios},
+                                           indent=1))
     if a.plot:
         Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
         plot({rate: results[rate] for rate in rates}, Path(a.plot))

@@ -171,8 +171,10 @@ def table(rows: list[Row], results: dict[str, dict]) -> tuple[str, bool]:
         size = f"{MODELS[row.model]['n_layers']} x {MODELS[row.model]['d_model']}"
         disk_cells = (f"{disk['predicted'] / 2**20:.1f} / {disk['measured'] / 2**20:.1f} MiB", _pct(disk)) \
             if disk else ("—", "—")
-        lines.append(f"| {row.name} | {size}, {row.what} | {step['predicted'] * 1e3:.0f} / {step['measured'] * 1e3:.0f} ms "
-                     f"| {_pct(step)} | {ram['predicted'] / 2**20:.0f} / {ram['measured'] / 2**20:.0f} MiB | {_pct(ram)} "
+        lines.append(f"| {row.name} | {size}, {row.what} "
+                     f"| {step['predicted'] * 1e3:.0f} / {step['measured'] * 1e3:.0f} ms "
+                     f"| {_pct(step)} | {ram['predicted'] / 2**20:.0f} / {ram['measured'] / 2**20:.0f} MiB "
+                     f"| {_pct(ram)} "
                      f"| {disk_cells[0]} | {disk_cells[1]} | {r.get('bottleneck', '')} |")
     return "\n".join(lines), ok
 
@@ -211,7 +213,10 @@ def recommendation(machine: Path, steps: int, work: Path, rounds: int = 2) -> st
             out, _ = run_row(row, machine, steps, work, f"-{r}")
             tokens[key].append(REC_BATCH * shape.seq / out["step_s"]["measured"])
     med = {k: sorted(v)[len(v) // 2] for k, v in tokens.items()}
-    describe = (lambda lay: f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp}, ZeRO {lay.zero_stage}, offload {lay.offload}, "
+    default_predicted = next((c.time.tokens_per_s for c in result.ranked if c.layout == replace(default, dp=REC_RANKS)),
+                             float("nan"))
+    def describe(lay) -> str:
+        return (f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp}, ZeRO {lay.zero_stage}, offload {lay.offload}, "
                 f"micro {lay.micro} x accum {lay.accum}{', recompute' if lay.recompute else ''}")
     return "\n".join([
         f"The job: model {REC_MODEL} ({MODELS[REC_MODEL]['n_layers']} x {MODELS[REC_MODEL]['d_model']}), "
@@ -221,9 +226,10 @@ def recommendation(machine: Path, steps: int, work: Path, rounds: int = 2) -> st
         f"| planner's choice: {describe(best.layout)} | {best.time.tokens_per_s:,.0f} | "
         f"{', '.join(f'{t:,.0f}' for t in tokens['recommended'])} |",
         f"| engine default: {describe(default)} | "
-        f"{next((c.time.tokens_per_s for c in result.ranked if c.layout == replace(default, dp=REC_RANKS)), float('nan')):,.0f} | "
+        f"{default_predicted:,.0f} | "
         f"{', '.join(f'{t:,.0f}' for t in tokens['default'])} |", "",
-        f"Measured, median of the rounds: the planner's choice {med['recommended'] / med['default']:.2f}x the default."])
+        f"Measured, median of the rounds: the planner's choice "
+        f"{med['recommended'] / med['default']:.2f}x the default."])
 
 
 def _replace_between(doc: str, begin: str, end: str, text: str) -> str:

@@ -8,9 +8,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import build_native  # native/, put on sys.path by conftest.py
 import pytest
 
-import build_native  # native/, put on sys.path by conftest.py
 from capstan import native
 from capstan.native import _lib
 

@@ -47,7 +47,8 @@ def test_native_tests_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
         UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
     )
     probe = subprocess.run(
-        [sys.executable, "-c", "from capstan import native; s = native.status(); print(s['loaded'], s.get('sanitize'))"],
+        [sys.executable, "-c",
+         "from capstan import native; s = native.status(); print(s['loaded'], s.get('sanitize'))"],
         env=env, capture_output=True, text=True, timeout=120,
     )
     assert probe.stdout.split() == ["True", "True"], probe.stdout + probe.stderr  # really the sanitized build

@@ -12,7 +12,9 @@ import pytest
 from capstan.comm.testing import run_ranks
 from capstan.native import standin
 
-pytestmark = pytest.mark.skipif(not standin.available(), reason="no stand-in device here (it needs torch's C++ headers and a C++ compiler)")
+pytestmark = pytest.mark.skipif(
+    not standin.available(), reason="no stand-in device here (it needs torch's C++ headers and a C++ compiler)"
+)
 
 
 def _battery() -> dict:

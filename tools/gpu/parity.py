@@ -25,7 +25,8 @@ Every group of layouts runs in fresh processes under its own time limit (the sta
 before a process's first backward, and a hang must not cost the battery its summary); the report says
 per layout what ran, the largest differences and whether it passed, and under "incomplete" what the
 deadline or a group's time limit cut short. The exit status is 1 when a layout failed (or a rank
-raised), else 0: "ok" in the report says whether everything ran and passed. integration_tests/test_gpu.py (the `cuda` tests) uses the same functions.
+raised), else 0: "ok" in the report says whether everything ran and passed. integration_tests/test_gpu.py
+(the `cuda` tests) uses the same functions.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -87,8 +87,8 @@ def _rows(title: str, rows: dict) -> list[str]:
             lines.append(f"| {name} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | {r['tflops']:.3g} | "
                          f"{_fmt(r.get('mfu'), '.2f')} | {r['peak_device'] / 2**30:.2f} |")
         else:
-            lines.append(f"| {name} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'error: ' + str(r.get('error'))}"
-                         " | | | | |")
+            why = "skipped: " + r["skipped"] if "skipped" in r else "error: " + str(r.get("error"))
+            lines.append(f"| {name} | {why} | | | | |")
     return lines + [""]
 
 

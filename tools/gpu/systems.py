@@ -128,7 +128,6 @@ def run_fsdp(cfg: dict) -> dict:
 
 def run_deepspeed(cfg: dict) -> dict:
     import deepspeed
-    import torch
 
     from capstan import comm
     from capstan.engine.build import build_reference_model

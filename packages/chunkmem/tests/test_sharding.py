@@ -215,8 +215,8 @@ def _sharded_at_minimum(memory_saving: bool) -> dict[str, object]:
     need = _group_max(probe.minimum_budget()[0], dp)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            ShardedChunkedModel(_model(48), ChunkManager(need - 1, DiskStore(tmp, rank=dp.rank)), BUDGET_CHUNK, group=dp,
-                                memory_saving=memory_saving, param_groups=groups)
+            ShardedChunkedModel(_model(48), ChunkManager(need - 1, DiskStore(tmp, rank=dp.rank)), BUDGET_CHUNK,
+                                group=dp, memory_saving=memory_saving, param_groups=groups)
             refused = False
         except BudgetError as exc:  # the bound is safe, not tight: the message says so
             refused = "worst case" in str(exc)

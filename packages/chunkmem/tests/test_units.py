@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import resource
 import subprocess
 import sys
 
@@ -11,9 +9,26 @@ import pytest
 import torch
 
 from capstan.chunkmem import (
-    LRU, Belady, BudgetError, Chunk, ChunkKind, ChunkManager, ChunkState, DiskStore, DiskTierError,
-    ChunkedModel, LayoutError, ModuleSpec, ParamSpec, StateError, TensorState, Tier, auto_chunk_size,
-    list_capacity, plan_layout, search_chunk_size,
+    LRU,
+    Belady,
+    BudgetError,
+    Chunk,
+    ChunkedModel,
+    ChunkKind,
+    ChunkManager,
+    ChunkState,
+    DiskStore,
+    DiskTierError,
+    LayoutError,
+    ModuleSpec,
+    ParamSpec,
+    StateError,
+    TensorState,
+    Tier,
+    auto_chunk_size,
+    list_capacity,
+    plan_layout,
+    search_chunk_size,
     utilization,
 )
 from capstan.chunkmem.model.states import chunk_state_of
@@ -170,7 +185,8 @@ print("CLOSED")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "writing chunk 1 (65536 bytes at offset 32768) to" in out.stdout, out.stdout
-    assert "ERR disk tier: writing chunk 1" in out.stdout and "capstan-chunks-rank0.bin failed: no space left" in out.stdout
+    assert "ERR disk tier: writing chunk 1" in out.stdout
+    assert "capstan-chunks-rank0.bin failed: no space left" in out.stdout
     assert "INTACT True" in out.stdout and "CLOSED" in out.stdout
 
 

@@ -1,4 +1,5 @@
-"""`all_reduce` / `reduce_scatter` / `all_gather` with ``async_op=True``: same results as the blocking calls, CommError on wait.
+"""`all_reduce` / `reduce_scatter` / `all_gather` with ``async_op=True``: same results as the blocking calls,
+CommError on wait.
 
 The values are small integers, exact in every dtype, so results are compared
 for equality; several collectives are kept in flight at once, as the ZeRO

@@ -203,7 +203,10 @@ def test_log_lines_carry_rank_and_coordinates() -> None:
         "[rank 0 0/0/0] INFO capstan.test: only on rank 0",
         "[rank 0 0/0/0] WARNING capstan.test: once",
     ]
-    assert out[3].splitlines() == ["[rank 3 1/0/1] INFO capstan.test: hello", "[rank 3 1/0/1] WARNING capstan.test: once"]
+    assert out[3].splitlines() == [
+        "[rank 3 1/0/1] INFO capstan.test: hello",
+        "[rank 3 1/0/1] WARNING capstan.test: once",
+    ]
 
 
 def _debug_lines() -> list[str]:

@@ -16,7 +16,8 @@ def test_openmpi_variables() -> None:
     env = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
            "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
     info = detect_launch(env)
-    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == ("openmpi", 5, 8, 1, 4)
+    got = (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size)
+    assert got == ("openmpi", 5, 8, 1, 4)
     assert info.describe("world_size") == "world size 8 from OMPI_COMM_WORLD_SIZE"
     assert info.is_mpi and info.master_addr is None
 
@@ -32,7 +33,8 @@ def test_torchrun_variables() -> None:
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3",
            "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"}
     info = detect_launch(env)
-    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == ("torchrun", 3, 4, 1, 2)
+    got = (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size)
+    assert got == ("torchrun", 3, 4, 1, 2)
     assert (info.master_addr, info.master_port) == ("10.1.2.3", 29500)
 
 

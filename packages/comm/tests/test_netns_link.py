@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from capstan.comm.testing.netns import netns_reason, rate_bits, shaping, simulated_hosts
 
 _REASON = netns_reason()

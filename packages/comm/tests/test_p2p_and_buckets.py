@@ -72,7 +72,8 @@ def _ring_over_mpi() -> dict:
         got_pp = torch.empty(4, dtype=torch.bfloat16)
         comm.recv(got_pp, src=0, group=pp)
         got_pp = got_pp.float().tolist()
-    return {"mpi": used_mpi, "backend": comm.backend(), "big_ok": bool(torch.equal(big, torch.arange(1 << 20, dtype=torch.float32) + prv)),
+    return {"mpi": used_mpi, "backend": comm.backend(),
+            "big_ok": bool(torch.equal(big, torch.arange(1 << 20, dtype=torch.float32) + prv)),
             "tiny": tiny.numel(), "flags": flags.tolist(), "pp": got_pp, "pp_peer": pp.ranks[0]}
 
 

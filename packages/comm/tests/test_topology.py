@@ -9,7 +9,7 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis", reason="needs hypothesis (pip install hypothesis)")
 given, settings, st = hypothesis.given, hypothesis.settings, hypothesis.strategies
 
-from capstan.comm import AXES, Coord, Topology, TopologyError
+from capstan.comm import AXES, Coord, Topology, TopologyError  # noqa: E402 (after the importorskip)
 
 sizes = st.integers(min_value=1, max_value=6)
 

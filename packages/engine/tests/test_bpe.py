@@ -11,9 +11,12 @@ import pytest
 pytest.importorskip("tokenizers", reason="needs the tokenizers package (capstan-engine[bpe])")
 
 from capstan.engine import cli  # noqa: E402
-from capstan.engine.data import bpe  # noqa: E402
 from capstan.engine.config.load import resolve  # noqa: E402
-from capstan.engine.data import open_data, stdlib_text  # noqa: E402
+from capstan.engine.data import (  # noqa: E402
+    bpe,  # noqa: E402
+    open_data,
+    stdlib_text,
+)
 
 VOCAB = 512
 TEXT = stdlib_text(60_000)

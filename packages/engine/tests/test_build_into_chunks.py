@@ -1,11 +1,11 @@
 """With chunked memory the reference GPT is built straight into chunks: never whole in RAM.
 
-Each case runs `initialize` in a fresh process and reads its peak RSS (`VmHWM`, reset to the current
-RSS just before through /proc/self/clear_refs; `ru_maxrss` would not do: a child inherits its
-parent's RSS at fork as its starting peak) against the RSS just before: a 253 MB (fp32, 63M parameters) model under a 32 MiB chunk budget with the disk tier must raise the
-peak by far less than its size, while the same model built eagerly and then chunked (a builder
-function returning the real module) raises it by more than its size. Trajectories of the meta-built
-model equal the eager one's: test_training.py's offload tests compare them with no offload.
+Each case runs `initialize` in a fresh process and reads its peak RSS (`VmHWM`, reset to the current RSS just
+before through /proc/self/clear_refs; `ru_maxrss` would not do: a child inherits its parent's RSS at fork as
+its starting peak) against the RSS just before: a 253 MB (fp32, 63M parameters) model under a 32 MiB chunk
+budget with the disk tier must raise the peak by far less than its size, while the same model built eagerly
+and then chunked (a builder function returning the real module) raises it by more than its size. Trajectories
+of the meta-built model equal the eager one's: test_training.py's offload tests compare them with no offload.
 """
 
 from __future__ import annotations

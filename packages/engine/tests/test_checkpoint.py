@@ -124,7 +124,8 @@ def test_model_mismatch_names_the_parameter(tmp_path: Path) -> None:
     wider = _cfg(tmp_path)
     wider["model"]["d_model"] = 64
     other = initialize(config=wider)
-    with pytest.raises(CheckpointError, match=r"layers.0.wte.weight has shape \(256, 32\), this model's is \(256, 64\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"layers.0.wte.weight has shape \(256, 32\), this model's is \(256, 64\)"):
         other.load(tmp_path / "ck")
 
 

@@ -8,7 +8,8 @@ from capstan.engine import initialize
 
 def _engine(memory: dict):
     return initialize(config={"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
-                              "data": {"max_bytes": 50_000}, "train": {"steps": 1, "warmup_steps": 0}, "memory": memory})
+                              "data": {"max_bytes": 50_000}, "train": {"steps": 1, "warmup_steps": 0},
+                              "memory": memory})
 
 
 def _allocated_and_used(engine) -> tuple[int, int]:

@@ -87,7 +87,8 @@ def test_training_from_a_bin_file_on_the_command_line(tmp_path: Path) -> None:
     np.asarray(ids, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
     run = tmp_path / "run"
     tiny = Path(__file__).resolve().parents[3] / "examples" / "tiny.toml"
-    argv = ["train", "--config", str(tiny), "--set", f"data.source=\"{tmp_path / 'tokens.bin'}\"", "--set", "model.vocab_size=1000",
+    argv = ["train", "--config", str(tiny), "--set", f"data.source=\"{tmp_path / 'tokens.bin'}\"",
+            "--set", "model.vocab_size=1000",
             "--set", "model.n_layers=1", "--set", "model.d_model=32", "--set", "model.n_heads=2",
             "--set", "model.seq_len=32", "--set", "train.steps=30", "--set", "train.lr=1e-2",
             "--set", "train.warmup_steps=2", "--set", "train.eval_every=0", "--set", f"log.run_dir=\"{run}\""]

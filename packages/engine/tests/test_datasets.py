@@ -147,7 +147,8 @@ def test_parquet_and_saved_datasets_sources_read_the_same_text_as_jsonl(tmp_path
     want = _tokens(tmp_path, tmp_path / "docs.jsonl")
     for source in ("docs.parquet", "shards", "saved"):
         assert np.array_equal(_tokens(tmp_path, tmp_path / source), want), source
-    with pytest.raises(DataError, match=r"docs.parquet has no column 'text' \(data.text_field\); its columns: id, body"):
+    with pytest.raises(DataError,
+                       match=r"docs.parquet has no column 'text' \(data.text_field\); its columns: id, body"):
         open_data(resolve({"data": {"source": str(tmp_path / "docs.parquet")}, "model": {"seq_len": SEQ}})[0])
     with pytest.raises(DataError, match=r"record 0 of a batch has a int in column 'id', not a string"):
         _tokens(tmp_path, tmp_path / "docs.parquet", text_field="id")

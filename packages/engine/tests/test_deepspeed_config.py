@@ -74,7 +74,8 @@ def test_zero3_nvme_and_what_has_no_equivalent() -> None:
 
 
 def test_batch_sizes_must_agree_as_deepspeed_checks() -> None:
-    with pytest.raises(ConfigError, match=r"train_batch_size = 16 is not .* \(3\) x .* \(2\) x data-parallel ranks \(2,"):
+    with pytest.raises(ConfigError,
+                       match=r"train_batch_size = 16 is not .* \(3\) x .* \(2\) x data-parallel ranks \(2,"):
         from_deepspeed({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3,
                         "gradient_accumulation_steps": 2}, world_size=2)
     with pytest.raises(ConfigError, match="both enabled"):

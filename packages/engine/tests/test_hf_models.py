@@ -6,7 +6,8 @@ with the same losses as a plain PyTorch loop (torch AdamW with decay on matrices
 clip_grad_norm_, constant learning rate) within 1e-5 relative over 10 steps in fp32: one process,
 cpu offload (a budget written with a unit and checked against this model, not the reference GPT),
 dp = 2 with ZeRO-3 through disk, tp = 2 with the shipped plans, pp = 2 and tp 2 x pp 2 with the
-shipped split; export --format hf loads back with identical logits. A batch that is a dict with labels uses the loss the model returns.
+shipped split; export --format hf loads back with identical logits. A batch that is a dict with labels
+uses the loss the model returns.
 """
 
 from __future__ import annotations

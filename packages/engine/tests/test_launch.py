@@ -8,7 +8,13 @@ import pytest
 
 from capstan.engine.cli import main
 from capstan.engine.cli.launch import (
-    HostSlots, LaunchRequestError, build_command, describe_failure, forwarded_env, parse_hostfile, plan_hosts,
+    HostSlots,
+    LaunchRequestError,
+    build_command,
+    describe_failure,
+    forwarded_env,
+    parse_hostfile,
+    plan_hosts,
     tp_from_command,
 )
 

@@ -51,7 +51,6 @@ def _run(config: dict, steps: int, save_at: int = 0, directory: str = "", load: 
            "params": {k: t.reshape(-1).tolist() for k, t in sorted(engine.parameters_snapshot().items())}}
     if engine.chunked:
         from capstan.chunkmem import ChunkKind
-
         from capstan.engine.plan.chunks import chunk_lists, disk_traffic
         from capstan.engine.plan.run import shape_layout
 

@@ -2,8 +2,8 @@
 
 Layouts (dp, tp, pp): (1,1,2) with gpipe, 1f1b and interleaved (2 chunks per
 rank); (1,1,4) 1f1b with 4 blocks; (2,1,2) with ZeRO 1 (1f1b), ZeRO 1 with
-the timed partition and ZeRO 2 (gpipe); (1,2,2). fp32, 12 steps, loss and gradient norm within 1e-5 relative of the same config
-run with pp = 1 in one process (grad_accum_steps x dp micro-batches, so both
+the timed partition and ZeRO 2 (gpipe); (1,2,2). fp32, 12 steps, loss and gradient norm within 1e-5
+relative of the same config run with pp = 1 in one process (grad_accum_steps x dp micro-batches, so both
 see the same sequences). The layouts differ only in the order of
 floating-point sums (accumulating the micro-batches' gradients in a pipeline
 order, dp averaging, tp's partial matmuls), ~1e-7 per step. Clipping is
@@ -20,8 +20,8 @@ import pytest
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches, val_batches
-from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config
 from capstan.engine.config.load import ConfigError, resolve
+from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config
 
 STEPS = 12
 
@@ -106,7 +106,8 @@ def _check(results: list[dict], layouts: list) -> None:
         tol = TOL.get(name, 1e-5)
         for rank, got in enumerate(results):  # every rank reports the global values
             assert got[name]["loss"][0] == pytest.approx(want["loss"][0], rel=1e-6 if tol < 1e-4 else tol)
-            worst = max(assert_trajectories_close(got[name]["loss"], want["loss"], tol), assert_trajectories_close(got[name]["norm"], want["norm"], tol),
+            worst = max(assert_trajectories_close(got[name]["loss"], want["loss"], tol),
+                        assert_trajectories_close(got[name]["norm"], want["norm"], tol),
                         assert_trajectories_close([got[name]["val"]], [want["val"]], tol))
             print(f"{name} rank {rank}: largest relative difference {worst:.2e}")  # shown with -s
     assert max(refs[repr(LAYOUTS_2[0][2])]["norm"]) > 0.5  # clipping is active

@@ -9,8 +9,17 @@ import pytest
 import torch
 
 from capstan.engine import cli
-from capstan.engine.plan import (DEVICES, MODELS, GB, Layout, ModelShape, PlanError, machine_preset, memory_plan,
-                                 min_devices_for_states)
+from capstan.engine.plan import (
+    DEVICES,
+    GB,
+    MODELS,
+    Layout,
+    ModelShape,
+    PlanError,
+    machine_preset,
+    memory_plan,
+    min_devices_for_states,
+)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -66,7 +75,8 @@ def test_model_states_follow_the_zero_formulas_of_docs_parallelism() -> None:
 
     def states(**kw: object) -> int:
         plan = memory_plan(model, machine, Layout(**kw))
-        return sum(i.bytes for i in plan.items if i.what.startswith(("parameters", "gradients", "Adam", "model states")))
+        return sum(i.bytes for i in plan.items
+                   if i.what.startswith(("parameters", "gradients", "Adam", "model states")))
 
     assert states(zero_stage=0) == 16 * psi
     assert states(zero_stage=1) == 8 * psi + 8 * psi // 4
@@ -94,8 +104,10 @@ def test_recompute_and_sequence_parallel_cut_activations() -> None:
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: ModelShape(layers=0, hidden=64, heads=4, vocab=256, seq=32), "model.layers = 0: must be a positive number"),
-    (lambda: ModelShape(layers=2, hidden=66, heads=4, vocab=256, seq=32), "model.hidden = 66 is not divisible by model.heads = 4"),
+    (lambda: ModelShape(layers=0, hidden=64, heads=4, vocab=256, seq=32),
+     "model.layers = 0: must be a positive number"),
+    (lambda: ModelShape(layers=2, hidden=66, heads=4, vocab=256, seq=32),
+     "model.hidden = 66 is not divisible by model.heads = 4"),
     (lambda: memory_plan(MODELS["gpt3-1.3b"], machine_preset("dgx-h100"), Layout(tp=3)),
      "layout tp x pp = 3 x 1 does not divide the machine's 8 ranks"),
     (lambda: memory_plan(MODELS["gpt3-1.3b"], machine_preset("dgx-h100"), Layout(tp=8, pp=1, dp=2)),

@@ -11,6 +11,7 @@ import json
 from dataclasses import replace
 
 import pytest
+
 from capstan.engine import cli
 from capstan.engine.plan import (
     MODELS,
@@ -47,7 +48,8 @@ def _rates(**kw: object) -> Rates:
             lay = Layout(tp=tp, micro=micro)
             for kind in KINDS:
                 c = COST[kind]
-                rates.layers[layer_key(kind, SHAPE, lay, 1)] = LayerCost(c.forward * micro / tp, c.backward * micro / tp)
+                rates.layers[layer_key(kind, SHAPE, lay, 1)] = LayerCost(c.forward * micro / tp,
+                                                                         c.backward * micro / tp)
     return rates
 
 
@@ -102,9 +104,11 @@ def test_compression_sends_what_the_compressed_collectives_send_and_adds_their_p
     # memory: 1-bit Adam's residuals (every parameter and 1/dp), int8's exact master shard (1/dp)
     machine = _machine(2)
     plain = memory_plan(SHAPE, machine, Layout(micro=2, dp=2)).total("ram")
-    assert memory_plan(SHAPE, machine, Layout(micro=2, dp=2, compression="onebit")).total("ram") == plain + 4 * n + 2 * n
+    assert (memory_plan(SHAPE, machine, Layout(micro=2, dp=2, compression="onebit")).total("ram")
+            == plain + 4 * n + 2 * n)
     z1 = memory_plan(SHAPE, machine, Layout(micro=2, dp=2, zero_stage=1)).total("ram")
-    assert memory_plan(SHAPE, machine, Layout(micro=2, dp=2, zero_stage=1, compression="int8")).total("ram") == z1 + 2 * n
+    assert (memory_plan(SHAPE, machine, Layout(micro=2, dp=2, zero_stage=1, compression="int8")).total("ram")
+            == z1 + 2 * n)
     with pytest.raises(PlanError, match="needs zero_stage 1-3 or offload"):
         Layout(compression="int8")
     with pytest.raises(PlanError, match="needs zero_stage 0"):

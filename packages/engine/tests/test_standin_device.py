@@ -17,7 +17,8 @@ from capstan.engine.testing import tiny_gpt_config
 from capstan.native import standin
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not standin.available(), reason="no stand-in device here (it needs torch's C++ headers and a C++ compiler)")]
+              pytest.mark.skipif(not standin.available(),
+                                 reason="no stand-in device here (it needs torch's C++ headers and a C++ compiler)")]
 
 TOL = 1e-6
 STEPS = 6

@@ -9,9 +9,8 @@ tp- and dp-global gradient norm is checked too.
 
 from __future__ import annotations
 
-import tempfile
-
 import math
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,10 +18,10 @@ import torch
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches
-from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config, trajectory
 from capstan.engine.config.load import resolve
 from capstan.engine.data import micro_batch
 from capstan.engine.schedule_lr import lr_at
+from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config, trajectory
 
 STEPS = 20
 
@@ -56,7 +55,7 @@ def test_dp_zero_stages_and_tp_equal_one_process() -> None:
     assert max(ref["norm"]) > 0.5  # clipping really happened
     results = run_ranks(_two_rank_layouts, 2, timeout=240)
     for rank_result in results:
-        for name, got in rank_result.items():
+        for got in rank_result.values():
             assert_trajectories_close(got["loss"], ref["loss"])
             assert_trajectories_close(got["norm"], ref["norm"])
     assert results[0] == results[1] or all(results[0][k]["loss"] == results[1][k]["loss"] for k in results[0])

@@ -9,8 +9,8 @@ sequences): loss and gradient norm within 1e-5 relative. Layouts: (1,1,2)
 1f1b; (1,1,2) gpipe with the embedding and head weights tied across the two
 stages (their gradient counted once in the clipping norm), and the same in
 chunked memory; (1,1,2) from an nn.Sequential built on every rank; (2,1,2)
-ZeRO 1 on four ranks, and (2,1,2) with the timed partition. A checkpoint saved at pp = 2 loads at pp = 1 with every value in
-place (the names are the nn.Sequential's), and each stage holds only its own
+ZeRO 1 on four ranks, and (2,1,2) with the timed partition. A checkpoint saved at pp = 2 loads at pp = 1
+with every value in place (the names are the nn.Sequential's), and each stage holds only its own
 layers' parameters.
 """
 
@@ -24,8 +24,8 @@ from torch import nn
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize
-from capstan.engine.testing import assert_trajectories_close, trajectory
 from capstan.engine.config.load import resolve
+from capstan.engine.testing import assert_trajectories_close, trajectory
 from capstan.pipeline import LayerSpec
 
 STEPS, VOCAB, D, BLOCKS = 8, 256, 32, 4
@@ -101,7 +101,8 @@ def _check(results: list[dict], layouts: list) -> None:
         assert max(want["norm"]) > 0.5  # clipping is active
         assert want["loss"][-1] < want["loss"][0] - 0.5  # it trains
         for rank, got in enumerate(results):  # every rank reports the global values
-            worst = max(assert_trajectories_close(got[name]["loss"], want["loss"]), assert_trajectories_close(got[name]["norm"], want["norm"]))
+            worst = max(assert_trajectories_close(got[name]["loss"], want["loss"]),
+                        assert_trajectories_close(got[name]["norm"], want["norm"]))
             print(f"{name} rank {rank}: largest relative difference {worst:.2e}")  # shown with -s
             if kind != "sequential":  # built lazily: a stage allocates only its own layers
                 assert got[name]["params"] < want["params"], (name, rank)
@@ -130,7 +131,8 @@ def test_user_pipeline_errors() -> None:
 
     cfg = resolve(_cfg(dp=1, pp=2), reference_model=False)[0]
     groups = _FakeGroups(comm.single_process_groups())
-    with pytest.raises(TypeError, match="an nn.Sequential, a list of capstan.pipeline.LayerSpec, or a transformers language model .*, not Linear"):
+    with pytest.raises(TypeError, match="an nn.Sequential, a list of capstan.pipeline.LayerSpec, "
+                                        "or a transformers language model .*, not Linear"):
         initialize(model=nn.Linear(2, 2), config=cfg, groups=groups)
     with pytest.raises(ValueError, match="brings its own"):
         initialize(config=cfg, groups=groups, loss_fn=lambda out, y: out.sum())
@@ -139,7 +141,8 @@ def test_user_pipeline_errors() -> None:
     shared = nn.Linear(D, D)
     with pytest.raises(ValueError, match="layers '0' and '1' of the nn.Sequential share a parameter"):
         initialize(model=nn.Sequential(shared, nn.Sequential(shared)), config=cfg, groups=groups)
-    with pytest.raises(ValueError, match=r"parallel.pp \* virtual_stages = 4 \* 1: cannot split 2 layers into 4 non-empty parts"):
+    with pytest.raises(ValueError,
+                       match=r"parallel.pp \* virtual_stages = 4 \* 1: cannot split 2 layers into 4 non-empty parts"):
         initialize(model=specs()[:2], config=resolve(_cfg(dp=1, pp=4), reference_model=False)[0],
                    groups=_FakeGroups(comm.single_process_groups(), size=4))
 

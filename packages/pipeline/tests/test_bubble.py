@@ -14,9 +14,10 @@ import time
 from functools import partial
 
 import torch
+from torch import nn
+
 from capstan.comm.testing import run_ranks
 from capstan.pipeline import LayerSpec, PipelineExecutor, make_schedule, partition
-from torch import nn
 
 FORWARD_S = 0.08
 STAGES, MICROBATCHES = 4, 8

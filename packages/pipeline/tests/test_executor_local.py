@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from capstan import comm
 from capstan.pipeline import (
     PipelineError,

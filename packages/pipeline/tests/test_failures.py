@@ -14,9 +14,10 @@ import time
 from functools import partial
 
 import torch
+from torch import nn
+
 from capstan.comm.testing import run_ranks
 from capstan.pipeline import LayerSpec, PipelineError, PipelineExecutor, make_schedule, partition
-from torch import nn
 
 COMM_TIMEOUT = 20.0
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+
 from capstan.comm.testing import requires_mpirun, run_mpirun, run_ranks
 from capstan.pipeline.partition import build_layers, partition, tie_layers
 from capstan.pipeline.testing_models import gpt_loss, gpt_specs

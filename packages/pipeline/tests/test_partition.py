@@ -6,9 +6,10 @@ from functools import partial
 
 import pytest
 import torch
+from torch import nn
+
 from capstan.pipeline import LayerSpec, PartitionError, balanced_bounds, build_layers, layer_flops, partition
 from capstan.pipeline.testing_models import Block, Embedding, Head, gpt_specs
-from torch import nn
 
 BUILT: list[str] = []
 

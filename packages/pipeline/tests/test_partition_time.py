@@ -8,10 +8,11 @@ from functools import partial
 
 import pytest
 import torch
+from torch import nn
+
 from capstan import comm
 from capstan.comm.testing import run_ranks
 from capstan.pipeline import LayerSpec, PartitionError, layer_times, partition
-from torch import nn
 
 ALIVE = {"now": 0, "most": 0}
 

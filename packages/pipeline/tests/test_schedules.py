@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+
 from capstan.pipeline import (
     Backward,
     Forward,

@@ -4,8 +4,9 @@ One spawned job per cp size (2 and 4 ranks) runs every check; tests read its tab
 with the whole sequence in one process: attention's output and its q, k, v gradients (random data),
 the reference GPT's loss and every parameter's gradient (averaged over the cp ranks, as the engine's
 dp x cp reduction does), and 20 AdamW steps. Both modes, and at 4 ranks tp 2 x cp 2 with and without
-sequence parallelism, and with the tiled loss and MLP (tiled_loss.py) under cp and tp 2 x cp 2 + sp. Tolerances as test_gpt.py: 1e-6 norm-wise for one pass (the online softmax
-and the split matmuls reorder fp32 sums), 1e-5 on the loss over 20 steps.
+sequence parallelism, and with the tiled loss and MLP (tiled_loss.py) under cp and tp 2 x cp 2 + sp.
+Tolerances as test_gpt.py: 1e-6 norm-wise for one pass (the online softmax and the split matmuls reorder
+fp32 sums), 1e-5 on the loss over 20 steps.
 """
 
 from __future__ import annotations

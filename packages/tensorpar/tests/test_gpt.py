@@ -46,6 +46,7 @@ def _end_to_end(errs: dict, tp, one) -> None:
         ref_logits = full(ids)
         ref_loss = full.loss(ref_logits, tgt)
         ref_loss.backward()
+        plain_loss = None  # the sp = False run's, which the sp = True run is checked against
         for sp in (False, True):
             tag = f"gpt_v{vocab}{'_sp' if sp else ''}"
             model = T.build_gpt(cfg, tp, seed=3, sequence_parallel=sp)

@@ -55,7 +55,7 @@ def test_sliced_gpt_parameters_are_slices_of_the_unsliced_model(n: int) -> None:
     qkv = [dict(p.named_parameters())["layers.1.attn.qkv.weight"] for p in pieces]
     q_full = dict(full.named_parameters())["layers.1.attn.qkv.weight"][:16]
     assert torch.equal(torch.cat([w[: 16 // n] for w in qkv]), q_full)
-    assert getattr(qkv[0], "tp_dim") == 0 and getattr(qkv[0], "tp_fused") == 3
+    assert qkv[0].tp_dim == 0 and qkv[0].tp_fused == 3
     assert T.tp_dim_of(dict(pieces[0].named_parameters())["layers.1.ln1.weight"]) is None
 
 
@@ -69,7 +69,9 @@ def test_a_gpt_built_on_the_meta_device_has_the_eager_structure_and_marks(n: int
     assert list(meta) == list(eager)
     for name, p in meta.items():
         assert p.is_meta and p.shape == eager[name].shape, name
-        assert (T.tp_dim_of(p), getattr(p, "tp_fused", 1)) == (T.tp_dim_of(eager[name]), getattr(eager[name], "tp_fused", 1))
+        assert (T.tp_dim_of(p), getattr(p, "tp_fused", 1)) == (
+            T.tp_dim_of(eager[name]), getattr(eager[name], "tp_fused", 1)
+        )
 
 
 def test_padded_vocab_rows_are_zero_and_tile_the_table() -> None:

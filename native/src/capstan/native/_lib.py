@@ -128,8 +128,8 @@ def _stale(builder) -> str | None:
 
 
 def ensure_built() -> None:
-    """In a source checkout, build lib/libcapstan.so when it is missing or stale. One process builds; concurrent ranks wait on
-    a lock file and then find it current. Raises OSError naming the failure."""
+    """In a source checkout, build lib/libcapstan.so when it is missing or stale. One process builds; concurrent ranks
+    wait on a lock file and then find it current. Raises OSError naming the failure."""
     if "CAPSTAN_NATIVE_LIB" in os.environ or os.environ.get("CAPSTAN_NATIVE_BUILD", "1") == "0":
         return
     builder = _builder()

@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NAME", "load", "loaded", "available", "param", "host_syncs", "device_stats", "host_stats", "empty_host_cache",
-           "StandinUnavailable"]
+__all__ = ["NAME", "load", "loaded", "available", "param", "host_syncs", "device_stats", "host_stats",
+           "empty_host_cache", "StandinUnavailable"]
 
 NAME = "standin"
 _HERE = Path(__file__).parent

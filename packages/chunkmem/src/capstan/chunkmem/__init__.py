@@ -36,25 +36,35 @@ device; never run on a GPU (see docs/chunkmem.md).
 """
 
 from .activations import ActivationOffload
-from .model.chunk import Chunk, TensorSlot
 from .memory.disk import DiskStore, DiskTierError
 from .memory.eviction import LRU, Belady, EvictionPolicy, make_policy
-from .model.layout import (LayoutError, ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, plan_layout,
-                     search_chunk_size, utilization)
 from .memory.manager import BudgetError, ChunkManager
+from .memory.tiers import Tier
+from .model.chunk import Chunk, TensorSlot
 from .model.chunked import ChunkedModel
-from .optim.onebit import OneBitChunkAdam, frozen_variance_step
+from .model.layout import (
+                     LayoutError,
+                     ModuleSpec,
+                     ParamSpec,
+                     auto_chunk_size,
+                     list_capacity,
+                     plan_layout,
+                     search_chunk_size,
+                     utilization,
+)
+from .model.states import ChunkKind, ChunkState, StateError, TensorState
 from .optim.adam import AdamGroup, ChunkAdam
+from .optim.onebit import OneBitChunkAdam, frozen_variance_step
 from .optim.precision import DynamicLossScaler, LossScaleError
 from .parallel.replicated import ReplicatedChunkedModel
 from .parallel.sharding import ShardedChunkedModel
-from .model.states import ChunkKind, ChunkState, StateError, TensorState
-from .memory.tiers import Tier
 
 __all__ = [
-    "ActivationOffload", "AdamGroup", "Belady", "BudgetError", "Chunk", "ChunkAdam", "ChunkKind", "ChunkManager", "ChunkState",
-    "ChunkedModel", "DiskStore", "DynamicLossScaler", "DiskTierError", "EvictionPolicy", "LRU", "LayoutError",
+    "ActivationOffload", "AdamGroup", "Belady", "BudgetError", "Chunk", "ChunkAdam", "ChunkKind", "ChunkManager",
+    "ChunkState", "ChunkedModel", "DiskStore", "DynamicLossScaler", "DiskTierError", "EvictionPolicy", "LRU",
+    "LayoutError",
     "LossScaleError", "ModuleSpec", "OneBitChunkAdam",
-    "ParamSpec", "ReplicatedChunkedModel", "ShardedChunkedModel", "StateError", "TensorSlot", "TensorState", "Tier", "make_policy", "plan_layout",
+    "ParamSpec", "ReplicatedChunkedModel", "ShardedChunkedModel", "StateError", "TensorSlot", "TensorState", "Tier",
+    "make_policy", "plan_layout",
     "auto_chunk_size", "frozen_variance_step", "list_capacity", "search_chunk_size", "utilization",
 ]

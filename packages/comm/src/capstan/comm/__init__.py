@@ -17,12 +17,32 @@ from .alltoall import all_to_all
 from .bootstrap import BACKENDS, CPU_DEFAULT_BACKEND, init, is_initialized, shutdown
 from .bucketing import all_reduce_coalesced, flatten, plan_buckets, unflatten
 from .collectives import (
-    REDUCE_OPS, CollectiveHandle, all_gather, all_reduce, barrier, broadcast, progresses_in_background, reduce,
-    reduce_scatter, shard_bounds, staged,
+    REDUCE_OPS,
+    CollectiveHandle,
+    all_gather,
+    all_reduce,
+    barrier,
+    broadcast,
+    progresses_in_background,
+    reduce,
+    reduce_scatter,
+    shard_bounds,
+    staged,
 )
-from .compress import (INT8_BLOCK, QuantizedGather, dequantize_int8, onebit_all_reduce, onebit_residual_sizes, pack_signs,
-                       quantize_int8, quantized_all_gather, quantized_reduce_scatter, reset_wire_bytes,
-                       unpack_signs, wire_bytes)
+from .compress import (
+    INT8_BLOCK,
+    QuantizedGather,
+    dequantize_int8,
+    onebit_all_reduce,
+    onebit_residual_sizes,
+    pack_signs,
+    quantize_int8,
+    quantized_all_gather,
+    quantized_reduce_scatter,
+    reset_wire_bytes,
+    unpack_signs,
+    wire_bytes,
+)
 from .device import DEVICE_KINDS, DeviceError, cuda_report, pick_device
 from .errors import CommError
 from .groups import Group, Groups, build_groups, single_process_groups
@@ -33,13 +53,14 @@ from .state import backend, device, launch, transport, world
 from .topology import AXES, Coord, Topology, TopologyError
 
 __all__ = [
-    "INT8_BLOCK", "QuantizedGather", "dequantize_int8", "onebit_all_reduce", "onebit_residual_sizes", "pack_signs", "quantize_int8",
-    "quantized_all_gather", "quantized_reduce_scatter", "reset_wire_bytes", "unpack_signs", "wire_bytes",
+    "INT8_BLOCK", "QuantizedGather", "dequantize_int8", "onebit_all_reduce", "onebit_residual_sizes", "pack_signs",
+    "quantize_int8", "quantized_all_gather", "quantized_reduce_scatter", "reset_wire_bytes", "unpack_signs",
+    "wire_bytes",
     "AXES", "BACKENDS", "CPU_DEFAULT_BACKEND", "CollectiveHandle", "CommError", "Coord", "DEVICE_KINDS",
     "DeviceError", "Group", "Groups", "LaunchError", "cuda_report", "device", "pick_device", "staged", "transport",
     "LaunchInfo", "P2PHandle", "P2POp", "REDUCE_OPS", "Topology", "TopologyError", "all_gather", "all_to_all",
     "all_reduce", "all_reduce_coalesced", "backend", "barrier", "broadcast", "build_groups",
     "detect_launch", "exchange", "first_error", "flatten", "get_logger", "init", "irecv", "is_initialized", "isend",
-    "launch", "log_rank0", "plan_buckets", "progresses_in_background", "recv", "reduce", "reduce_scatter", "send", "shard_bounds",
-    "shutdown", "single_process_groups", "unflatten", "warn_once", "world",
+    "launch", "log_rank0", "plan_buckets", "progresses_in_background", "recv", "reduce", "reduce_scatter", "send",
+    "shard_bounds", "shutdown", "single_process_groups", "unflatten", "warn_once", "world",
 ]

@@ -260,7 +260,9 @@ def _mpi_world(info: LaunchInfo, required: bool) -> object | None:
     """mpi4py's COMM_WORLD when this job was launched by MPI (None if mpi4py is absent)."""
     if not (info.is_mpi or (required and info.launcher == "slurm")):
         if required and info.world_size > 1:
-            raise LaunchError(f"comm backend 'mpi' needs an MPI launch (mpirun/mpiexec); this is a {info.launcher} launch")
+            raise LaunchError(
+                f"comm backend 'mpi' needs an MPI launch (mpirun/mpiexec); this is a {info.launcher} launch"
+            )
         return None
     try:
         from mpi4py import MPI
@@ -314,8 +316,11 @@ def _rendezvous(info: LaunchInfo, td: timedelta, mpi_comm: object | None) -> tup
             f"{info.launcher} launch of {info.world_size} ranks without MASTER_ADDR/MASTER_PORT and without "
             "mpi4py: set both variables or pip install 'capstan-comm[mpi]'"
         )
-    serves = info.rank == 0 and not (info.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
-    liveness = StoreLiveness(info.rank, lambda: dist.TCPStore(addr, port, None, False, timeout=td, wait_for_workers=False),
+    serves = info.rank == 0 and not (
+        info.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    )
+    liveness = StoreLiveness(info.rank,
+                             lambda: dist.TCPStore(addr, port, None, False, timeout=td, wait_for_workers=False),
                              world_size=info.world_size, serves_store=serves)
     return store, liveness
 

@@ -40,7 +40,8 @@ from .groups import Group
 from .log import get_logger
 
 __all__ = [
-    "CollectiveHandle", "shard_bounds", "progresses_in_background", "staged", "all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier", "REDUCE_OPS",
+    "CollectiveHandle", "shard_bounds", "progresses_in_background", "staged", "all_reduce", "all_gather",
+    "reduce_scatter", "reduce", "broadcast", "barrier", "REDUCE_OPS",
 ]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -281,7 +282,9 @@ def all_gather(
         if len(counts) != g.size:
             raise ValueError(f"counts has {len(counts)} entries but group {g} has {g.size} ranks")
         if counts[g.rank] != tensor.numel():
-            raise ValueError(f"counts[{g.rank}] = {counts[g.rank]} but this rank's tensor has {tensor.numel()} elements")
+            raise ValueError(
+                f"counts[{g.rank}] = {counts[g.rank]} but this rank's tensor has {tensor.numel()} elements"
+            )
         if output.numel() != sum(counts):
             raise ValueError(f"output has {output.numel()} elements, expected sum(counts) = {sum(counts)}")
         even = len(set(counts)) == 1

@@ -16,16 +16,17 @@ all-reduce is 1-bit Adam's two stages: every rank compresses its tensor (worker 
 all-to-all gives rank r the signs of part r from every rank, it averages them and compresses the
 average again (server residual, one part's size), and an all-gather of those signs gives every rank
 the whole average. Each rank sends about 2 n / 8 bytes (times (w - 1) / w) where a ring all-reduce of
-fp32 sends 2 n x 4: 32x less, but for the scales. Residuals are plain tensors the caller owns (`onebit_residual_sizes`), so they can
-live in chunks and be offloaded and checkpointed like any state.
+fp32 sends 2 n x 4: 32x less, but for the scales. Residuals are plain tensors the caller owns
+(`onebit_residual_sizes`), so they can live in chunks and be offloaded and checkpointed like any state.
 
 **int8 per element** (ZeRO++'s quantized weights and gradients, Wang et al. 2023): blocks of `block`
 elements (256 by default) each travel as int8 with one fp32 scale (absmax / 127), 1 + 4/256 bytes per
 element. Values already on a block's grid (integers times its scale, the largest at 127) arrive
 exactly. `cuts` are offsets where blocks must break besides every `block` elements (with them each
 part carries len(cuts) more scale slots, so every part has the same size on the wire): a range
-between cuts then quantizes alike wherever it is, which keeps tp ranks' replicated parameters equal. The reduce-scatter quantizes each destination's part, exchanges the parts with an
-all-to-all and sums them dequantized in fp32 (so the sum itself is not rounded to int8).
+between cuts then quantizes alike wherever it is, which keeps tp ranks' replicated parameters equal. The
+reduce-scatter quantizes each destination's part, exchanges the parts with an all-to-all and sums them
+dequantized in fp32 (so the sum itself is not rounded to int8).
 
 Every function counts the bytes this rank puts on the wire in `wire_bytes()` (payload, not headers),
 and goes through the ordinary collectives (MPI, gloo or NCCL as they choose).

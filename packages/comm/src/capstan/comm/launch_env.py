@@ -182,7 +182,9 @@ def _validate(info: LaunchInfo) -> None:
     if info.world_size < 1:
         raise LaunchError(f"{info.describe('world_size')} must be at least 1")
     if not 0 <= info.rank < info.world_size:
-        raise LaunchError(f"{info.describe('rank')} is outside 0..{info.world_size - 1} ({info.describe('world_size')})")
+        raise LaunchError(
+            f"{info.describe('rank')} is outside 0..{info.world_size - 1} ({info.describe('world_size')})"
+        )
     if not 1 <= info.local_world_size <= info.world_size:
         raise LaunchError(
             f"{info.describe('local_world_size')} must be between 1 and the {info.describe('world_size')}"

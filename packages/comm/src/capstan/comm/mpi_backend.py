@@ -28,12 +28,13 @@ import sys
 import threading
 import time
 from time import monotonic as _monotonic
+
 import torch
 
 from . import state
 
-__all__ = ["supports", "iall_reduce", "iall_gather", "ireduce_scatter", "wait", "all_reduce", "all_gather", "reduce_scatter",
-           "reduce", "broadcast", "barrier", "p2p_ok", "post_p2p", "P2PRequests", "drain", "inflight"]
+__all__ = ["supports", "iall_reduce", "iall_gather", "ireduce_scatter", "wait", "all_reduce", "all_gather",
+           "reduce_scatter", "reduce", "broadcast", "barrier", "p2p_ok", "post_p2p", "P2PRequests", "drain", "inflight"]
 
 _TYPES: dict[torch.dtype, object] = {}
 _OPS: dict[str, object] = {}
@@ -174,7 +175,8 @@ class _Watchdog:
 
                 secs = state.timeout_s()
                 sys.stderr.write(
-                    f"CommError: {current[0]} on group {current[1]} timed out after {secs:.0f} s; aborting the MPI job\n"
+                    f"CommError: {current[0]} on group {current[1]} timed out after {secs:.0f} s; "
+                    "aborting the MPI job\n"
                 )
                 sys.stderr.flush()
                 MPI.COMM_WORLD.Abort(1)

@@ -110,7 +110,8 @@ class Topology:
         out = []
         for first in (r for r in range(self.world_size) if self.coord_of(r).dp == 0 and self.coord_of(r).cp == 0):
             c = self.coord_of(first)
-            out.append([self.rank_of(Coord(dp=d, pp=c.pp, tp=c.tp, cp=k)) for d in range(self.dp) for k in range(self.cp)])
+            out.append([self.rank_of(Coord(dp=d, pp=c.pp, tp=c.tp, cp=k))
+                        for d in range(self.dp) for k in range(self.cp)])
         return out
 
     def check_world(self, world_size: int, source: str = "the launcher") -> None:

@@ -17,8 +17,19 @@ from __future__ import annotations
 from typing import Any
 
 from .config import (
-    CheckpointConfig, Config, ConfigError, DataConfig, LogConfig, MemoryConfig, ModelConfig, ParallelConfig,
-    PrecisionConfig, TrainConfig, check_world, load_config, resolve,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    LogConfig,
+    MemoryConfig,
+    ModelConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
+    check_world,
+    load_config,
+    resolve,
 )
 
 __all__ = [

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from capstan import comm
 from capstan.chunkmem.memory.nonmodel import trim_heap
 from capstan.comm.device import is_accelerator
-from torch import nn
 
 from .config.load import ConfigError, check_world, reference_gpt_config, resolve, uses_chunks
 from .config.schema import Config
@@ -46,7 +47,6 @@ ModelSpec = nn.Module | Sequence[Any] | Callable[[Config, comm.Groups], nn.Modul
 def build_reference_model(cfg: Config, groups: comm.Groups) -> nn.Module:
     """The reference GPT of [model], sliced over the tp group, seeded by train.seed (tp-invariant init)."""
     from capstan.tensorpar import build_gpt
-
     from capstan.tensorpar.context import ContextParallel
 
     return build_gpt(reference_gpt_config(cfg), groups.tp, seed=cfg.train.seed,
@@ -54,7 +54,7 @@ def build_reference_model(cfg: Config, groups: comm.Groups) -> nn.Module:
                      cp=ContextParallel.of(groups.cp, cfg.parallel.cp_mode))
 
 
-def build_reference_on_meta(cfg: Config, groups: comm.Groups) -> tuple[nn.Module, "LayerwiseInit"]:
+def build_reference_on_meta(cfg: Config, groups: comm.Groups) -> tuple[nn.Module, LayerwiseInit]:
     """The reference GPT's structure on the meta device, and the `init_fn` that gives chunkmem its
     values: with chunked memory the model is built straight into chunks (one layer in RAM at a time),
     so a model larger than RAM never exists whole outside them."""
@@ -344,7 +344,8 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
             if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential) and hf_layer_specs(model) is None:
                 raise TypeError(f"parallel.pp = {cfg.parallel.pp} needs the model as a sequence of layers to split "
                                 f"into stages: an nn.Sequential, a list of capstan.pipeline.LayerSpec, or a "
-                                f"transformers language model ({', '.join(HF_PIPELINE_FAMILIES)}), not {type(model).__name__}")
+                                f"transformers language model ({', '.join(HF_PIPELINE_FAMILIES)}), "
+                                f"not {type(model).__name__}")
             if isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters()):
                 raise ValueError(f"parallel.pp = {cfg.parallel.pp} with a model on the meta device: a pipeline "
                                  "of your own is built for real (give LayerSpecs, and each stage builds only "

@@ -34,15 +34,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from capstan import comm
 from capstan.comm import faults
 from capstan.comm.device import device_module, is_accelerator
 from capstan.comm.procmem import peak_rss_bytes
-from torch import nn
 
 from .config.load import check_states_fit, uses_chunks
-from .outputs import check_batch_convention, loss_of
 from .config.schema import Config
+from .outputs import check_batch_convention, loss_of
 from .pipe import PipelineStage
 from .precision import autocast, loss_scaler
 from .schedule_lr import lr_at

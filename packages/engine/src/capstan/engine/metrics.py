@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from capstan import comm
+
 # Kept for plan/run.py; the readers live in capstan.comm.procmem.
 from capstan.comm.procmem import peak_rss_bytes as vm_hwm  # noqa: F401
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
+
 from capstan.comm.log import get_logger, warn_once
 
 __all__ = ["check_batch_convention", "logits_of", "loss_of"]

@@ -37,8 +37,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from capstan import comm
 from torch import nn
+
+from capstan import comm
 
 from .config.load import (
     reference_gpt_config,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
 from capstan.chunkmem.optim.precision import DynamicLossScaler
 
 from .config.schema import PrecisionConfig

@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+
 from capstan import comm
 from capstan.comm.device import is_accelerator
 from capstan.comm.procmem import proc_kib

@@ -74,8 +74,8 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups, plan: str | None = N
     if rank0:
         (run_dir / "config.resolved.toml").write_text(to_toml(cfg, derived))
     chunks = f" | chunks of {engine.module.chunk_size} elements" if engine.chunked else ""
-    comm.log_rank0(log, "%s%s | %d tokens (%d train, %d validation) from %s | %s", _layout(cfg, groups, engine.device), chunks,
-                   len(data.tokens), data.n_train, data.n_val, data.source,
+    comm.log_rank0(log, "%s%s | %d tokens (%d train, %d validation) from %s | %s",
+                   _layout(cfg, groups, engine.device), chunks, len(data.tokens), data.n_train, data.n_val, data.source,
                    ", ".join(f"{k} {v}" for k, v in derived.items()))
     batches = train_batches(data, cfg, dp, dp_rank, start_step=start)
     vals = val_batches(data, cfg, dp, dp_rank) if t.eval_every else []

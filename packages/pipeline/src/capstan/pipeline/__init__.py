@@ -23,8 +23,18 @@ from .instructions import (
     SendActivation,
     SendGrad,
 )
-from .partition import (LayerSpec, Partition, PartitionError, agreed_layer_times, balanced_bounds, build_layers,
-                        layer_flops, layer_times, partition, tie_layers)
+from .partition import (
+    LayerSpec,
+    Partition,
+    PartitionError,
+    agreed_layer_times,
+    balanced_bounds,
+    build_layers,
+    layer_flops,
+    layer_times,
+    partition,
+    tie_layers,
+)
 from .schedules import (
     SCHEDULES,
     GPipe,

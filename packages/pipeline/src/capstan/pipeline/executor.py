@@ -35,10 +35,11 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 
 import torch
-from capstan import comm
-from capstan.comm import faults
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from capstan import comm
+from capstan.comm import faults
 
 from .instructions import (
     Backward,

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
 from capstan import comm
 from capstan.comm import state as comm_state
 

@@ -18,17 +18,31 @@ Example (one process; under torchrun use ``comm.build_groups(...).tp``)::
 """
 
 from .apply import STYLES, Divide, parallelize
-from .hf_plans import HF_FAMILIES, hf_plan
 from .blocks import ParallelBlock, ParallelMLP, ParallelSelfAttention, check_attention_sizes
 from .cross_entropy import gather_vocab_logits, vocab_parallel_cross_entropy
-from .gpt import (GPT, GPTConfig, GPTEmbedding, GPTFinalNorm, GPTHead, build_gpt, build_gpt_layers,
-                  gpt_layer_factories, gpt_loss)
+from .gpt import (
+                  GPT,
+                  GPTConfig,
+                  GPTEmbedding,
+                  GPTFinalNorm,
+                  GPTHead,
+                  build_gpt,
+                  build_gpt_layers,
+                  gpt_layer_factories,
+                  gpt_loss,
+)
+from .hf_plans import HF_FAMILIES, hf_plan
 from .layers import ColumnParallelLinear, ParallelLayerNorm, ParallelRMSNorm, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (
-    CommCounter, copy_to_tensor_parallel_region, count_comm, gather_from_sequence_parallel_region,
-    gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
-    scatter_to_tensor_parallel_region,
+                  CommCounter,
+                  copy_to_tensor_parallel_region,
+                  count_comm,
+                  gather_from_sequence_parallel_region,
+                  gather_from_tensor_parallel_region,
+                  reduce_from_tensor_parallel_region,
+                  reduce_scatter_to_sequence_parallel_region,
+                  scatter_to_sequence_parallel_region,
+                  scatter_to_tensor_parallel_region,
 )
 from .partition import divide, tp_dim_of
 from .recompute import is_recomputed, recompute

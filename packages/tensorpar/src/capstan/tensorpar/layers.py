@@ -25,8 +25,11 @@ from torch import nn
 from capstan.comm import Group
 
 from .mappings import (
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
-    reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
 from .partition import divide, full_normal, mark, padded_size, slice_cols, slice_rows
@@ -85,7 +88,9 @@ class ColumnParallelLinear(nn.Module):
         if full_weight is None:
             full_weight = full_normal((out_features, in_features), init_std, seed)
         if tuple(full_weight.shape) != (out_features, in_features):
-            raise ValueError(f"full_weight has shape {tuple(full_weight.shape)}, expected {(out_features, in_features)}")
+            raise ValueError(
+                f"full_weight has shape {tuple(full_weight.shape)}, expected {(out_features, in_features)}"
+            )
         pad_to = self.out_features_padded
         self.weight = _param(slice_rows(_host(full_weight), group, fused, pad_to), 0, dtype, device, fused)
         if bias:
@@ -138,7 +143,9 @@ class RowParallelLinear(nn.Module):
         if full_weight is None:
             full_weight = full_normal((out_features, in_features), init_std, seed)
         if tuple(full_weight.shape) != (out_features, in_features):
-            raise ValueError(f"full_weight has shape {tuple(full_weight.shape)}, expected {(out_features, in_features)}")
+            raise ValueError(
+                f"full_weight has shape {tuple(full_weight.shape)}, expected {(out_features, in_features)}"
+            )
         self.weight = _param(slice_cols(_host(full_weight), group), 1, dtype, device)
         if bias:
             full_bias = torch.zeros(out_features) if full_bias is None else _host(full_bias)

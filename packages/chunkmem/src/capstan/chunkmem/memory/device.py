@@ -45,8 +45,8 @@ import torch
 
 from capstan.comm.device import device_module, indexed, is_accelerator
 
-from .nonmodel import check_memory_limit, nonmodel_ahead
 from ..model.states import ChunkKind
+from .nonmodel import check_memory_limit, nonmodel_ahead
 from .tiers import BudgetError, Tier
 from .transfer import STAGING_BUFFERS, Transfers, staging_buffer_bytes
 

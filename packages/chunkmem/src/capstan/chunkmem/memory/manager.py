@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
 from capstan.comm.procmem import rss_bytes
 
 from ..model.chunk import Chunk
@@ -441,7 +442,8 @@ class ChunkManager:
             self.nonmodel.append(max(0, rss_bytes() - self._rss_base - self.cpu.resident))
             if self.memory_limit is not None:
                 pinned = sum(e.chunk.nbytes for e in self.entries.values() if e.pins and e.chunk.payload is not None)
-                self._pinned.append(pinned + (0 if self.entries[chunk_id].pins else self.entries[chunk_id].chunk.nbytes))
+                entry = self.entries[chunk_id]
+                self._pinned.append(pinned + (0 if entry.pins else entry.chunk.nbytes))
         elif self.memory_limit is not None:
             self._follow_nonmodel(chunk_id)
         self.cpu.stats.timeline.append(self.cpu.resident)

@@ -35,10 +35,10 @@ from torch import nn
 from capstan import comm
 from capstan.comm import Group
 
+from ..memory.manager import BudgetError, ChunkManager
 from .chunk import Chunk, TensorSlot
 from .hooks import install_hooks
 from .layout import ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, plan_layout
-from ..memory.manager import BudgetError, ChunkManager
 from .order import module_order
 from .saved import ChunkViewSaver
 from .states import ChunkKind, TensorState

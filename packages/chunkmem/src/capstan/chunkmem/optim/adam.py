@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from capstan.native import kernels
 
 from ..model.chunked import ChunkedModel
-from .overlap import Speculation, can_overlap
 from ..model.states import ChunkKind
+from .overlap import Speculation, can_overlap
 
 __all__ = ["ChunkAdam", "AdamGroup"]
 

@@ -32,9 +32,9 @@ import torch
 from capstan import comm
 from capstan.native import kernels
 
-from .adam import AdamGroup, ChunkAdam
-from ..parallel.replicated import ReplicatedChunkedModel, onebit_scratch_bytes
 from ..model.states import ChunkKind
+from ..parallel.replicated import ReplicatedChunkedModel, onebit_scratch_bytes
+from .adam import AdamGroup, ChunkAdam
 
 __all__ = ["OneBitChunkAdam", "compressed_momentum", "frozen_variance_step"]
 

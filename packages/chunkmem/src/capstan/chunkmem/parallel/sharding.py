@@ -57,8 +57,8 @@ from torch import nn
 from capstan import comm
 from capstan.comm import Group, faults
 
-from ..model.chunk import Chunk
 from ..memory.manager import ChunkManager
+from ..model.chunk import Chunk
 from ..model.chunked import ChunkedModel, ParamHome
 from ..model.states import ChunkKind, TensorState
 

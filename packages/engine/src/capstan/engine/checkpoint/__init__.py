@@ -4,8 +4,17 @@ names, and `tools` inspects and exports (``capstan checkpoint inspect|export``).
 """
 
 from .store import (
-    CheckpointError, assemble, checkpoint_dir, complete_checkpoints, incomplete_checkpoints, latest, load,
-    load_latest, piece_index, read_manifest, save,
+    CheckpointError,
+    assemble,
+    checkpoint_dir,
+    complete_checkpoints,
+    incomplete_checkpoints,
+    latest,
+    load,
+    load_latest,
+    piece_index,
+    read_manifest,
+    save,
 )
 
 __all__ = ["CheckpointError", "assemble", "checkpoint_dir", "complete_checkpoints", "incomplete_checkpoints",

@@ -32,9 +32,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from capstan import comm
 
+from capstan import comm
 from capstan.comm import faults
+
 from ..engine import Engine
 from .format import FORMAT, MANIFEST, VERSION, Entry, fsync_dir, read_tensor, write_safetensors
 from .state import FIELDS, LocalParam, merge_tp, rng_generators, slice_tp, state_view

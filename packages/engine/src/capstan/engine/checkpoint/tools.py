@@ -113,5 +113,6 @@ def _export_hf(directory: Path, manifest: dict, out: Path) -> Path:
     config = {**hf["config"], "architectures": [hf["architecture"]], "torch_dtype": "float32"}
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     # The checkpoint names parameters as the transformers model does under any layout (checkpoint/state.py).
-    write_safetensors(out / "model.safetensors", _entries(directory, manifest), {"format": "pt", "step": str(manifest["step"])})
+    write_safetensors(out / "model.safetensors", _entries(directory, manifest),
+                      {"format": "pt", "step": str(manifest["step"])})
     return out

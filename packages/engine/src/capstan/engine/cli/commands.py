@@ -58,10 +58,9 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from ..checkpoint.store import CheckpointError
     from ..config.load import ConfigError
     from ..data.sources import DataError
+    from ..plan import PlanError
     from ..rundir import RunDirError
     from .disk_bench import DiskBenchError
-
-    from ..plan import PlanError
 
     return (ConfigError, DataError, LaunchError, BudgetError, LayoutError, DiskTierError, CheckpointError,
             DiskBenchError, RunDirError, PlanError)

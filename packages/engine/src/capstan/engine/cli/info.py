@@ -34,6 +34,7 @@ def _guarded(fn: Callable[[], object]) -> object:
 def collect_info() -> dict[str, object]:
     """Everything `capstan info` prints, as a dict (also used by tests and bug reports)."""
     import torch
+
     from capstan import comm, native
     from capstan.comm.launch_env import find_mpirun
 

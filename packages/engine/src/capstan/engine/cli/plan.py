@@ -41,6 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mach.add_argument("--ranks-per-node", type=int, help="CPU ranks per node (a CPU machine)")
     mach.add_argument("--host-ram", help="RAM per node, e.g. 256GB")
     mach.add_argument("--disk", help="free disk per node for offload, e.g. 2TB")
+    mach.add_argument("--disk-read", help="bytes/s one rank reads its disk tier at, all ranks at once, e.g. 3GB "
+                                          "(a device preset has none: offload disk is timed only with both)")
+    mach.add_argument("--disk-write", help="bytes/s one rank writes its disk tier at, e.g. 1.5GB")
     mach.add_argument("--calibrate", action="store_true",
                       help="measure this machine's rates (and the --config model's layers) and save them")
     mach.add_argument("--out", help="with --calibrate: the machine file to write (default: this machine's)")
@@ -120,7 +123,7 @@ def _request(args: argparse.Namespace) -> tuple[object, dict, dict]:
     for k in ("devices_per_node", "ranks_per_node"):
         if getattr(args, k) is not None:
             machine_kw[k] = getattr(args, k)
-    for k in ("host_ram", "disk"):
+    for k in ("host_ram", "disk", "disk_read", "disk_write"):
         if getattr(args, k) is not None:
             machine_kw[k] = _size(getattr(args, k), "--" + k.replace("_", "-"))
     return shape, layout_kw, machine_kw
@@ -191,7 +194,8 @@ def _print_plan(args: argparse.Namespace, shape: object, machine: object, plan: 
     else:
         print("step time: this machine has no rates yet; `capstan plan --calibrate` measures them")
     if short or plan.problems:
-        print("does not fit: " + "; ".join([*(f"{tier} short by {b / 1e9:.2f} GB per rank" for tier, b in short.items()),
+        print("does not fit: " + "; ".join([*(f"{tier} short by {b / 1e9:.2f} GB per rank"
+                                              for tier, b in short.items()),
                                             *plan.problems]))
         return 1
     print("fits")
@@ -213,18 +217,23 @@ def _search(args: argparse.Namespace, shape: object, machine: object, layout: ob
                                                                                               * layout.cp))
     if batch < 1:
         raise PlanError(f"--global-batch {batch}: must be a positive number of sequences")
-    result = search(shape, machine, batch, layout, measure=local)
+    result = search(shape, machine, batch, layout, measure=local, top=max(1, args.top))
     if args.json:
         sys.stdout.write(json.dumps({
-            "tried": result.tried, "missing": result.missing, "devices_needed": result.devices_needed,
+            "tried": result.tried, "fitting": result.fitting, "missing": result.missing,
+            "devices_needed": result.devices_needed, "skipped": list(result.skipped),
             "ranked": [{"layout": asdict(c.layout), "tokens_per_s": c.time.tokens_per_s, "step_s": c.time.seconds,
-                        "bottleneck": c.time.bottleneck, "total": {t: c.memory.total(t) for t in ("device", "ram", "disk")}}
+                        "bottleneck": c.time.bottleneck,
+                        "total": {t: c.memory.total(t) for t in ("device", "ram", "disk")}}
                        for c in result.ranked[: args.top]]}) + "\n")
         return 0 if result.ranked else 1
     print(f"{shape.params / 1e6:.1f}M parameters, global batch {batch} x {shape.seq} tokens, on {machine.name} "
-          f"({machine.world} ranks): {len(result.ranked)} of {result.tried} layouts fit")
+          f"({machine.world} ranks): {result.fitting} of {result.tried} layouts fit")
+    for line in result.skipped:
+        print(line)
     for k, c in enumerate(result.ranked[: args.top], 1):
-        mem = ", ".join(f"{t} {c.memory.total(t) / 2**20:.0f} MiB" for t in ("device", "ram", "disk") if c.memory.total(t))
+        mem = ", ".join(f"{t} {c.memory.total(t) / 2**20:.0f} MiB"
+                        for t in ("device", "ram", "disk") if c.memory.total(t))
         print(f"{k:3d}. {c.time.tokens_per_s:10,.0f} tokens/s  {_describe(c.layout)}  [{mem}; {c.time.bottleneck}]")
     if not result.ranked:
         need = "; ".join(f"{tier} short by at least {b / 1e9:.2f} GB per rank" for tier, b in result.missing.items())
@@ -251,5 +260,6 @@ def _calibrate(args: argparse.Namespace, shape: object, layout: object) -> int:
     print(f"wrote {out}: {r.threads} thread(s) per rank on {r.cores} cores; block {r.flops['fp32'] / 1e9:.0f} "
           f"GFLOP/s fp32, {r.flops['bf16'] / 1e9:.0f} bf16; memory {r.memory_bandwidth / 1e9:.1f} GB/s; AdamW "
           f"{r.adam['fp32'] / 1e6:.0f} M params/s; disk read {r.disk_read / 1e9:.2f} / write {r.disk_write / 1e9:.2f} "
-          f"GB/s; all-reduce of 2 ranks {r.collective[2].bandwidth / 1e9:.1f} GB/s + {r.collective[2].latency * 1e6:.0f} us")
+          f"GB/s; all-reduce of 2 ranks {r.collective[2].bandwidth / 1e9:.1f} GB/s "
+          f"+ {r.collective[2].latency * 1e6:.0f} us")
     return 0

@@ -186,7 +186,8 @@ def _job(layout: Layout, run_dir: Path, size: dict) -> str:
     accum = max(layout.accum, 2 * layout.pp) if layout.pp > 1 else layout.accum
     layers = max(2, layout.pp * layout.virtual_stages)
     lines = ["[model]", f"n_layers = {layers}", "n_heads = 4", f"d_model = {size['d_model']}",
-             f"seq_len = {size['seq_len']}", "[data]", "max_bytes = 100_000", "[train]", "steps = 4", "warmup_steps = 1",
+             f"seq_len = {size['seq_len']}", "[data]", "max_bytes = 100_000", "[train]", "steps = 4",
+             "warmup_steps = 1",
              f"micro_batch_size = {size['micro']}", f"grad_accum_steps = {accum}", "[parallel]", f"dp = {layout.dp}",
              f"tp = {layout.tp}", f"pp = {layout.pp}", f"cp = {layout.cp}", f'cp_mode = "{layout.cp_mode}"',
              f"zero_stage = {layout.zero_stage}",
@@ -308,7 +309,8 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
         rates.layout_overhead[family], rates.layout_slack[family] = _layout_overhead(layout, rates, disk_dir)
     free = os.statvfs(disk_dir)
     base = local_machine()
-    return replace(base, name="local (calibrated)", disk=free.f_bavail * free.f_frsize, host_overhead=rates.host_overhead,
+    return replace(base, name="local (calibrated)", disk=free.f_bavail * free.f_frsize,
+                   host_overhead=rates.host_overhead,
                    disk_read=read, disk_write=write, source=rates.source, rates=rates)
 
 

@@ -22,10 +22,14 @@ nothing extra) is left out. `tests/test_plan_time.py` checks it against the byte
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
 from capstan.chunkmem.memory.eviction import make_policy
 from capstan.chunkmem.model.layout import (
     ModuleSpec,
@@ -39,7 +43,8 @@ from capstan.comm import onebit_residual_sizes
 
 from .spec import Layout, ModelShape
 
-__all__ = ["ChunkLists", "Traffic", "chunk_lists", "disk_traffic", "stage_modules", "transient_bytes"]
+__all__ = ["ChunkLists", "Traffic", "chunk_lists", "disk_traffic", "disk_traffic_floor", "stage_modules",
+           "transient_bytes"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,8 @@ class ChunkLists:
     shard: int  # ZeRO-3 data-parallel size (1: not sharded)
     mixed: bool  # 16-bit parameters with fp32 masters
     grad_chunks: bool  # gradients in chunks of their own (else in the 16-bit parameter's slot)
-    onebit: int = 0  # 1-bit Adam's replicas (chunkmem/parallel/replicated.py: two residual lists beside the others); 0: none
+    # 1-bit Adam's replicas (chunkmem/parallel/replicated.py: two residual lists beside the others); 0: none
+    onebit: int = 0
 
     @property
     def elements(self) -> int:
@@ -126,9 +132,20 @@ def _groups(sliced: bool, decay: bool) -> int:
     return [(True, True), (True, False), (False, True), (False, False)].index((sliced, decay))
 
 
-@lru_cache(maxsize=64)
 def stage_modules(shape: ModelShape, tp: int, layers: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per module with parameters, in module order: (engine group, elements) of each of its parameters."""
+    return _stage_modules(shape, tp, _kinds(shape, layers))
+
+
+def _kinds(shape: ModelShape, layers: list[int] | tuple[int, ...]) -> tuple[str, ...]:
+    """What a stage's chunks depend on of its layers: their kinds in order (every block packs alike)."""
+    last = shape.layers + 2
+    return tuple("embed" if i == 0 else "head" if i == last else "norm" if i == last - 1 else "block" for i in layers)
+
+
+@lru_cache(maxsize=64)
+def _kind_specs(shape: ModelShape, tp: int) -> dict[str, tuple[tuple[tuple[int, int], ...], ...]]:
+    """Per layer kind, its modules' (engine group, elements) of each parameter, from the layers built on meta."""
     from capstan.comm.groups import Group
     from capstan.tensorpar import GPTConfig
     from capstan.tensorpar.gpt import gpt_layer_factories
@@ -138,26 +155,40 @@ def stage_modules(shape: ModelShape, tp: int, layers: tuple[int, ...]) -> tuple[
     with torch.device("meta"):
         embed, block, norm, head = (make() for make in gpt_layer_factories(cfg, Group("tp", tuple(range(tp)), 0), 0))
 
-    def specs(layer: torch.nn.Module) -> list[tuple[tuple[int, int], ...]]:
+    def specs(layer: torch.nn.Module) -> tuple[tuple[tuple[int, int], ...], ...]:
         out = []
         for module in layer.modules():
             own = [(_groups(getattr(p, "tp_dim", None) is not None, p.dim() >= 2), p.numel())
                    for p in module.parameters(recurse=False)]
             if own:
                 out.append(tuple(own))
-        return out
+        return tuple(out)
 
-    last = shape.layers + 2
-    by_kind = {"embed": specs(embed), "block": specs(block), "norm": specs(norm), "head": specs(head)}
-    modules: list[tuple[tuple[int, int], ...]] = []
-    for i in layers:
-        modules += by_kind["embed" if i == 0 else "head" if i == last else "norm" if i == last - 1 else "block"]
-    return tuple(modules)
+    return {"embed": specs(embed), "block": specs(block), "norm": specs(norm), "head": specs(head)}
+
+
+@lru_cache(maxsize=256)
+def _stage_modules(shape: ModelShape, tp: int, kinds: tuple[str, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    by_kind = _kind_specs(shape, tp)
+    return tuple(m for kind in kinds for m in by_kind[kind])
 
 
 def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int, ...]) -> ChunkLists:
     """The chunk lists of a stage holding `layers` (indices into [embedding, blocks, norm, head])."""
-    modules = stage_modules(shape, layout.tp, tuple(layers))
+    # Chunks are sharded over dp x cp whenever it is > 1 (engine: ShardedChunkedModel), but for 1-bit Adam,
+    # which replicates them (ReplicatedChunkedModel, fp32 gradient chunks and two residual lists).
+    onebit = layout.replicas if layout.compression == "onebit" and layout.replicas > 1 else 0
+    shard = 1 if onebit else max(1, layout.replicas)
+    mixed = layout.precision in ("bf16", "fp16")
+    grad_chunks = not mixed or layout.accum > 1 or shard > 1 or onebit > 0
+    # packed once per distinct stage (the search asks for the same one for every micro-batch, ZeRO stage, ...)
+    return _packed(shape, _kinds(shape, layers), layout.tp, layout.chunk_size, shard, onebit, mixed, grad_chunks)
+
+
+@lru_cache(maxsize=1024)
+def _packed(shape: ModelShape, kinds: tuple[str, ...], tp: int, chunk_size: int | None, shard: int, onebit: int,
+            mixed: bool, grad_chunks: bool) -> ChunkLists:
+    modules = _stage_modules(shape, tp, kinds)
     specs: list[list[ModuleSpec]] = [[] for _ in range(4)]
     where: list[list[tuple[int, str]]] = []  # per module: (group, parameter name)
     for m, params in enumerate(modules):
@@ -168,12 +199,8 @@ def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int
             specs[g].append(ModuleSpec(f"m{m}", tuple(ps)))
         where.append([(g, f"m{m}.p{k}") for k, (g, _) in enumerate(params)])
     used = [g for g in range(4) if specs[g]]
-    # Chunks are sharded over dp x cp whenever it is > 1 (engine: ShardedChunkedModel), but for 1-bit Adam,
-    # which replicates them (ReplicatedChunkedModel, fp32 gradient chunks and two residual lists).
-    onebit = layout.replicas if layout.compression == "onebit" and layout.replicas > 1 else 0
-    shard = 1 if onebit else max(1, layout.replicas)
     pad = (lambda n: -(-n // shard) * shard) if shard > 1 else (lambda n: n)
-    size = layout.chunk_size or auto_chunk_size([specs[g] for g in used], pad=pad)
+    size = chunk_size or auto_chunk_size([specs[g] for g in used], pad=pad)
     counts, capacities, index_of = [], [], {}
     for k, g in enumerate(used):
         plan = plan_layout(specs[g], size)
@@ -183,15 +210,14 @@ def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int
             for p, _ in members:
                 index_of[p.name] = (k, i)
     module_chunks = tuple(tuple(dict.fromkeys(index_of[name] for _, name in ws)) for ws in where)
-    mixed = layout.precision in ("bf16", "fp16")
-    grad_chunks = not mixed or layout.accum > 1 or shard > 1 or onebit > 0
     return ChunkLists(chunk_size=size, counts=tuple(counts), capacities=tuple(capacities),
                       params=sum(n for ms in modules for _, n in ms), module_chunks=module_chunks, shard=shard,
                       mixed=mixed, grad_chunks=grad_chunks, onebit=onebit)
 
 
 def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool) -> tuple[list[tuple[str, int, int, bool]], int]:
-    """One step's chunk accesses on rank 0: (kind, group, index, write), and where the optimizer's begin. Sharded (ZeRO-3), a module touches
+    """One step's chunk accesses on rank 0: (kind, group, index, write), and where the optimizer's begin.
+    Sharded (ZeRO-3), a module touches
     the units of its chunks: rank 0 reads its own chunk of each unit to send in the unit's all-gather
     (again in backward: under a budget units are dropped and gathered again), and its GRAD chunk takes
     the unit's reduced gradients once they are complete."""
@@ -244,7 +270,109 @@ def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: b
     and the most bytes on disk at a step's end (the engine's mem.disk.peak_bytes). Replayed from the
     start as the manager runs: parameters (and masters) placed in RAM in order as far as the budget
     goes, moments and gradients without data; the first step (the warm-up, no trace yet) evicts the
-    least recently used chunk, later ones by `eviction` from the trace."""
+    least recently used chunk, later ones by `eviction` from the trace. Replayed once per distinct
+    question (memory_plan and step_time ask the same one)."""
+    return _disk_traffic(lists, int(budget), micro, bool(recompute), bool(clip), eviction)
+
+
+def disk_traffic_floor(lists: ChunkLists, budget: int) -> tuple[int, int]:
+    """Bytes a steady-state step reads from and writes to disk at least, without a replay (a bound for the
+    search). RAM never holds more than the budget or one chunk group (make_room stops only when all that is
+    left is pinned: one chunk, or a group's siblings), so at a step's start all but that much of the chunks
+    that outlive a step (every kind but the gradient's, freed after the update) are on disk, and the step
+    reads each; at its end all but that much of those the update writes are on disk again, written back."""
+    freed = "grad" if lists.grad_chunks else "param"
+    kinds = [k for k, _ in lists.kinds() if k != freed]
+    written = [k for k in kinds if not (k == "exp_avg_sq" and lists.onebit)]  # 1-bit Adam only reads it
+    owned = [(-(-n // lists.shard) if lists.shard > 1 else n, c)
+             for n, c in zip(lists.counts, lists.capacities, strict=True)]
+    held = max(budget, max(lists._group_bytes(c) for c in lists.capacities))
+    kept = sum(n * lists.chunk_bytes(k, c) for n, c in owned for k in kinds)
+    rewritten = sum(n * lists.chunk_bytes(k, c) for n, c in owned for k in written)
+    return max(0, kept - held), max(0, rewritten - held)
+
+
+class _Policy:
+    """chunkmem's eviction policy asked as the manager asks it: the movable chunks in chunk-id order (the
+    reference `_Fast` is checked against: tests/test_plan_search.py)."""
+
+    def __init__(self, name: str, in_ram: set[int], trace: list[int] | None = None) -> None:
+        self.policy, self.in_ram = make_policy(name), in_ram
+        if trace is not None:
+            self.policy.set_trace(trace)
+
+    def start_step(self) -> None:
+        pass
+
+    def on_access(self, cid: int, moment: int) -> None:
+        self.policy.on_access(cid, moment)
+
+    def victim(self, keep: set[int], moment: int) -> int | None:
+        movable = sorted(self.in_ram - keep)
+        return self.policy.victim(movable, moment) if movable else None
+
+
+class _Fast:
+    """The same choices as chunkmem's Belady (furthest next use, then the lowest id) or LRU (least recent,
+    never used first, then the lowest id) from a heap of the resident chunks, in O(log n) a choice instead
+    of a pass over every resident chunk. Belady's key of a chunk changes only when it is used (its next use
+    after now is its next use after its last use), and at a step's start (its first use in the step)."""
+
+    def __init__(self, name: str, in_ram: set[int], trace: list[int] | None = None) -> None:
+        self.belady, self.in_ram = name == "belady" and trace is not None, in_ram
+        self.uses: dict[int, list[int]] = {}
+        for moment, cid in enumerate(trace or ()):
+            self.uses.setdefault(cid, []).append(moment)
+        self.length = len(trace or ())
+        self.key: dict[int, float] = {}  # Belady: -(next use); LRU: the clock of the last use
+        self.clock = 0
+        self.heap: list[tuple[float, int]] = []
+
+    def _default(self, cid: int) -> float:
+        if not self.belady:
+            return -1
+        uses = self.uses.get(cid)
+        return -uses[0] if uses else -math.inf
+
+    def start_step(self) -> None:
+        if self.belady:
+            self.key = {}
+        self.heap = [(self.key.get(c, self._default(c)), c) for c in self.in_ram]
+        heapq.heapify(self.heap)
+
+    def on_access(self, cid: int, moment: int) -> None:
+        if self.belady:
+            uses = self.uses.get(cid)
+            if not uses:
+                key = -math.inf
+            else:
+                i = bisect.bisect_right(uses, moment)
+                key = -(uses[i] if i < len(uses) else self.length + uses[0])  # the step repeats
+        else:
+            self.clock += 1
+            key = self.clock
+        self.key[cid] = key
+        heapq.heappush(self.heap, (key, cid))
+
+    def victim(self, keep: set[int], moment: int) -> int | None:
+        aside, found = [], None
+        while self.heap:
+            key, cid = heapq.heappop(self.heap)
+            if cid in keep:  # (before the staleness check: the chunk being read in is not resident yet)
+                aside.append((key, cid))
+                continue
+            if cid not in self.in_ram or key != self.key.get(cid, self._default(cid)):
+                continue  # stale
+            found = cid
+            break
+        for entry in aside:
+            heapq.heappush(self.heap, entry)
+        return found
+
+
+@lru_cache(maxsize=4096)
+def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, clip: bool, eviction: str,
+                  reference: bool = False) -> Traffic:
     grad = "grad" if lists.grad_chunks else "param"
     trace, updating = _trace(lists, micro, recompute, clip)
     ids: dict[tuple[str, int, int], int] = {}
@@ -261,33 +389,38 @@ def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: b
         return onebit_scratch_bytes(lists.capacities[g], lists.onebit) if lists.onebit else 0
 
     state: dict[int, tuple[str | None, bool]] = {cid: (None, False) for cid in ids.values()}  # where, disk current
+    in_ram: set[int] = set()  # the chunks whose state is "ram"
     resident = 0
     moved = [0, 0]  # read, written: counted in the last step
+    make_policy_ = _Policy if reference else _Fast
 
-    def make_room(need: int, keep: set[int], policy: object, moment: int, count: bool, cap: int = budget) -> None:
+    def make_room(need: int, keep: set[int], policy: _Policy | _Fast, moment: int, count: bool,
+                  cap: int = budget) -> None:
         nonlocal resident
         while resident + need > cap:
-            movable = [c for c, (w, _) in state.items() if w == "ram" and c not in keep]
-            if not movable:
+            victim = policy.victim(keep, moment)
+            if victim is None:
                 return
-            victim = policy.victim(movable, moment)  # type: ignore[attr-defined]
             if not state[victim][1]:
                 moved[1] += nbytes[victim] if count else 0
             state[victim] = ("disk", True)
+            in_ram.discard(victim)
             resident -= nbytes[victim]
 
-    warm = make_policy("lru")
-    for (k, g, i), cid in sorted(ids.items(), key=lambda kv: (kv[0][1], kv[0][2])):  # ChunkedModel._place
+    warm = make_policy_("lru", in_ram)
+    for (k, _g, _i), cid in sorted(ids.items(), key=lambda kv: (kv[0][1], kv[0][2])):  # ChunkedModel._place
         if k in ("param", "master") and (k == "param" or lists.mixed):
             make_room(nbytes[cid], {cid}, warm, -1, False)
             warm.on_access(cid, -1)
             state[cid] = ("ram", False)
+            in_ram.add(cid)
             resident += nbytes[cid]
-    steady = make_policy(eviction)
-    steady.set_trace(accesses)
+    make_policy(eviction)  # an unknown name is chunkmem's error
+    steady = make_policy_(eviction, in_ram, accesses)
     disk_peak = 0
     for step in range(3):  # the warm-up, a step that settles, the one counted
         policy, count = (warm if step == 0 else steady), step == 2
+        policy.start_step()
         moment = -1
         pinned: set[int] = set()  # the optimizer pins a chunk group's siblings together (ChunkAdam._update)
         group: tuple[int, int] | None = None
@@ -296,6 +429,7 @@ def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: b
             if kind == "free":
                 if where == "ram":
                     resident -= nbytes[cid]
+                    in_ram.discard(cid)
                 state[cid] = (None, False)
                 continue
             moment += 1
@@ -309,7 +443,9 @@ def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: b
                 if where == "disk":
                     moved[0] += nbytes[cid] if count else 0
                 resident += nbytes[cid]
+                in_ram.add(cid)
                 clean = where == "disk" and clean
             state[cid] = ("ram", clean and not write)
-        disk_peak = max(disk_peak, sum(nbytes[c] for c, (w, cur) in state.items() if w == "disk" or (w == "ram" and cur)))
+        disk_peak = max(disk_peak, sum(nbytes[c] for c, (w, cur) in state.items()
+                                       if w == "disk" or (w == "ram" and cur)))
     return Traffic(read_bytes=moved[0], write_bytes=moved[1], disk_bytes=disk_peak)

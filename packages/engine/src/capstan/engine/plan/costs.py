@@ -48,7 +48,8 @@ def layer_key(kind: str, shape: ModelShape, layout: Layout, threads: int, busy: 
     cp = f".cp{layout.cp}{layout.cp_mode[0]}" if layout.cp > 1 else ""
     tile = f".mt{layout.mlp_tile}" if layout.mlp_tile else ""
     return (f"{kind}.h{shape.hidden}.a{shape.heads}.v{shape.vocab}.s{shape.seq}.f{shape.ffn_mult}.tp{layout.tp}"
-            f".b{layout.micro}.{layout.precision}{sp}{drop}{cp}{tile}.t{threads}" + (f".busy{busy}" if busy > 1 else ""))
+            f".b{layout.micro}.{layout.precision}{sp}{drop}{cp}{tile}.t{threads}"
+            + (f".busy{busy}" if busy > 1 else ""))
 
 
 def block_flops(shape: ModelShape, tp: int, micro: int, cp: int = 1) -> float:

@@ -24,8 +24,9 @@ What it counts, for the pipeline stage whose compute tier holds the most (a rank
   min(pp - stage, accum) with 1F1B, times 1 + (pp - 1) / (pp v) interleaved (Narayanan et al. 2021).
 * **Transients**: the last stage's logits and their softmax in fp32 (with the tiled loss, the engine's
   default, one tile of them plus the head's unit gradients: its input's size and its weight's, fp32);
-  with activation offload the recomputed blocks' inputs on disk (host RAM from a GPU) but two; ZeRO 0-2 gradient buckets (two
-  in flight); ZeRO-3's gathered communication unit (dp chunks of parameters and of gradients).
+  with activation offload the recomputed blocks' inputs on disk (host RAM from a GPU) but two; ZeRO 0-2
+  gradient buckets (two in flight); ZeRO-3's gathered communication unit (dp chunks of parameters and of
+  gradients).
 * **Overhead** per rank: the CUDA context and allocator reserve on a device, the interpreter and
   torch in RAM (`Machine.device_overhead`, `host_overhead`).
 
@@ -213,8 +214,10 @@ def _in_flight(layout: Layout, stage: int) -> float:
     return n
 
 
-def memory_plan(shape: ModelShape, machine: Machine, layout: Layout) -> MemoryPlan:
-    """The memory each rank needs per tier (module docstring), for the stage that needs most."""
+def memory_plan(shape: ModelShape, machine: Machine, layout: Layout, *, traffic: bool = True) -> MemoryPlan:
+    """The memory each rank needs per tier (module docstring), for the stage that needs most. `traffic`
+    False: with offload "disk" the disk tier holds every chunk of the rank (at most what a replay of a
+    step's chunk accesses leaves there: a quick upper bound, the other tiers exact)."""
     layout = layout.resolved(shape, machine)
     gpu = machine.device is not None
     compute = "device" if gpu else "ram"
@@ -222,8 +225,15 @@ def memory_plan(shape: ModelShape, machine: Machine, layout: Layout) -> MemoryPl
     weights = shape.layer_params(layout.tp)
     last = len(weights) - 1
     best: MemoryPlan | None = None
+    seen: set[tuple[bool, int, bool, bool]] = set()
     for stage, layers in enumerate(stages):
-        plan = _stage_plan(shape, machine, layout, stage, layers, weights, last, compute)
+        # A later stage with the same layers holds no more micro-batches in flight (_in_flight does not grow
+        # with the stage), so it never needs more than the first one: planned once per kind of stage.
+        kind = (0 in layers, len(layers), last - 1 in layers, last in layers)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        plan = _stage_plan(shape, machine, layout, stage, layers, weights, last, compute, traffic)
         if best is None or plan.total(compute) > best.total(compute):
             best = plan
     assert best is not None
@@ -231,7 +241,7 @@ def memory_plan(shape: ModelShape, machine: Machine, layout: Layout) -> MemoryPl
 
 
 def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int, layers: list[int],
-                weights: list[int], last: int, compute: str) -> MemoryPlan:
+                weights: list[int], last: int, compute: str, traffic: bool = True) -> MemoryPlan:
     dp, gpu = layout.replicas, machine.device is not None  # gradients reduced and states sharded over dp x cp
     params = sum(weights[i] for i in layers)
     largest_layer = max(weights[i] for i in layers)
@@ -279,10 +289,13 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
             if (layout.cpu_budget or 0) < least:
                 problems.append(f"cpu_budget {_fmt(layout.cpu_budget or 0)} is below the {_fmt(least)} the chunks "
                                 "need in RAM at once (chunkmem's minimum budget for this model and chunk size)")
-            traffic = disk_traffic(lists, layout.cpu_budget or 0, micro=layout.accum, recompute=layout.recompute,
-                                   clip=layout.grad_clip, eviction=layout.eviction)
             items.append(Item(f"model states in RAM (cpu_budget; {where})", "ram", in_ram))
-            items.append(Item("model states on disk (current copies at a step's end)", "disk", traffic.disk_bytes))
+            if traffic:
+                on_disk = disk_traffic(lists, layout.cpu_budget or 0, micro=layout.accum, recompute=layout.recompute,
+                                       clip=layout.grad_clip, eviction=layout.eviction).disk_bytes
+                items.append(Item("model states on disk (current copies at a step's end)", "disk", on_disk))
+            else:
+                items.append(Item("model states on disk (at most: every chunk; not replayed)", "disk", states))
             if gpu:
                 items.append(Item("parameter chunks in use and prefetched (2 layers)", "device",
                                   2 * pbytes * largest_layer // shard))

@@ -10,7 +10,9 @@
   core runs a rank, and a rank's resident memory before the model. Saved as JSON with the machine.
 * **Stated** for the GPU presets (`gpu_rates`): the datasheet figures of spec.py times an
   efficiency that no run here has checked (GPU_MATMUL_EFFICIENCY), PCIe for host<->device copies,
-  NVLink inside a node and InfiniBand across nodes. Those step times are estimates, not validated.
+  NVLink inside a node and InfiniBand across nodes, and for the node presets their NVMe drives'
+  nominal rates (spec.NODES; a device preset has no disk rate). Those step times are estimates, not
+  validated.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def gpu_rates(device_flops: float, device_bandwidth: float, intra: float, inter:
     return Rates(source=source or "datasheet rates x GPU_MATMUL_EFFICIENCY (not measured)", threads=0, cores=0,
                  flops={"bf16": peak, "fp16": peak, "fp32": peak / 8},  # fp32 without TF32: 1/8 of the tensor rate
                  memory_bandwidth=device_bandwidth,
-                 # flat buffers step on the device (fused AdamW reads and writes ~28 B per parameter); chunks on the host
+                 # flat buffers step on the device (fused AdamW reads and writes ~28 B per parameter);
+                 # chunks on the host
                  adam={"fp32": device_bandwidth / 28, "sumsq": device_bandwidth / 4, "host": HOST_ADAM},
                  disk_read=disk_read, disk_write=disk_write, collective=near, all_to_all=near,
                  inter_node=Link(2e-5, inter) if inter else None, p2p=Link(1e-5, intra or 1e11),

@@ -138,6 +138,7 @@ class RunPlan:
         from pathlib import Path
 
         import torch
+
         from capstan import comm
 
         peaks = torch.tensor([vm_hwm(), disk_peak], dtype=torch.float64)

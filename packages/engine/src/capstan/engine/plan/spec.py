@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 
 from .rates import Rates, gpu_rates
@@ -96,7 +97,7 @@ class Machine:
     ranks_per_node: int = 1
     host_ram: int = 0
     disk: int = 0
-    disk_read: float = 0.0
+    disk_read: float = 0.0  # B/s one rank reads its disk tier at, all ranks streaming (0: unknown, no disk timing)
     disk_write: float = 0.0
     intra_bandwidth: float = 0.0
     inter_bandwidth: float = 0.0
@@ -231,10 +232,17 @@ def virtual_parts(shape: ModelShape, layout: Layout) -> list[list[int]]:
     n, parts = shape.layers + 3, layout.pp * layout.virtual_stages
     if parts == 1:
         return [list(range(n))]
+    bounds = _bounds(shape, layout.tp, parts)  # part i is bounds[i]:bounds[i + 1]
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+@lru_cache(maxsize=1024)
+def _bounds(shape: ModelShape, tp: int, parts: int) -> tuple[int, ...]:
+    """balanced_bounds of the layers' parameters: O(parts x layers^2), a second at 128 stages of gpt-1t, so
+    computed once per shape (the search asks for the same split thousands of times)."""
     from capstan.pipeline.partition import balanced_bounds
 
-    bounds = balanced_bounds(shape.layer_params(layout.tp), parts)  # part i is bounds[i]:bounds[i + 1]
-    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return tuple(balanced_bounds(shape.layer_params(tp), parts))
 
 
 def _model(layers: int, hidden: int, heads: int, vocab: int, seq: int, name: str, source: str) -> ModelShape:
@@ -259,11 +267,16 @@ MODELS = {m.name: m for m in (
 )}
 
 DEVICES = {d.name: d for d in (
-    Device("v100-32gb", 32 * GB, 125e12, 900e9, "NVIDIA V100 datasheet (SXM2): 32 GB HBM2, 900 GB/s, 125 TFLOPS tensor"),
-    Device("a100-40gb", 40 * GB, 312e12, 1555e9, "NVIDIA A100 datasheet: 40 GB HBM2, 1555 GB/s, 312 TFLOPS BF16 dense"),
-    Device("a100-80gb", 80 * GB, 312e12, 2039e9, "NVIDIA A100 datasheet (SXM): 80 GB HBM2e, 2039 GB/s, 312 TFLOPS BF16 dense"),
-    Device("h100-80gb", 80 * GB, 989e12, 3350e9, "NVIDIA H100 datasheet (SXM): 80 GB HBM3, 3.35 TB/s, 989 TFLOPS BF16 dense"),
-    Device("h200-141gb", 141 * GB, 989e12, 4800e9, "NVIDIA H200 datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS BF16 dense"),
+    Device("v100-32gb", 32 * GB, 125e12, 900e9,
+           "NVIDIA V100 datasheet (SXM2): 32 GB HBM2, 900 GB/s, 125 TFLOPS tensor"),
+    Device("a100-40gb", 40 * GB, 312e12, 1555e9,
+           "NVIDIA A100 datasheet: 40 GB HBM2, 1555 GB/s, 312 TFLOPS BF16 dense"),
+    Device("a100-80gb", 80 * GB, 312e12, 2039e9,
+           "NVIDIA A100 datasheet (SXM): 80 GB HBM2e, 2039 GB/s, 312 TFLOPS BF16 dense"),
+    Device("h100-80gb", 80 * GB, 989e12, 3350e9,
+           "NVIDIA H100 datasheet (SXM): 80 GB HBM3, 3.35 TB/s, 989 TFLOPS BF16 dense"),
+    Device("h200-141gb", 141 * GB, 989e12, 4800e9,
+           "NVIDIA H200 datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS BF16 dense"),
 )}
 
 
@@ -275,34 +288,58 @@ class _Node:
     disk: int
     intra: float
     inter: float
+    disk_read: float  # B/s of the node's NVMe RAID-0 (all drives together), sequential; shared by its ranks
+    disk_write: float
     source: str = field(default="")
 
 
+# Disk rates: the datasheets give the drives (count x 3.84 TB U.2 NVMe in RAID-0), not their speed. The
+# rates are the drive class's sequential figures times the drive count, nominal (none measured here):
+# PCIe 3.0 U.2 (DGX-2; e.g. Samsung PM983 3.84 TB: 3.2 GB/s read, 2.0 GB/s write) and PCIe 4.0 U.2
+# (DGX A100 / H100; e.g. Samsung PM1733 3.84 TB: 7.0 GB/s read, 3.8 GB/s write). A rank gets its share.
+_GEN3_READ, _GEN3_WRITE = 3.2e9, 2.0e9
+_GEN4_READ, _GEN4_WRITE = 7.0e9, 3.8e9
+
 NODES = {
-    "dgx-2": _Node("v100-32gb", 16, 1500 * GB, 30_000 * GB, 300e9, 100e9,
-                   "NVIDIA DGX-2 datasheet: 16 x V100-32GB, 1.5 TB RAM, 30 TB NVMe, NVSwitch 300 GB/s per GPU, "
-                   "8 x 100 Gb/s InfiniBand"),
-    "dgx-a100-40gb": _Node("a100-40gb", 8, 1000 * GB, 15_000 * GB, 600e9, 200e9,
-                           "NVIDIA DGX A100 datasheet (320 GB system): 8 x A100-40GB, 1 TB RAM, 15 TB NVMe, NVLink "
-                           "600 GB/s, 8 x 200 Gb/s InfiniBand"),
-    "dgx-a100-80gb": _Node("a100-80gb", 8, 2000 * GB, 30_000 * GB, 600e9, 200e9,
-                           "NVIDIA DGX A100 datasheet (640 GB system): 8 x A100-80GB, 2 TB RAM, 30 TB NVMe, NVLink "
-                           "600 GB/s, 8 x 200 Gb/s InfiniBand"),
-    "dgx-h100": _Node("h100-80gb", 8, 2000 * GB, 30_000 * GB, 900e9, 400e9,
-                      "NVIDIA DGX H100 datasheet: 8 x H100-80GB, 2 TB RAM, 30 TB NVMe, NVLink 900 GB/s, "
-                      "8 x 400 Gb/s InfiniBand"),
+    "dgx-2": _Node("v100-32gb", 16, 1500 * GB, 30_000 * GB, 300e9, 100e9, 8 * _GEN3_READ, 8 * _GEN3_WRITE,
+                   "NVIDIA DGX-2 datasheet: 16 x V100-32GB, 1.5 TB RAM, 30 TB NVMe (8 x 3.84 TB), NVSwitch 300 GB/s "
+                   "per GPU, 8 x 100 Gb/s InfiniBand; disk 25.6 / 16 GB/s read / write: 8 PCIe 3.0 U.2 drives in "
+                   "RAID-0 at 3.2 / 2.0 GB/s each (Samsung PM983 class, nominal)"),
+    "dgx-a100-40gb": _Node("a100-40gb", 8, 1000 * GB, 15_000 * GB, 600e9, 200e9, 4 * _GEN4_READ, 4 * _GEN4_WRITE,
+                           "NVIDIA DGX A100 datasheet (320 GB system): 8 x A100-40GB, 1 TB RAM, 15 TB NVMe (4 x 3.84 "
+                           "TB U.2), NVLink 600 GB/s, 8 x 200 Gb/s InfiniBand; disk 28 / 15.2 GB/s read / write: 4 "
+                           "PCIe 4.0 U.2 drives in RAID-0 at 7.0 / 3.8 GB/s each (Samsung PM1733 class, nominal)"),
+    "dgx-a100-80gb": _Node("a100-80gb", 8, 2000 * GB, 30_000 * GB, 600e9, 200e9, 8 * _GEN4_READ, 8 * _GEN4_WRITE,
+                           "NVIDIA DGX A100 datasheet (640 GB system): 8 x A100-80GB, 2 TB RAM, 30 TB NVMe (8 x 3.84 "
+                           "TB U.2), NVLink 600 GB/s, 8 x 200 Gb/s InfiniBand; disk 56 / 30.4 GB/s read / write: 8 "
+                           "PCIe 4.0 U.2 drives in RAID-0 at 7.0 / 3.8 GB/s each (Samsung PM1733 class, nominal)"),
+    "dgx-h100": _Node("h100-80gb", 8, 2000 * GB, 30_000 * GB, 900e9, 400e9, 8 * _GEN4_READ, 8 * _GEN4_WRITE,
+                      "NVIDIA DGX H100 datasheet: 8 x H100-80GB, 2 TB RAM, 30 TB NVMe (8 x 3.84 TB U.2), NVLink 900 "
+                      "GB/s, 8 x 400 Gb/s InfiniBand; disk 56 / 30.4 GB/s read / write: 8 PCIe 4.0 U.2 drives in "
+                      "RAID-0 at 7.0 / 3.8 GB/s each (Samsung PM1733 class, nominal)"),
 }
 
 
 def machine_preset(name: str, nodes: int = 1, **overrides: object) -> Machine:
     """A preset node (NODES), one node of a preset device (DEVICES, host RAM from `overrides`), `local`
-    (this machine, memory only), or a machine file written by `capstan plan --calibrate` (a path)."""
+    (this machine, memory only), or a machine file written by `capstan plan --calibrate` (a path).
+
+    A node's disk rates are its RAID-0's shared by the devices in use (every rank streams at once); a
+    device preset has no disk and no disk rate (offload "disk" is not timed on it) unless `overrides`
+    give `disk_read` and `disk_write` (bytes/s per rank), which the rates take too."""
+    disk_rates = {k: float(overrides.pop(k)) for k in ("disk_read", "disk_write") if overrides.get(k) is not None}
+    for k, v in disk_rates.items():
+        if v <= 0:
+            raise PlanError(f"machine.{k} = {v!r}: must be a positive number of bytes per second")
     if name in NODES:
         n = NODES[name]
         d = DEVICES[n.device]
+        per = int(overrides.get("devices_per_node", n.devices))  # type: ignore[call-overload]
+        read, write = n.disk_read / max(1, per), n.disk_write / max(1, per)
         base = Machine(name=name, nodes=nodes, device=d, devices_per_node=n.devices,
-                       host_ram=n.host_ram, disk=n.disk, intra_bandwidth=n.intra, inter_bandwidth=n.inter,
-                       source=n.source, rates=gpu_rates(d.flops, d.memory_bandwidth, n.intra, n.inter, n.devices))
+                       host_ram=n.host_ram, disk=n.disk, disk_read=read, disk_write=write, intra_bandwidth=n.intra,
+                       inter_bandwidth=n.inter, source=n.source,
+                       rates=gpu_rates(d.flops, d.memory_bandwidth, n.intra, n.inter, n.devices, read, write))
     elif name in DEVICES:
         d = DEVICES[name]
         per = int(overrides.pop("devices_per_node", 1))
@@ -317,9 +354,13 @@ def machine_preset(name: str, nodes: int = 1, **overrides: object) -> Machine:
         raise PlanError(f"unknown machine preset {name!r}: expected one of {', '.join([*NODES, *DEVICES, 'local'])}, "
                         "or a machine file from `capstan plan --calibrate`")
     try:
-        return replace(base, **overrides)  # type: ignore[arg-type]
+        machine = replace(base, **overrides)  # type: ignore[arg-type]
     except TypeError as exc:
         raise PlanError(f"machine preset {name!r}: {exc}") from None
+    if disk_rates:
+        rates = replace(machine.rates, **disk_rates) if machine.rates is not None else None
+        machine = replace(machine, rates=rates, **disk_rates)
+    return machine
 
 
 def local_machine(nodes: int = 1, ranks_per_node: int | None = None) -> Machine:

@@ -28,7 +28,8 @@ What a step costs on the slowest pipeline stage, as the engine runs it:
   plus the gradient-norm pass when clipping, at the measured rates of the native kernels, and for the
   flat buffers the clearing of the fp32 gradient (at the measured memory bandwidth).
 * **Disk I/O** (offload disk): the bytes `chunks.disk_traffic` replays at the measured disk rates. A
-  full budget makes every read wait for room, and room waits for the write-back, so both count.
+  full budget makes every read wait for room, and room waits for the write-back, so both count. A
+  machine without disk rates (a device preset) cannot time it: PlanError, naming the rate.
 * **Host<->device copies** on a GPU with offload (estimated, never validated: rates.py).
 * **Compression** (``layout.compression``, ZeRO 0-2): the collectives carry what the compressed ones
   send (1-bit Adam past its freeze: the momentum's signs, twice, (w-1)/w of n/8 bytes each; int8: one
@@ -44,13 +45,14 @@ What a step costs on the slowest pipeline stage, as the engine runs it:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-from .chunks import chunk_lists, disk_traffic
+from .chunks import chunk_lists, disk_traffic, disk_traffic_floor
 from .costs import layer_costs
 from .rates import LayerCost, Link, Rates
 from .spec import Layout, Machine, ModelShape, PlanError, virtual_parts
 
-__all__ = ["StepTime", "step_time"]
+__all__ = ["StepTime", "StepParts", "step_time", "step_parts"]
 
 _HOOK_PASSES = 4  # chunk accesses per parameter and micro-batch with hooks: forward, re-access, gradient, release
 ONEBIT_PASSES = 20  # fp32 passes per element of one 1-bit all-reduce plus the momentum step (module docstring)
@@ -163,11 +165,104 @@ def step_time(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates 
               measure: bool = False, threads: int | None = None) -> StepTime:
     """The predicted step (module docstring). `measure`: profile layer costs missing from `rates` now
     (this machine only); `threads`: torch threads per rank when not the calibrated launcher's."""
+    return step_parts(shape, machine, layout, rates, measure=measure, threads=threads).finish()
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """A step's costs before the pipeline is simulated: per virtual stage one micro-batch's compute,
+    recompute and in-layer traffic, and per stage what comes after the pipeline. `bound()` is a lower
+    bound of the step's seconds (exact without a pipeline) that costs no simulation; `finish()` the step."""
+
+    shape: ModelShape
+    layout: Layout  # resolved
+    source: str
+    compute: tuple[LayerCost, ...]
+    recompute: tuple[float, ...]
+    tp: tuple[tuple[float, float], ...]  # tensor- and context-parallel traffic inside the layers
+    cpc: tuple[tuple[float, float], ...]  # the context-parallel part of it
+    p2p: float
+    stage_parts: tuple[tuple[tuple[str, float], ...], ...]  # per stage: data parallelism, optimizer, disk, hooks
+    overhead: float
+
+    @property
+    def tokens(self) -> int:
+        return self.layout.micro * self.layout.accum * self.layout.dp * self.shape.seq
+
+    def _ends(self) -> list[float]:
+        """Per stage, a time its last instruction cannot end before. Each stage runs all its instructions (their
+        seconds, as `_simulated` counts them, one after another); with one chunk per stage (1F1B, GPipe) it
+        starts with micro-batch 0's forward, which waits for the stages before it to have run theirs, and
+        ends with a backward whose gradient every stage before it waits for, one backward after another."""
+        pp, v, m = self.layout.pp, self.layout.virtual_stages, self.layout.accum
+        last = pp * v - 1
+        fwd = [self.compute[k].forward + self.tp[k][0] + (self.p2p if k < last else 0.0) for k in range(pp * v)]
+        bwd = [self.compute[k].backward + self.recompute[k] + self.tp[k][1] + (self.p2p if k > 0 else 0.0)
+               for k in range(pp * v)]
+        busy = [m * sum(fwd[c * pp + s] + bwd[c * pp + s] for c in range(v)) for s in range(pp)]
+        if v > 1 or min(fwd + bwd) <= 0:  # interleaved (or an instruction that costs nothing): the work alone
+            return busy
+        ends, filled = [], 0.0
+        for s in range(pp):
+            ends.append(filled + busy[s])
+            filled += fwd[s]
+        for s in range(pp - 2, -1, -1):  # stage s's last backward waits for the gradient of stage s + 1's last
+            ends[s] = max(ends[s], ends[s + 1] + bwd[s])
+        return ends
+
+    def bound(self) -> float:
+        """Seconds the step takes at least (`_ends`, then what each stage does after the pipeline), without
+        simulating the pipeline; the step itself without a pipeline."""
+        if self.layout.pp == 1:
+            return self.finish().seconds
+        ends = self._ends()
+        return max(ends[s] + sum(x for _, x in self.stage_parts[s]) for s in range(self.layout.pp)) + self.overhead
+
+    def finish(self) -> StepTime:
+        layout, compute, recompute, tp, cpc = self.layout, self.compute, self.recompute, self.tp, self.cpc
+        p2p = self.p2p
+        pp, v, m = layout.pp, layout.virtual_stages, layout.accum
+        if pp == 1:
+            pipe_end = [m * (compute[0].forward + compute[0].backward + recompute[0] + sum(tp[0]))]
+        else:
+            pipe_end = _simulated(layout.schedule, pp, v, m, compute, recompute, tp, p2p)
+        totals = [pipe_end[s] + sum(x for _, x in self.stage_parts[s]) for s in range(pp)]
+        worst = max(range(pp), key=lambda s: totals[s])
+        mine = [c * pp + worst for c in range(v)]
+        fb = m * sum(compute[k].forward + compute[k].backward for k in mine)
+        rc = m * sum(recompute[k] for k in mine)
+        cps = m * sum(sum(cpc[k]) for k in mine)
+        tpc = m * sum(sum(tp[k]) for k in mine) - cps
+        sends = m * p2p * sum((k < pp * v - 1) + (k > 0) for k in mine) if pp > 1 else 0.0
+        bubble = max(0.0, pipe_end[worst] - fb - rc - tpc - cps - sends) if pp > 1 else 0.0
+        named = [("forward and backward", fb), ("recompute", rc), ("tensor-parallel collectives", tpc),
+                 ("context-parallel exchanges", cps),
+                 ("pipeline transfers", sends), ("pipeline bubble", bubble), *self.stage_parts[worst],
+                 ("engine overhead", self.overhead)]
+        seconds = totals[worst] + self.overhead
+        return StepTime(seconds=seconds, parts=tuple(named), tokens_per_s=self.tokens / seconds, stage=worst,
+                        source=self.source)
+
+
+def _check_disk(machine: Machine, rates: Rates, layout: Layout) -> None:
+    if layout.offload == "disk" and layout.cpu_budget is not None and not (rates.disk_read > 0
+                                                                            and rates.disk_write > 0):
+        missing = " and ".join(k for k in ("disk_read", "disk_write") if not getattr(rates, k) > 0)
+        raise PlanError(f"machine {machine.name!r} has no {missing} rate: offload = \"disk\" cannot be timed on "
+                        "it (give --disk-read and --disk-write, or run `capstan plan --calibrate` there)")
+
+
+def step_parts(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates | None = None, *,
+               measure: bool = False, threads: int | None = None, traffic: bool = True) -> StepParts:
+    """What `step_time` adds up, before it simulates the pipeline (StepParts). Each distinct kind of stage
+    (its layers' kinds: every block costs alike) is costed once. `traffic` False: offload "disk" with the
+    least disk I/O it can have (chunks.disk_traffic_floor, no replay: the parts of a lower bound)."""
     rates = rates or machine.rates
     if rates is None:
         raise PlanError(f"machine {machine.name!r} has no rates: run `capstan plan --calibrate` on it "
                         "(or use a preset) to predict step time")
     layout = layout.resolved(shape, machine)
+    _check_disk(machine, rates, layout)
     threads = threads or rates.threads or 1
     costs, profiled_busy = layer_costs(shape, layout, rates, measure=measure, threads=threads,
                                        busy=_busy(machine, rates, threads))
@@ -178,59 +273,50 @@ def step_time(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates 
     recompute: list[float] = []
     tp: list[tuple[float, float]] = []  # tensor- and context-parallel traffic inside the layers
     cpc: list[tuple[float, float]] = []
+    done: dict[tuple[str, ...], tuple[LayerCost, float, tuple[float, float], tuple[float, float]]] = {}
     for layers in parts:
-        kinds = [_kind(shape, i) for i in layers]
-        f = sum(costs[k].forward for k in kinds) * slow
-        b = sum(costs[k].backward for k in kinds) * slow
-        r = kinds.count("block") * costs["block"].forward * slow if layout.recompute else 0.0
-        compute.append(LayerCost(f, b))
+        kinds = tuple(_kind(shape, i) for i in layers)
+        if kinds not in done:
+            f = sum(costs[k].forward for k in kinds) * slow
+            b = sum(costs[k].backward for k in kinds) * slow
+            r = kinds.count("block") * costs["block"].forward * slow if layout.recompute else 0.0
+            t_f, t_b = _tp_comm(shape, layout, layers, tp_link)
+            c = _cp_comm(shape, machine, rates, layout, layers)
+            done[kinds] = (LayerCost(f, b), r, (t_f + c[0], t_b + c[1]), c)
+        cost, r, t, c = done[kinds]
+        compute.append(cost)
         recompute.append(r)
-        t_f, t_b = _tp_comm(shape, layout, layers, tp_link)
-        cpc.append(_cp_comm(shape, machine, rates, layout, layers))
-        tp.append((t_f + cpc[-1][0], t_b + cpc[-1][1]))
-    pp, v, m = layout.pp, layout.virtual_stages, layout.accum
+        cpc.append(c)
+        tp.append(t)
+    pp, v = layout.pp, layout.virtual_stages
     hidden_bytes = layout.micro * shape.seq // layout.cp * shape.hidden * 4  # the residual stream stays fp32
     p2p = (rates.p2p or tp_link).seconds(hidden_bytes) if pp > 1 else 0.0
-    if pp == 1:
-        pipe_end = [m * (compute[0].forward + compute[0].backward + recompute[0] + sum(tp[0]))]
-    else:
-        pipe_end = _simulated(layout, compute, recompute, tp, p2p)
     # Per stage after (or around) the pipeline: data parallelism, optimizer, disk, hooks.
-    stage_parts: list[dict[str, float]] = []
+    stage_parts: list[tuple[tuple[str, float], ...]] = []
+    rest: dict[tuple[str, ...], tuple[tuple[str, float], ...]] = {}
     for s in range(pp):
         layers = sum((parts[c * pp + s] for c in range(v)), [])
-        stage_parts.append(_stage_rest(shape, machine, layout, rates, layers, slow, threads))
-    totals = [pipe_end[s] + sum(stage_parts[s].values()) for s in range(pp)]
-    worst = max(range(pp), key=lambda s: totals[s])
-    mine = [c * pp + worst for c in range(v)]
-    fb = m * sum(compute[k].forward + compute[k].backward for k in mine)
-    rc = m * sum(recompute[k] for k in mine)
-    cps = m * sum(sum(cpc[k]) for k in mine)
-    tpc = m * sum(sum(tp[k]) for k in mine) - cps
-    sends = m * p2p * sum((k < pp * v - 1) + (k > 0) for k in mine) if pp > 1 else 0.0
-    bubble = max(0.0, pipe_end[worst] - fb - rc - tpc - cps - sends) if pp > 1 else 0.0
-    overhead = rates.step_overhead * slow
-    named = [("forward and backward", fb), ("recompute", rc), ("tensor-parallel collectives", tpc),
-             ("context-parallel exchanges", cps),
-             ("pipeline transfers", sends), ("pipeline bubble", bubble), *stage_parts[worst].items(),
-             ("engine overhead", overhead)]
-    seconds = totals[worst] + overhead
-    tokens = layout.micro * m * layout.dp * shape.seq
-    return StepTime(seconds=seconds, parts=tuple(named), tokens_per_s=tokens / seconds, stage=worst,
-                    source=rates.source)
+        kinds = tuple(_kind(shape, i) for i in layers)
+        if kinds not in rest:
+            rest[kinds] = tuple(_stage_rest(shape, machine, layout, rates, layers, slow, threads, traffic).items())
+        stage_parts.append(rest[kinds])
+    return StepParts(shape=shape, layout=layout, source=rates.source, compute=tuple(compute),
+                     recompute=tuple(recompute), tp=tuple(tp), cpc=tuple(cpc), p2p=p2p,
+                     stage_parts=tuple(stage_parts), overhead=rates.step_overhead * slow)
 
 
-def _simulated(layout: Layout, compute: list[LayerCost], recompute: list[float], tp: list[tuple[float, float]],
-               p2p: float) -> list[float]:
-    """When each stage finishes its last instruction of the schedule (capstan.pipeline.simulate)."""
+@lru_cache(maxsize=1024)
+def _simulated(name: str, pp: int, v: int, accum: int, compute: tuple[LayerCost, ...], recompute: tuple[float, ...],
+               tp: tuple[tuple[float, float], ...], p2p: float) -> tuple[float, ...]:
+    """When each stage finishes its last instruction of the schedule (capstan.pipeline.simulate); once per
+    distinct pipeline (layouts that differ in ZeRO stage or offload alone share it)."""
     from capstan.pipeline import make_schedule, simulate
     from capstan.pipeline.instructions import Backward, Forward
 
     from ..pipe import SCHEDULE_NAMES
 
-    pp, v = layout.pp, layout.virtual_stages
     last = pp * v - 1
-    schedule = make_schedule(SCHEDULE_NAMES[layout.schedule], pp, layout.accum, v)
+    schedule = make_schedule(SCHEDULE_NAMES[name], pp, accum, v)
 
     def cost(stage: int, ins: object) -> float:
         if isinstance(ins, Forward):
@@ -242,7 +328,7 @@ def _simulated(layout: Layout, compute: list[LayerCost], recompute: list[float],
         return 0.0
 
     result = simulate(schedule, stage_cost=cost)
-    return [max((end for _, end, _ in busy), default=0.0) for busy in result.busy]
+    return tuple(max((end for _, end, _ in busy), default=0.0) for busy in result.busy)
 
 
 def _compressed(layout: Layout, params: int, link: Link, gather: Link, rates: Rates, slow: float) -> dict[str, float]:
@@ -265,7 +351,7 @@ def _compressed(layout: Layout, params: int, link: Link, gather: Link, rates: Ra
 
 
 def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rates, layers: list[int],
-                slow: float, threads: int) -> dict[str, float]:
+                slow: float, threads: int, traffic: bool = True) -> dict[str, float]:
     """Data-parallel collectives, optimizer, disk I/O and chunk hooks of one stage's step."""
     weights = shape.layer_params(layout.tp)
     params = sum(weights[i] for i in layers)
@@ -311,10 +397,13 @@ def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rate
     if moves and rates.per_access:
         out["chunk hooks"] = m * _HOOK_PASSES * len(lists.module_chunks) * rates.per_access * slow
     if layout.offload == "disk" and layout.cpu_budget is not None:
-        budget = layout.cpu_budget
-        traffic = disk_traffic(lists, budget, micro=m, recompute=layout.recompute, clip=clip,
-                               eviction=layout.eviction)
-        out["disk I/O"] = traffic.read_bytes / rates.disk_read + traffic.write_bytes / rates.disk_write
+        if traffic:
+            moved = disk_traffic(lists, layout.cpu_budget, micro=m, recompute=layout.recompute, clip=clip,
+                                 eviction=layout.eviction)
+            read, written = moved.read_bytes, moved.write_bytes
+        else:  # at least (no replay)
+            read, written = disk_traffic_floor(lists, layout.cpu_budget)
+        out["disk I/O"] = read / rates.disk_read + written / rates.disk_write
     if gpu and layout.offload != "none" and rates.host_device:
         e = 2 if lists.mixed else 4
         # gradients down to the CPU optimizer and updated parameters back, per step (module docstring)

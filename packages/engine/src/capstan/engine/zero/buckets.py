@@ -45,6 +45,7 @@ import bisect
 from dataclasses import dataclass
 
 import torch
+
 from capstan import comm
 
 __all__ = ["Bucket", "plan_all_reduce", "plan_reduce_scatter", "OverlappedBuckets"]

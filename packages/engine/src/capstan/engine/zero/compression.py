@@ -31,6 +31,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+
 from capstan import comm
 from capstan.chunkmem.optim.onebit import compressed_momentum, frozen_variance_step
 

@@ -36,8 +36,9 @@ rank computes with the same values, as after the blocking int8 gather.
 from __future__ import annotations
 
 import torch
-from capstan import comm
 from torch import nn
+
+from capstan import comm
 
 __all__ = ["ParamPrefetch"]
 

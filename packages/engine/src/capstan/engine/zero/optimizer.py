@@ -67,10 +67,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from capstan import comm
 from capstan.comm.device import is_accelerator
 from capstan.native import device_ops, kernels
-from torch import nn
 
 from ..config.schema import TrainConfig
 from .buckets import OverlappedBuckets, plan_all_reduce, plan_reduce_scatter
@@ -235,7 +236,8 @@ class ZeroOptimizer:
             self.flat_grad.zero_()
         elif self.stage == 2:
             part = torch.empty(self.hi - self.lo, device=self.device)
-            comm.reduce_scatter(part, self.flat_grad, op="avg", group=self.groups.replicas, overwrite_input=True)  # cleared next
+            # flat_grad is cleared next
+            comm.reduce_scatter(part, self.flat_grad, op="avg", group=self.groups.replicas, overwrite_input=True)
             self.shard_grad.add_(part)  # type: ignore[union-attr]
             self.flat_grad.zero_()
 
