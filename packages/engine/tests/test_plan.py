@@ -20,6 +20,7 @@ from capstan.engine.plan import (
     memory_plan,
     min_devices_for_states,
 )
+from capstan.native import standin
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -162,3 +163,43 @@ def test_patrickstar_12b_on_8_v100_needs_gpu_and_host_together() -> None:
     roomier = memory_plan(model, replace(machine, host_ram=320 * GB), Layout(offload="cpu", **base))
     assert roomier.fits, roomier.table()
     assert roomier.total("device") < 32 * GB and roomier.total("ram") > 30 * GB  # each tier holds its part
+
+
+@pytest.mark.parametrize("device", [standin.param()])
+def test_the_planner_counts_the_pinned_staging_pool_of_a_disk_tier_on_a_device(device: str, tmp_path) -> None:
+    """Under a cpu budget on an accelerator chunkmem copies through pinned staging buffers counted in the
+    budget (memory/transfer.py); the planner counts the same bytes, inside the budget and in its minimum."""
+    from capstan import comm
+    from capstan.engine import initialize
+    from capstan.engine.plan.chunks import chunk_lists
+    from capstan.engine.plan.run import shape_layout
+
+    cfg = {"model": {"n_layers": 2, "n_heads": 4, "d_model": 64, "seq_len": 32},
+           "train": {"device": device, "micro_batch_size": 2, "steps": 1},
+           "memory": {"offload": "disk", "cpu_budget": 1 << 20, "chunk_size": 16384, "disk_dir": str(tmp_path)}}
+    engine = initialize(config=cfg, groups=comm.single_process_groups())
+    try:
+        held = engine.manager.device_tier.staging_bytes()
+        shape, layout = shape_layout(engine.config, world=1)
+    finally:
+        engine.close()
+    lists = chunk_lists(shape, layout, list(range(shape.layers + 3)))
+    assert held > 0 and lists.staging_bytes() == held
+    gpu = machine_preset("h100-80gb", host_ram=64 << 30)
+    plan = memory_plan(shape, gpu, layout)
+    assert [i.bytes for i in plan.items if i.what.startswith("pinned staging")] == [held]
+    tight = memory_plan(shape, gpu, replace(layout, cpu_budget=lists.minimum_budget() + held - 1))
+    assert any("pinned staging buffers included" in p for p in tight.problems), tight.problems
+
+
+def test_capstan_plan_of_a_disk_config_without_a_budget(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A disk tier without memory.cpu_budget (what a DeepSpeed NVMe config becomes) is planned with the budget
+    the machine's RAM leaves, as the engine runs it without one: the largest the RAM allows, or, where the
+    states fit in RAM whole (this model), all of them."""
+    path = tmp_path / "nvme.toml"
+    path.write_text('[model]\nn_layers = 2\nn_heads = 4\nd_model = 64\nseq_len = 32\n[memory]\noffload = "disk"\n')
+    assert cli.main(["plan", "--config", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["layout"]["offload"] == "disk"
+    states = next(i["bytes"] for i in out["items"] if i["what"].startswith("model states in RAM"))
+    assert out["layout"]["cpu_budget"] >= states > 0

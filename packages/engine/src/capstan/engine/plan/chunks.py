@@ -81,6 +81,15 @@ class ChunkLists:
             out += [("onebit_worker", 4), ("onebit_server", 4 / self.onebit)]
         return tuple(out)
 
+    def staging_bytes(self) -> int:
+        """RAM of chunkmem's pinned staging pool under a cpu budget on an accelerator (memory/transfer.py):
+        STAGING_BUFFERS buffers, each the largest parameter or gradient chunk rounded to a power of two."""
+        from capstan.chunkmem.memory.transfer import STAGING_BUFFERS, staging_buffer_bytes
+
+        kinds = dict(self.kinds())
+        largest = max(self.chunk_bytes(k, c) for k in ("param", "grad") if k in kinds for c in self.capacities)
+        return STAGING_BUFFERS * staging_buffer_bytes(largest)
+
     def bytes_per_element(self) -> float:
         return sum(b for _, b in self.kinds())
 

@@ -284,12 +284,18 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
                                   "parameter chunks in use and prefetched (2 layers)", "device",
                                   2 * pbytes * largest_layer // shard))
         else:
-            in_ram = min(states, layout.cpu_budget or 0)
-            least = lists.minimum_budget()
+            # on a GPU copies go through pinned staging buffers counted in the budget (chunkmem transfer.py)
+            staging = lists.staging_bytes() if gpu else 0
+            in_ram = max(0, min(states, (layout.cpu_budget or 0) - staging))
+            least = lists.minimum_budget() + staging
             if (layout.cpu_budget or 0) < least:
                 problems.append(f"cpu_budget {_fmt(layout.cpu_budget or 0)} is below the {_fmt(least)} the chunks "
-                                "need in RAM at once (chunkmem's minimum budget for this model and chunk size)")
+                                "need in RAM at once (chunkmem's minimum budget for this model and chunk size"
+                                + (", its pinned staging buffers included)" if staging else ")"))
             items.append(Item(f"model states in RAM (cpu_budget; {where})", "ram", in_ram))
+            if staging:
+                items.append(Item("pinned staging buffers for copies to the device (within cpu_budget)", "ram",
+                                  staging))
             if traffic:
                 on_disk = disk_traffic(lists, layout.cpu_budget or 0, micro=layout.accum, recompute=layout.recompute,
                                        clip=layout.grad_clip, eviction=layout.eviction).disk_bytes

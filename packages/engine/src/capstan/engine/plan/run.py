@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from ..metrics import vm_hwm
 from .memory import MemoryPlan, memory_plan
-from .spec import Layout, Machine, ModelShape, PlanError
+from .search import MIN_BUDGET, _with_disk_budget
+from .spec import Layout, Machine, ModelShape, PlanError, local_machine
 from .time import StepTime, step_time
 
 __all__ = ["Prediction", "RunPlan", "shape_layout", "predict", "comparison", "WARMUP_STEPS", "measured_step"]
@@ -40,8 +41,13 @@ class Prediction:
         return out
 
 
-def shape_layout(cfg: object, world: int | None = None) -> tuple[ModelShape, Layout]:
-    """The reference GPT's shape and the layout of a capstan `Config` (dp resolved from `world`)."""
+def shape_layout(cfg: object, world: int | None = None, machine: Machine | None = None) -> tuple[ModelShape, Layout]:
+    """The reference GPT's shape and the layout of a capstan `Config` (dp resolved from `world`).
+
+    A disk tier without memory.cpu_budget (a DeepSpeed NVMe config: the engine then picks the budget from
+    the RAM it finds, ram_budget.py) gets the largest budget `machine`'s RAM leaves per rank (this machine
+    where none is given), as the search picks disk budgets (search.py); where the states fit in RAM
+    whole, all of them."""
     m, p, mem, t = cfg.model, cfg.parallel, cfg.memory, cfg.train  # type: ignore[attr-defined]
     if m.hf:
         raise PlanError("model.hf: the planner models the reference GPT; give the sizes of your model with "
@@ -52,12 +58,27 @@ def shape_layout(cfg: object, world: int | None = None) -> tuple[ModelShape, Lay
                     micro=t.micro_batch_size, accum=t.grad_accum_steps, recompute=mem.activation_checkpointing,
                     precision=cfg.precision.dtype, sequence_parallel=p.sequence_parallel,  # type: ignore[attr-defined]
                     schedule=p.schedule, virtual_stages=p.virtual_stages, dropout=m.dropout > 0,
-                    cpu_budget=mem.cpu_budget, gpu_budget=mem.gpu_budget, bucket_bytes=int(p.bucket_mb * 2**20),
+                    cpu_budget=mem.cpu_budget or (MIN_BUDGET if mem.offload == "disk" else None),
+                    gpu_budget=mem.gpu_budget, bucket_bytes=int(p.bucket_mb * 2**20),
                     chunk_size=mem.chunk_size, eviction=mem.eviction, grad_clip=t.grad_clip > 0,
                     data_bytes=0 if str(cfg.data.source).endswith(".bin") else cfg.data.max_bytes,  # type: ignore[attr-defined]
                     tiled_loss=mem.tiled_loss, activation_offload=mem.activation_offload, compression=p.compression,
                     cp=p.cp, cp_mode=p.cp_mode, mlp_tile=mem.mlp_tile)
+    if mem.offload == "disk" and mem.cpu_budget is None:
+        layout = _default_disk_budget(shape, layout, machine)
     return shape, layout
+
+
+def _default_disk_budget(shape: ModelShape, layout: Layout, machine: Machine | None) -> Layout:
+    from dataclasses import replace
+
+    machine = machine or local_machine(ranks_per_node=max(1, layout.dp * layout.tp * layout.pp * layout.cp))
+    found = _with_disk_budget(shape, machine, layout)
+    if found is not None:
+        return found
+    states = sum(i.bytes for i in memory_plan(shape, machine, replace(layout, offload="cpu", cpu_budget=None)).items
+                 if i.what.startswith("model states"))
+    return replace(layout, cpu_budget=max(states, MIN_BUDGET))  # all in RAM, or the least the search tries
 
 
 def predict(cfg: object, world: int, machine: Machine, threads: int | None = None,

@@ -115,7 +115,8 @@ def _with_disk_budget(shape: ModelShape, machine: Machine, layout: Layout) -> La
     capacity = probe.capacity["ram"]
     if capacity is None:
         return replace(layout, cpu_budget=MIN_BUDGET)
-    others = probe.total("ram") - sum(i.bytes for i in probe.items if i.what.startswith("model states in RAM"))
+    within = ("model states in RAM", "pinned staging buffers")  # what the budget itself holds
+    others = probe.total("ram") - sum(i.bytes for i in probe.items if i.what.startswith(within))
     budget = int(0.9 * (capacity - others))
     if budget < MIN_BUDGET:
         return None
