@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from capstan.engine.cli import main
-from capstan.engine.cli.launch import (
+from capstan.engine.mpirun import (
     HostSlots,
     LaunchRequestError,
     build_command,

@@ -50,7 +50,7 @@ _state = _State()
 
 
 def _record(signum: int) -> None:
-    from .cli.launch import rank_finished
+    from .mpirun import rank_finished
 
     rank_finished(128 + signum)  # for `capstan launch`; rewritten with the final code on the way out
 

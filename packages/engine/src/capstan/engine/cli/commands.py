@@ -58,9 +58,9 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from ..checkpoint.store import CheckpointError
     from ..config.load import ConfigError
     from ..data.sources import DataError
+    from ..disk_bench import DiskBenchError
     from ..plan import PlanError
     from ..rundir import RunDirError
-    from .disk_bench import DiskBenchError
 
     return (ConfigError, DataError, LaunchError, BudgetError, LayoutError, DiskTierError, CheckpointError,
             DiskBenchError, RunDirError, PlanError)
@@ -208,7 +208,7 @@ def _cmd_checkpoint_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_disk(args: argparse.Namespace) -> int:
-    from .disk_bench import MiB, bench_disk, format_report, offload_floor, parse_count
+    from ..disk_bench import MiB, bench_disk, format_report, offload_floor, parse_count
 
     params = parse_count(args.params)  # before the measurement: a typo costs nothing
     rates = bench_disk(args.dir, args.size_mib * MiB, args.block_mib * MiB, args.inflight, args.rounds)
@@ -219,7 +219,7 @@ def _cmd_bench_disk(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .launch import (  # status files for `capstan launch` (a no-op otherwise)
+    from ..mpirun import (  # status files for `capstan launch` (a no-op otherwise)
         rank_finished,
         rank_started,
     )

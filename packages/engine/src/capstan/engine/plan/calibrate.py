@@ -70,7 +70,7 @@ def _fit(times: dict, factor: float) -> Link:
 
 
 def _launch_probe(ranks: int, shapes: list[tuple[ModelShape, Layout]] = ()) -> dict:
-    from ..cli.launch import build_command, find_mpirun
+    from ..mpirun import build_command, find_mpirun
 
     if find_mpirun() is None:
         raise PlanError("capstan plan --calibrate needs mpirun to measure collectives (capstan info says which)")
@@ -222,7 +222,7 @@ def _layout_overhead(layout: Layout, rates: Rates, disk_dir: str | os.PathLike) 
 
 def _overhead_at(layout: Layout, rates: Rates, disk_dir: str | os.PathLike, size: dict) -> tuple[int, int]:
     """(the plan's tensor bytes, measured peak less them) of one launched run of `_job`."""
-    from ..cli.launch import build_command
+    from ..mpirun import build_command
     from .spec import save_machine
 
     with tempfile.TemporaryDirectory(dir=disk_dir) as tmp:
@@ -243,7 +243,7 @@ def _overhead_at(layout: Layout, rates: Rates, disk_dir: str | os.PathLike, size
 
 
 def _disk(disk_dir: str | os.PathLike, size: int) -> tuple[float, float]:
-    from ..cli.disk_bench import bench_disk
+    from ..disk_bench import bench_disk
 
     Path(disk_dir).mkdir(parents=True, exist_ok=True)
     rates = bench_disk(disk_dir, size=size, block=DISK_BLOCK, inflight=1, rounds=3)
