@@ -66,7 +66,9 @@ class GPT(nn.Module):
 
 
 def n_params(layers: int, d: int, seq: int) -> int:
-    return layers * (12 * d * d + 13 * d) + 2 * VOCAB * d + seq * d + 2 * d
+    from capstan.engine.reference_gpt import param_count
+
+    return param_count(layers, d, VOCAB, seq)
 
 
 def batch(step: int, bsz: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -203,19 +203,20 @@ def _src(sources: Sources, key: str) -> str:
 
 def reference_layer_params(cfg: Config) -> list[int]:
     """Parameters of each of the reference GPT's ``model.layers`` at tp = 1 (embedding, blocks, norm, head)."""
+    from ..reference_gpt import layer_params
+
     m = cfg.model
-    d, v = m.d_model, m.vocab_size
-    block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
-    return [v * d + m.seq_len * d, *([block] * m.n_layers), 2 * d, v * d]
+    return layer_params(m.n_layers, m.d_model, m.vocab_size, m.seq_len)
 
 
 def reference_layer_flops(cfg: Config) -> list[int]:
     """Forward FLOPs per token of each of the reference GPT's ``model.layers`` at tp = 1: a block's
     matmuls (qkv 6d^2, output 2d^2, MLP 16d^2) and attention (QK^T and AV, 2 seq d each), the head's
     2 d vocab; the embedding lookup and the norms count 0."""
+    from ..reference_gpt import layer_flops
+
     m = cfg.model
-    d = m.d_model
-    return [0, *([24 * d * d + 4 * m.seq_len * d] * m.n_layers), 0, 2 * d * m.vocab_size]
+    return layer_flops(m.n_layers, m.d_model, m.vocab_size, m.seq_len)
 
 
 def reference_param_count(cfg: Config) -> int:

@@ -63,10 +63,9 @@ class ModelShape:
     def layer_params(self, tp: int = 1) -> list[int]:
         """Parameters of each layer of [embedding, block x layers, final norm, head] on one rank of a
         tensor-parallel group of `tp` (matrices and column biases sliced, norms and row biases not)."""
-        h, f = self.hidden, self.ffn_mult * self.hidden
-        vocab = -(-self.vocab // tp) * tp  # padded to a multiple of tp (VocabParallelEmbedding)
-        block = (3 * h * h + 3 * h + h * h + h * f + f + f * h) // tp + 4 * h + 2 * h
-        return [vocab * h // tp + self.seq * h, *([block] * self.layers), 2 * h, vocab * h // tp]
+        from ..reference_gpt import layer_params
+
+        return layer_params(self.layers, self.hidden, self.vocab, self.seq, self.ffn_mult, tp)
 
     @property
     def params(self) -> int:
