@@ -26,7 +26,6 @@ overflow, clips, and runs AdamW at the scheduled learning rate.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -47,7 +46,7 @@ from .outputs import check_batch_convention, loss_of
 from .pipe import PipelineStage
 from .precision import autocast, loss_scaler
 from .schedule_lr import lr_at
-from .zero.optimizer import ZeroOptimizer, decays, is_stage_copy
+from .zero.optimizer import ZeroOptimizer, group_order
 
 __all__ = ["Engine", "StepInfo", "LossFn"]
 
@@ -211,12 +210,13 @@ class Engine:
         # tp rank; the sum then runs over tp and pp (stages hold disjoint parameters).
         # A tied weight's copy on a higher pipeline stage (zero.is_stage_copy) gets weight 0 in the norm.
         param_groups, adam, weights = [], [], []
-        for sliced, decay, copy in itertools.product((True, False), (True, False), (False, True)):
-            members = [n for n in names if (getattr(named[n], "tp_dim", None) is not None) == sliced
-                       and decays(named[n]) == decay and is_stage_copy(named[n]) == copy]
-            if not members:
-                continue
-            param_groups.append(members)
+        classes: dict[tuple[bool, bool, bool], list[str]] = {}
+        for n in names:
+            classes.setdefault(group_order(named[n]), []).append(n)
+        for key in sorted(classes):  # the flat buffer's order (zero/optimizer.py group_order)
+            replicated, no_decay, copy = key
+            sliced, decay = not replicated, not no_decay
+            param_groups.append(classes[key])
             adam.append(AdamGroup(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                   weight_decay=t.weight_decay if decay else 0.0))
             weights.append(1.0 if (sliced or self.groups.tp.rank == 0) and not copy else 0.0)

@@ -78,7 +78,7 @@ from .buckets import OverlappedBuckets, plan_all_reduce, plan_reduce_scatter
 from .compression import OneBitAdam, int8_all_gather, int8_reduce_scatter
 from .gather import ParamPrefetch
 
-__all__ = ["ZeroOptimizer", "Segment", "decays"]
+__all__ = ["ZeroOptimizer", "Segment", "decays", "group_order"]
 
 
 def decays(param: torch.Tensor) -> bool:
@@ -94,6 +94,14 @@ STAGE_COPY_ATTR = "capstan_stage_copy"
 
 def is_stage_copy(p: torch.Tensor) -> bool:
     return getattr(p, STAGE_COPY_ATTR, False)
+
+
+def group_order(p: torch.Tensor) -> tuple[bool, bool, bool]:
+    """The class a parameter is stepped and counted with, as a sort key: tp-sliced before replicated,
+    decayed before not, a tied weight's stage copy last. One set of Adam hyper-parameters and one weight
+    in the global gradient norm per class: the flat ZeRO buffer lays its segments out in this order and
+    the chunked engine makes one chunk list per class in it (engine.py), so both group alike."""
+    return getattr(p, "tp_dim", None) is None, not decays(p), is_stage_copy(p)
 
 
 @dataclass(frozen=True)
@@ -132,8 +140,7 @@ class ZeroOptimizer:
         # Replicated across tp = tp_dim is None (tensorpar marks); plain modules count as replicated.
         # Late parameters first: buckets start from the buffer's end, in order, so theirs go last.
         late_ids = {id(t) for t in late_params}
-        key = [(id(p) not in late_ids, getattr(p, "tp_dim", None) is None, not decays(p),
-                is_stage_copy(p)) for p in params]
+        key = [(id(p) not in late_ids, *group_order(p)) for p in params]
         order = sorted(range(len(params)), key=lambda i: key[i])
         self.params = [params[i] for i in order]
         numel = sum(p.numel() for p in self.params)
