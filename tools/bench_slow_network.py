@@ -90,7 +90,7 @@ run_dir = "{run_dir}"
 
 def run_mode(a: argparse.Namespace, hosts: list, mode: str, work: Path, port: int) -> list[dict]:
     """One training run across the hosts; rank 0's step records."""
-    from capstan.comm.testing.harness import _clean_env
+    from capstan.comm.testing import clean_env
     from capstan.comm.testing.netns import IFNAME
 
     run_dir = work / mode
@@ -99,7 +99,7 @@ def run_mode(a: argparse.Namespace, hosts: list, mode: str, work: Path, port: in
     cfg.write_text(config_toml(a, mode, run_dir))
     procs = []
     for rank, host in enumerate(hosts):
-        env = _clean_env({"RANK": str(rank), "WORLD_SIZE": str(len(hosts)), "LOCAL_RANK": "0",
+        env = clean_env({"RANK": str(rank), "WORLD_SIZE": str(len(hosts)), "LOCAL_RANK": "0",
                           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": hosts[0].address, "MASTER_PORT": str(port),
                           "GLOO_SOCKET_IFNAME": IFNAME, "CAPSTAN_COMM_BACKEND": "gloo",
                           "CAPSTAN_COMM_TIMEOUT": "300", "OMP_NUM_THREADS": "1"})

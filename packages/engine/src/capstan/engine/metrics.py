@@ -13,9 +13,8 @@ from typing import Any
 from capstan import comm
 
 # Kept for plan/run.py; the readers live in capstan.comm.procmem.
-from capstan.comm.procmem import peak_rss_bytes as vm_hwm  # noqa: F401
 
-__all__ = ["MetricsSink", "progress_line", "human_bytes", "plot_losses", "plot_memory", "memory_summary", "vm_hwm"]
+__all__ = ["MetricsSink", "progress_line", "human_bytes", "plot_losses", "plot_memory", "memory_summary"]
 
 log = comm.get_logger(__name__)
 

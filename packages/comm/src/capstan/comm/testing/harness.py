@@ -42,7 +42,6 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-_clean_env = clean_env  # the old private name, still imported by tools/bench_slow_network.py
 
 
 def _write_spec(run_dir: Path, fn: Callable[..., Any], args: tuple, kwargs: dict, init: bool,

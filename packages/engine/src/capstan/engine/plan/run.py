@@ -16,7 +16,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from ..metrics import vm_hwm
+from capstan.comm.procmem import peak_rss_bytes
+
 from .memory import MemoryPlan, memory_plan
 from .search import MIN_BUDGET, _with_disk_budget
 from .spec import Layout, Machine, ModelShape, PlanError, local_machine
@@ -162,7 +163,7 @@ class RunPlan:
 
         from capstan import comm
 
-        peaks = torch.tensor([vm_hwm(), disk_peak], dtype=torch.float64)
+        peaks = torch.tensor([peak_rss_bytes(), disk_peak], dtype=torch.float64)
         comm.all_reduce(peaks, "max", group=world_group)
         if self.prediction is None or not records:
             return ""
