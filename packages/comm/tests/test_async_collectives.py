@@ -96,8 +96,8 @@ def _wait_on_a_dead_peer(op: str) -> tuple[str, str, list[int]] | None:
     time.sleep(0.5)
     if op == "all_reduce":
         handle = comm.all_reduce(torch.ones(1000), async_op=True)
-    else:  # over gloo a ring of point-to-point rounds on a worker thread (gloo_reduce_scatter.py)
-        handle = comm.reduce_scatter(torch.empty(500), torch.ones(1000), async_op=True)
+    else:  # 4 MiB: over gloo a ring of point-to-point rounds on a worker thread (gloo_reduce_scatter.py)
+        handle = comm.reduce_scatter(torch.empty(1 << 19), torch.ones(1 << 20), async_op=True)
     try:
         handle.wait()
     except comm.CommError as exc:

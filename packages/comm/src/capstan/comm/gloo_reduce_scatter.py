@@ -12,6 +12,10 @@ into each rate-limited link, took 1.09 s where this ring takes 0.87 s (13.6 MB, 
 an all-gather, the other half of ZeRO-2's traffic, 0.86 s; an all-reduce 1.73 s). The sums follow the
 ring's fixed order, the same on every run.
 
+On loopback too the ring is faster than gloo's own at every size measured (2 ranks, median of 7
+interleaved calls: 64 KiB 0.31 vs 0.63 ms, 1 MiB 1.22 vs 2.31 ms, 16 MiB 15.4 vs 25.7 ms; 4 ranks: 64 KiB
+3.2 vs 7.5 ms, 16 MiB 28.8 vs 44.9 ms), so every size takes it.
+
 Asynchronous calls (ZeRO-2's buckets during backward) run on one worker thread per process group, in
 the order they were issued, which is the same on every rank; the rounds' tags come from a counter per
 group, so two rings in flight never take each other's messages. `wait()` returns once the ring is done
