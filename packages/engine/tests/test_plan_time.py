@@ -30,6 +30,7 @@ from capstan.engine.plan import (
 )
 from capstan.engine.plan.chunks import chunk_lists, disk_traffic
 from capstan.engine.plan.costs import KINDS, layer_key
+from capstan.engine.testing import made_up_machine, made_up_rates
 
 SHAPE = ModelShape(layers=4, hidden=64, heads=4, vocab=256, seq=32)
 COST = {"embed": LayerCost(0.001, 0.002), "block": LayerCost(0.010, 0.020), "norm": LayerCost(0.001, 0.001),
@@ -37,24 +38,11 @@ COST = {"embed": LayerCost(0.001, 0.002), "block": LayerCost(0.010, 0.020), "nor
 
 
 def _rates(**kw: object) -> Rates:
-    base = dict(source="test", threads=1, cores=64, flops={"fp32": 1e10, "bf16": 2e10}, memory_bandwidth=1e10,
-                adam={"fp32": 1e8, "mixed": 1e8, "sumsq": 1e9}, disk_read=1e9, disk_write=5e8,
-                collective={2: Link(1e-4, 1e9), 4: Link(2e-4, 5e8)}, gather={2: Link(1e-4, 2e9), 4: Link(2e-4, 1e9)},
-                p2p=Link(1e-5, 4e9), contention=1.0, per_access=1e-6)
-    base.update(kw)
-    rates = Rates(**base)  # type: ignore[arg-type]
-    for tp in (1, 2, 4):
-        for micro in (1, 2, 4, 8):
-            lay = Layout(tp=tp, micro=micro)
-            for kind in KINDS:
-                c = COST[kind]
-                rates.layers[layer_key(kind, SHAPE, lay, 1)] = LayerCost(c.forward * micro / tp,
-                                                                         c.backward * micro / tp)
-    return rates
+    return made_up_rates(SHAPE, COST, **kw)
 
 
 def _machine(ranks: int, **kw: object):  # noqa: ANN202
-    return replace(local_machine(), ranks_per_node=ranks, rates=_rates(**kw))
+    return made_up_machine(SHAPE, COST, ranks, **kw)
 
 
 def test_one_rank_is_its_layers_plus_the_optimizer() -> None:

@@ -9,7 +9,8 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["assert_trajectories_close", "count_saved_bytes", "tiny_gpt_config", "train_steps", "trajectory"]
+__all__ = ["assert_trajectories_close", "count_saved_bytes", "made_up_machine", "made_up_rates", "tiny_gpt_config",
+           "train_steps", "trajectory"]
 
 
 @contextmanager
@@ -95,3 +96,35 @@ def trajectory(config: dict, steps: int, *, model: object = None, save: str = ""
         out["values"] = engine.parameters_snapshot()
     engine.close()
     return out
+
+
+def made_up_rates(shape: object, cost: dict, **kw: object) -> object:
+    """A planner `Rates` of round made-up numbers (so a test's expected figures follow from plan/time.py's
+    formulas by hand), with `shape`'s layers profiled at `cost` (kind -> LayerCost of one micro-batch at
+    tp 1, scaled by micro / tp) for tp 1, 2, 4 and micro 1, 2, 4, 8. `kw` overrides any rate."""
+    from .plan import LayerCost, Layout, Link, Rates
+    from .plan.costs import KINDS, layer_key
+
+    base = dict(source="test", threads=1, cores=64, flops={"fp32": 1e10, "bf16": 2e10}, memory_bandwidth=1e10,
+                adam={"fp32": 1e8, "mixed": 1e8, "sumsq": 1e9}, disk_read=1e9, disk_write=5e8,
+                collective={2: Link(1e-4, 1e9), 4: Link(2e-4, 5e8)}, gather={2: Link(1e-4, 2e9), 4: Link(2e-4, 1e9)},
+                p2p=Link(1e-5, 4e9), contention=1.0, per_access=1e-6)
+    base.update(kw)
+    rates = Rates(**base)  # type: ignore[arg-type]
+    for tp in (1, 2, 4):
+        for micro in (1, 2, 4, 8):
+            lay = Layout(tp=tp, micro=micro)
+            for kind in KINDS:
+                c = cost[kind]
+                rates.layers[layer_key(kind, shape, lay, 1)] = LayerCost(c.forward * micro / tp,
+                                                                         c.backward * micro / tp)
+    return rates
+
+
+def made_up_machine(shape: object, cost: dict, ranks: int, **kw: object) -> object:
+    """This machine's RAM with `ranks` CPU ranks and `made_up_rates`."""
+    from dataclasses import replace
+
+    from .plan import local_machine
+
+    return replace(local_machine(), ranks_per_node=ranks, rates=made_up_rates(shape, cost, **kw))
