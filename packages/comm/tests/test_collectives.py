@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capstan.comm.testing import requires_mpirun, run_mpirun, run_ranks
+from capstan.comm.testing import bytes_written, requires_mpirun, run_mpirun, run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 SIZES = [0, 1, 7, 1_000_003]
@@ -95,12 +95,6 @@ def _all_cases(_unused: int = 0) -> list[str]:
     return failures
 
 
-def _written() -> int:
-    """Bytes this process passed to write/send system calls (gloo's sockets among them)."""
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("wchar:")).split()[1])
-
-
 def _reduce_scatter_sends_half_an_all_reduce(w) -> list[str]:
     """A reduce-scatter sends (n-1)/n of the buffer, half an all-reduce's 2 (n-1)/n: measured in the bytes
     that left the process. gloo's own reduce-scatter was an all-reduce (as many bytes: 100.7 MB each for
@@ -118,9 +112,9 @@ def _reduce_scatter_sends_half_an_all_reduce(w) -> list[str]:
                       ("reduce_scatter async", lambda: comm.reduce_scatter(torch.empty(end - start), torch.ones(n),
                                                                           async_op=True).wait())):
         comm.barrier()
-        before = _written()
+        before = bytes_written()
         run()
-        sent[name] = _written() - before
+        sent[name] = bytes_written() - before
     payload = 4 * n * (w.size - 1) / w.size
     out = []
     for name in ("reduce_scatter", "reduce_scatter async"):

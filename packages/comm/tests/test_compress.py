@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from capstan import comm
-from capstan.comm.testing import run_ranks
+from capstan.comm.testing import bytes_written, run_ranks
 
 
 def test_signs_pack_eight_per_byte_and_come_back() -> None:
@@ -108,12 +108,6 @@ def _checks(n: int) -> dict:
     return out
 
 
-def _written() -> int:
-    """Bytes this process passed to write/send system calls: gloo's sockets, what really left it."""
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("wchar:")).split()[1])
-
-
 def _wire_against_the_socket(name: str, group) -> dict:
     """comm.wire_bytes is counted by the code that sends; here it is set beside the bytes that left the
     process during each compressed collective of 1M elements (headers and the barrier's few bytes aside)."""
@@ -127,9 +121,9 @@ def _wire_against_the_socket(name: str, group) -> dict:
     for op, run in ops.items():
         comm.barrier(group)
         comm.reset_wire_bytes()
-        before = _written()
+        before = bytes_written()
         run()
-        out[f"{name}/{op}/socket"] = (_written() - before, comm.wire_bytes())
+        out[f"{name}/{op}/socket"] = (bytes_written() - before, comm.wire_bytes())
     return out
 
 

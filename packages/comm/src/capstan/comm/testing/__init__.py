@@ -24,6 +24,7 @@ Example::
 from .devices import BF16_VS_CPU, FP32_VS_CPU, cpu_arithmetic, no_tf32
 from .harness import (
     RankFailure,
+    bytes_written,
     clean_env,
     cuda_marks,
     cuda_param,
@@ -36,6 +37,6 @@ from .harness import (
     run_ranks,
 )
 
-__all__ = ["BF16_VS_CPU", "FP32_VS_CPU", "RankFailure", "clean_env", "cpu_arithmetic", "cuda_marks", "cuda_param",
-           "find_mpirun", "mpirun_args", "mpirun_flavor", "no_tf32", "requires_cuda", "requires_mpirun", "run_mpirun",
-           "run_ranks"]
+__all__ = ["BF16_VS_CPU", "FP32_VS_CPU", "RankFailure", "bytes_written", "clean_env", "cpu_arithmetic",
+           "cuda_marks", "cuda_param", "find_mpirun", "mpirun_args", "mpirun_flavor", "no_tf32", "requires_cuda",
+           "requires_mpirun", "run_mpirun", "run_ranks"]
