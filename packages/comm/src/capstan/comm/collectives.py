@@ -343,8 +343,9 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
     buffer): through MPI the blocking call is then an in-place all-reduce of
     it and a copy of this rank's shard. Open MPI's reduce-scatter took 2-4x
     the time of its all-reduce of the same buffer on one node (2 and 4
-    ranks, 4-128 MiB, docs/comm.md), though it moves half the data. Ignored
-    on gloo and for ``async_op=True``.
+    ranks, 4-128 MiB, docs/comm.md), though it moves half the data. Over
+    gloo the ring then sums in `tensor` itself instead of a copy of it.
+    Ignored for ``async_op=True``.
     """
     _check("output", output)
     _check("tensor", tensor)
@@ -389,7 +390,8 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
             src = torch.zeros(per * g.size, dtype=tensor.dtype, device=tensor.device)
             src[: tensor.numel()] = tensor.view(-1)
         dst = output.view(-1) if output.numel() == per else torch.empty(per, dtype=tensor.dtype, device=tensor.device)
-        _torch_reduce_scatter(dst, src, _TORCH_OPS.get(op, dist.ReduceOp.SUM), g.pg)
+        scratch = overwrite_input or src.data_ptr() != tensor.data_ptr()  # the caller's, or our padded copy
+        _torch_reduce_scatter(dst, src, _TORCH_OPS.get(op, dist.ReduceOp.SUM), g.pg, scratch=scratch)
         if dst.data_ptr() != output.data_ptr() or output.numel() != per:
             output.view(-1).copy_(dst[: end - start])
         if op == "avg":
@@ -415,7 +417,8 @@ def _reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, op: str, g
             src[: tensor.numel()] = tensor.view(-1)
         direct = output.numel() == per
         dst = output.view(-1) if direct else torch.empty(per, dtype=tensor.dtype, device=tensor.device)
-        work = _torch_reduce_scatter(dst, src, _TORCH_OPS.get(op, dist.ReduceOp.SUM), g.pg, async_op=True)
+        work = _torch_reduce_scatter(dst, src, _TORCH_OPS.get(op, dist.ReduceOp.SUM), g.pg, async_op=True,
+                                     scratch=src.data_ptr() != tensor.data_ptr())  # our padded copy
 
     def finish() -> None:
         if not direct:
@@ -427,9 +430,10 @@ def _reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, op: str, g
 
 
 def _torch_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, op: object, pg: object,
-                          async_op: bool = False) -> object:
+                          async_op: bool = False, scratch: bool = False) -> object:
+    """scratch: `src` may be overwritten (the gloo ring then sums in it rather than in a copy)."""
     if dist.get_backend(pg) == "gloo":  # type: ignore[arg-type]
-        return gloo_reduce_scatter(dst, src, op, pg, async_op)  # gloo's own is an all-reduce
+        return gloo_reduce_scatter(dst, src, op, pg, async_op, scratch=scratch)  # gloo's own is an all-reduce
     single = getattr(dist, "reduce_scatter_single", None)
     if single is not None:
         return single(dst, src, op=op, group=pg, async_op=async_op)

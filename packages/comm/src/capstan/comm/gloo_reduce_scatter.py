@@ -63,12 +63,12 @@ def _worker(pg: object) -> ThreadPoolExecutor:
         return _workers[pg]
 
 
-def _ring(dst: torch.Tensor, src: torch.Tensor, op: object, pg: object, tag: int) -> None:
+def _ring(dst: torch.Tensor, src: torch.Tensor, op: object, pg: object, tag: int, scratch: bool) -> None:
     n = dist.get_world_size(pg)  # type: ignore[arg-type]
     r = dist.get_rank(pg)  # type: ignore[arg-type]
     nxt = dist.get_global_rank(pg, (r + 1) % n)  # type: ignore[arg-type]
     prv = dist.get_global_rank(pg, (r - 1) % n)  # type: ignore[arg-type]
-    segs = src.clone().view(n, -1)  # running sums; the caller's buffer is left as it was
+    segs = (src if scratch else src.clone()).view(n, -1)  # running sums: in a copy unless src is scratch
     incoming = torch.empty_like(segs[0])
     for k in range(n - 1):
         send = dist.isend(segs[(r - k - 1) % n], dst=nxt, group=pg, tag=tag)  # type: ignore[arg-type]
@@ -86,13 +86,14 @@ def _ring(dst: torch.Tensor, src: torch.Tensor, op: object, pg: object, tag: int
 
 
 def gloo_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, op: object, pg: object,
-                        async_op: bool) -> _RingWork | None:
+                        async_op: bool, scratch: bool = False) -> _RingWork | None:
     """Reduce `src` (n equal segments, n the group's size) over the gloo group `pg`; this rank's segment
-    lands in `dst`. op: SUM, MAX or MIN. async_op: run on the group's worker thread, return its handle."""
+    lands in `dst`. op: SUM, MAX or MIN. async_op: run on the group's worker thread, return its handle.
+    scratch: the caller is done with `src`, so the running sums are kept in it instead of a copy."""
     if op not in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
         raise ValueError(f"reduce-scatter over gloo supports sum, max and min, not {op}")
     tag = _next_tag(pg)
     if not async_op:
-        _ring(dst, src, op, pg, tag)
+        _ring(dst, src, op, pg, tag, scratch)
         return None
-    return _RingWork(_worker(pg).submit(_ring, dst, src, op, pg, tag))
+    return _RingWork(_worker(pg).submit(_ring, dst, src, op, pg, tag, scratch))
