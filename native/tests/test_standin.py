@@ -23,7 +23,19 @@ def _battery() -> dict:
     from capstan.native import standin
 
     out: dict = {"name": standin.load()}
+    module = torch.get_device_module("standin")
+    try:  # before anything touched the device: CUDA raises here (first GPU lease)
+        module.reset_peak_memory_stats(0)
+        out["reset_before_init"] = None
+    except RuntimeError as exc:
+        out["reset_before_init"] = str(exc)
+    out["initialized_before"] = module.is_initialized()
     x = torch.ones(4, device="standin")
+    out["initialized_after"] = module.is_initialized()
+    module.reset_peak_memory_stats(0)  # raises no more
+    with module.device(1):
+        out["device_context"] = (module.current_device(), str(torch.ones(1, device="standin").device))
+    out["device_after_context"] = module.current_device()
     out["device"] = str(x.device)
     out["index"] = x.device.index
     out["accelerator"] = str(torch.accelerator.current_accelerator())
@@ -178,3 +190,15 @@ def test_pinned_memory_rounds_to_powers_of_two(battery):
 
 def test_out_of_memory_past_capacity(battery):
     assert battery["oom"] and "standin out of memory" in battery["oom"]
+
+
+def test_memory_statistics_need_an_initialized_device_as_on_cuda(battery: dict) -> None:
+    """torch.cuda.reset_peak_memory_stats raises "Invalid device argument" before CUDA is initialized (it
+    failed every measurement of the first GPU lease): the stand-in raises there too, and not after."""
+    assert battery["initialized_before"] is False and battery["initialized_after"] is True
+    assert "Invalid device argument" in battery["reset_before_init"]
+
+
+def test_device_context_selects_a_device_and_restores_the_current_one(battery: dict) -> None:
+    assert battery["device_context"] == (1, "standin:1")
+    assert battery["device_after_context"] == 0

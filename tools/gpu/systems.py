@@ -32,6 +32,7 @@ def _device_setup(cfg: dict):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     module = torch.get_device_module(device.type)
+    module.init()  # torch.cuda's peak counters raise "Invalid device argument" before the device is initialized
     module.reset_peak_memory_stats(device)
     return device, module
 

@@ -82,7 +82,10 @@ def test_gradient_chunks_are_made_on_the_device_not_copied_up_as_zeros(device: s
     got, _ = _train(manager, 4, device, dtype=torch.float32)
     grads = [fresh for kind, fresh in moves if kind == ChunkKind.GRAD]
     assert grads and all(fresh is not None for fresh in grads), moves  # never copied from RAM
-    assert got == want
+    if device == "cuda":  # GPU kernels round differently from the CPU's: 1e-4 (TF32 off, torch's default)
+        assert got == pytest.approx(want, rel=1e-4)
+    else:  # the stand-in runs the CPU's own kernels
+        assert got == want
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -182,6 +185,10 @@ def test_pinned_ram_under_a_budget_is_a_staging_pool_counted_in_the_cpu_tier(dev
     else:
         torch.cuda.synchronize()
         torch._C._host_emptyCache()
+    # torch's own scalar readbacks (`.item()`) on a GPU go through a tiny pinned block it keeps cached: on an
+    # H200 (first lease) the run below grew pinned RAM by the pool plus 4 bytes. Make that block before the
+    # baseline so what grows is ours, and allow it below a page in case torch keeps one per dtype.
+    torch.ones(1, device=device).sum().item()
     before = _pinned_host_bytes(device)
     budget = 96 << 10  # a third of the model's 280 KiB of chunks: every step reads and writes the disk
     manager = ChunkManager(budget, DiskStore(tmp_path), audit=True, device=device, device_budget=3 * CHUNK * 2)
@@ -191,7 +198,10 @@ def test_pinned_ram_under_a_budget_is_a_staging_pool_counted_in_the_cpu_tier(dev
     staging = STAGING_BUFFERS * staging_buffer_bytes(largest)
     assert stats[device]["staging_bytes"] == staging == manager.device_tier.staging_bytes()
     assert stats["disk"]["bytes_out"] > 0 and stats[device]["evictions"] > 0  # it streamed
-    assert _pinned_host_bytes(device) - before == staging  # all the pinned RAM there is, and counted
+    grown = _pinned_host_bytes(device) - before
+    assert staging <= grown < staging + 4096, (grown, staging)  # all the pinned RAM there is, and counted
+    if device == "standin":  # no torch-internal pinned blocks there: exactly the pool
+        assert grown == staging
     assert stats["cpu"]["peak_bytes"] <= budget
     assert not any(e.chunk.payload.is_pinned() for e in manager.entries.values()
                    if e.where == "cpu" and e.chunk.payload is not None)

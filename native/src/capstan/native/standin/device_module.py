@@ -16,8 +16,24 @@ def is_available() -> bool:
     return True
 
 
+# Like CUDA, the stand-in's memory statistics exist only once the device is initialized: torch.cuda's
+# `reset_peak_memory_stats` raises "Invalid device argument" before the first CUDA tensor, `init()` or a
+# call that initializes lazily (synchronize, current_stream, ...), which the GPU battery found in its first
+# lease. The stand-in counts as initialized once it has allocated or one of those calls ran.
+_initialized = False
+
+
+def init() -> None:
+    global _initialized
+    _initialized = True
+
+
 def is_initialized() -> bool:
-    return True
+    global _initialized
+    if not _initialized and any(torch.accelerator.memory_stats(i).get("allocation.all.allocated", 0)
+                                for i in range(device_count())):
+        _initialized = True
+    return _initialized
 
 
 def _is_in_bad_fork() -> bool:
@@ -38,11 +54,31 @@ def set_device(device: int | str | torch.device) -> None:
     torch.accelerator.set_device_index(device)
 
 
+class device:
+    """``with torch.standin.device(i):`` makes device i current inside, as ``torch.cuda.device`` does
+    (activation checkpointing stashes each device's random state under it once the device is initialized)."""
+
+    def __init__(self, device: int | str | torch.device | None) -> None:
+        self.index = -1 if device is None else _index(device)
+        self.previous = -1
+
+    def __enter__(self) -> None:
+        self.previous = current_device()
+        if self.index >= 0 and self.index != self.previous:
+            set_device(self.index)
+
+    def __exit__(self, *exc) -> None:
+        if self.index >= 0 and self.index != self.previous:
+            set_device(self.previous)
+
+
 def synchronize(device: int | str | torch.device | None = None) -> None:
+    init()
     torch.accelerator.synchronize(device)
 
 
 def current_stream(device: int | str | torch.device | None = None) -> torch.Stream:
+    init()
     return torch.accelerator.current_stream(device)
 
 
@@ -72,6 +108,9 @@ def max_memory_reserved(device=None) -> int:
 
 
 def reset_peak_memory_stats(device=None) -> None:
+    if not is_initialized():  # what torch.cuda raises there (see `init`)
+        raise RuntimeError("Invalid device argument : did you call init? (standin: the device is not initialized "
+                           "yet; allocate on it or call torch.standin.init() first, as CUDA needs)")
     torch.accelerator.reset_peak_memory_stats(_index(device))
 
 

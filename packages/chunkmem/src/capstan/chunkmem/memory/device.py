@@ -92,6 +92,9 @@ class DevicePeak:
     def __init__(self, device: torch.device) -> None:
         self.device = indexed(device)
         self._module = device_module(self.device)
+        # torch.cuda's peak counters exist once the device is initialized (reset raises before: seen in the
+        # first GPU lease); a manager can measure before its first chunk reaches the device.
+        getattr(self._module, "init", lambda: None)()
         self._since_step = 0  # the largest peak the moments read since the last step()
 
     def _take(self) -> int:

@@ -1,0 +1,95 @@
+"""Where a capstan training step spends its time on a device: torch.profiler over a few steps.
+
+The battery's speed point says how fast a step is against plain PyTorch; this says why. It runs the speed
+point's model (bench_gpu.py --quick: a ~0.1B GPT, bf16) through capstan with each `memory.offload` asked
+for (or the peers' ~0.9B one: --d-model 2048 --layers 16 --seq 1024 --micro 4), warms up, profiles `--steps` steps, and prints the operators that take the most host time (the
+Python and launch overhead a GPU step hides nothing of) and the most device time, plus the step time
+with and without the profiler. One run of a few seconds per layout; a stand-in run checks the script:
+
+    python tools/gpu/profile_step.py --device cuda --offload none,cpu
+    python tools/gpu/profile_step.py --device standin --tiny     # the CPU suite's stand-in, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _config(args: argparse.Namespace, offload: str) -> dict:
+    from bench_gpu import _gpt_config
+
+    ns = argparse.Namespace(d_model=args.d_model, layers=args.layers, seq=args.seq, micro=args.micro,
+                            steps=args.warmup + args.steps, vocab=args.vocab, dtype="bf16", device=args.device)
+    cfg = _gpt_config(ns)
+    if offload != "none":
+        cfg["memory"] = {"offload": offload}
+    return cfg
+
+
+def profile(args: argparse.Namespace, offload: str) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from capstan.engine import initialize
+    from systems import _device_setup, _tokens
+
+    cfg = _config(args, offload)
+    device, dm = _device_setup(cfg)
+    engine = initialize(config=cfg)
+    batches = _tokens(cfg, args.warmup + 2 * args.steps)
+
+    def step(b: torch.Tensor) -> float:
+        dm.synchronize(device)
+        t0 = time.perf_counter()
+        engine.train_batch(iter([(b[:, :-1], b[:, 1:])]))
+        dm.synchronize(device)
+        return time.perf_counter() - t0
+
+    for b in batches[:args.warmup]:
+        step(b)
+    plain = sorted(step(b) for b in batches[args.warmup:args.warmup + args.steps])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        profiled = sorted(step(b) for b in batches[args.warmup + args.steps:])
+    engine.close()
+    print(f"\n=== offload {offload} on {device}: step {plain[len(plain) // 2] * 1e3:.1f} ms "
+          f"({profiled[len(profiled) // 2] * 1e3:.1f} ms under the profiler), chunked {engine.chunked}")
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    if device.type == "cuda":
+        print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "standin"))
+    ap.add_argument("--offload", default="none,cpu", help="comma-separated memory.offload values")
+    ap.add_argument("--tiny", action="store_true", help="stand-in sizes")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--d-model", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--micro", type=int, default=8)
+    args = ap.parse_args(argv)
+    args.vocab = 50304
+    if args.tiny:
+        args.d_model, args.layers, args.seq, args.micro, args.vocab = 64, 2, 32, 2, 256
+    if args.device == "standin":
+        from capstan.native import standin
+
+        standin.load()
+    for offload in args.offload.split(","):
+        profile(args, offload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
