@@ -1,10 +1,11 @@
 """Where a capstan training step spends its time on a device: torch.profiler over a few steps.
 
-The battery's speed point says how fast a step is against plain PyTorch; this says why. It runs the speed
-point's model (bench_gpu.py --quick: a ~0.1B GPT, bf16) through capstan with each `memory.offload` asked
-for (or the peers' ~0.9B one: --d-model 2048 --layers 16 --seq 1024 --micro 4), warms up, profiles `--steps` steps, and prints the operators that take the most host time (the
-Python and launch overhead a GPU step hides nothing of) and the most device time, plus the step time
-with and without the profiler. One run of a few seconds per layout; a stand-in run checks the script:
+The battery's speed point says how fast a step is against plain PyTorch; this says why. It runs the
+speed point's model (bench_gpu.py --quick: a ~0.1B GPT, bf16; or the peers' ~0.9B one with --d-model 2048
+--layers 16 --seq 1024 --micro 4) through capstan with each `memory.offload` asked for, warms up,
+profiles `--steps` steps, and prints the operators that take the most host time (the Python and launch
+overhead a GPU step hides nothing of) and the most device time, plus the step time with and without the
+profiler. One run of a few seconds per layout; a stand-in run checks the script:
 
     python tools/gpu/profile_step.py --device cuda --offload none,cpu
     python tools/gpu/profile_step.py --device standin --tiny     # the CPU suite's stand-in, tiny sizes
@@ -34,10 +35,11 @@ def _config(args: argparse.Namespace, offload: str) -> dict:
 
 def profile(args: argparse.Namespace, offload: str) -> None:
     import torch
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from systems import _device_setup, _tokens
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     from capstan.engine import initialize
-    from systems import _device_setup, _tokens
 
     cfg = _config(args, offload)
     device, dm = _device_setup(cfg)
