@@ -154,7 +154,7 @@ class GPTHead(ColumnParallelLinear):
         # x: [b, s, d] (or [b, s/tp, d] with sequence parallelism): the input mapping of the column layer
         x = gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel else \
             copy_to_tensor_parallel_region(x, self.group)
-        tile = int(self.tiled_loss) if self.tiled_loss is not True else default_tile(self.weight.shape[0])
+        tile = int(self.tiled_loss) if self.tiled_loss is not True else default_tile(self.weight.shape[0], x.device)
         tokens = x.numel() // x.shape[-1]
         self.logits_peak = max(self.logits_peak, min(tile, tokens) * self.weight.shape[0] * 4)  # one fp32 tile
         # The losses under loss_targets reach GPT.loss / gpt_loss, which take their mean: uniform gradients.

@@ -24,12 +24,19 @@ from capstan.comm import Group
 
 __all__ = ["tiled_head_cross_entropy", "default_tile"]
 
-TILE_ELEMENTS = 1 << 22  # logits per tile (16 MiB in fp32) unless told otherwise
+TILE_ELEMENTS = 1 << 22  # logits per tile (16 MiB in fp32) on the CPU unless told otherwise
+# On an accelerator a tile is 16x larger (256 MiB of fp32 logits): every tile launches ~25 kernels and adds
+# the head's whole gradient in fp32 once, so 4M-logit tiles cost a GPT-2-sized head (4,096 tokens x 50,304)
+# 50 tiles, 31.8 ms of host time and 12 ms of casts a step on an H200, 0.33x plain PyTorch's step (first
+# lease, docs/benchmarks.md "GPU"). A few tiles keep the logits bounded at a fraction of a GPU's memory.
+DEVICE_TILE_ELEMENTS = 1 << 26
 
 
-def default_tile(vocab_local: int) -> int:
-    """Tokens per tile: a tile's logits hold about TILE_ELEMENTS numbers."""
-    return max(1, TILE_ELEMENTS // max(1, vocab_local))
+def default_tile(vocab_local: int, device: torch.device | str | None = None) -> int:
+    """Tokens per tile: a tile's logits hold about TILE_ELEMENTS numbers (DEVICE_TILE_ELEMENTS on an
+    accelerator: `device` is where the logits are formed)."""
+    elements = TILE_ELEMENTS if device is None or torch.device(device).type == "cpu" else DEVICE_TILE_ELEMENTS
+    return max(1, elements // max(1, vocab_local))
 
 
 def _tile_softmax(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, group: Group, start: int, valid: int
@@ -121,7 +128,7 @@ def tiled_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
     same and backward scales the unit gradients without checking (the check is a host sync on a GPU)."""
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)}[:-1]")
-    tile = tile or default_tile(weight.shape[0])
+    tile = tile or default_tile(weight.shape[0], weight.device)
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         return _losses_only(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), group, vocab_size,
                             tile).view(targets.shape)  # evaluation: no unit gradients to form

@@ -92,7 +92,8 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-TILE_ELEMENTS = 1 << 22  # logits per tile of the tiled loss (capstan.tensorpar.tiled_loss, kept torch-free here)
+# logits per tile of the tiled loss on the CPU and on a GPU (capstan.tensorpar.tiled_loss, kept torch-free here)
+TILE_ELEMENTS, DEVICE_TILE_ELEMENTS = 1 << 22, 1 << 26
 RING_TILE = 1024  # queries and keys per tile of ring attention (capstan.tensorpar.context.RING_TILE, likewise)
 
 
@@ -345,7 +346,7 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         vocab = -(-shape.vocab // layout.tp) * layout.tp // layout.tp
         tokens = shape.seq // layout.cp * layout.micro
         if layout.tiled_loss:  # tensorpar/tiled_loss.py: a tile's logits, unit gradients of the head kept
-            tile = min(tokens, max(1, TILE_ELEMENTS // vocab))
+            tile = min(tokens, max(1, (DEVICE_TILE_ELEMENTS if gpu else TILE_ELEMENTS) // vocab))
             items.append(Item("tiled loss: one tile's logits and softmax (fp32), the head's unit gradients "
                               "(input and weight, fp32)", act_tier,
                               2 * 4 * tile * vocab + 4 * tokens * shape.hidden + 4 * vocab * shape.hidden))
