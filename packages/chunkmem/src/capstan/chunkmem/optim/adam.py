@@ -78,6 +78,8 @@ class ChunkAdam:
         schedule does), with the learning rates already set and the arguments `step` will get."""
         if self.speculation is None:
             raise RuntimeError("arm() needs ChunkAdam(..., overlap=True)")
+        if self.speculation.expect_wrong(grad_clip, check_overflow):
+            return  # the last step clipped or overflowed: this one steps after backward (`step` sees it unarmed)
         self.speculation.arm(grad_clip, loss_scale, check_overflow, arrivals)
 
     @property
@@ -159,8 +161,12 @@ class ChunkAdam:
             s = self.speculation
             if (s.grad_clip, s.loss_scale, s.check_overflow) != (grad_clip, loss_scale, check_overflow):
                 raise ValueError("step() arguments differ from those given to arm()")
-            return s.finish()
-        return self._plain_step(grad_clip, loss_scale, check_overflow)
+            norm, overflow = s.finish()
+        else:
+            norm, overflow = self._plain_step(grad_clip, loss_scale, check_overflow)
+        if self.speculation is not None:
+            self.speculation.saw(grad_clip, norm, overflow)
+        return norm, overflow
 
     def _plain_step(self, grad_clip: float | None, loss_scale: float,
                     check_overflow: bool) -> tuple[float | None, bool]:

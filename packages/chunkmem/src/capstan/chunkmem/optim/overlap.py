@@ -22,7 +22,14 @@ BLOOM-176B's steps). At the end of backward `finish` validates:
   clipped update, or the skipped one.
 
 So the result is always the non-overlapped step's, and the price of a wrong
-guess is one more pass of Adam over the chunks. The copies cost RAM: 12 bytes
+guess is one more pass of Adam over the chunks, plus the copies. Clipping is
+not rare everywhere: early in training, or on data like a benchmark's random
+tokens, every step clips, and a guess made every step then made every step
+cost two passes of Adam and 24-28 bytes of copies per parameter (the H200's
+1B offload step: 379 ms of host copies in 2,161 ms, docs/benchmarks.md
+"GPU"). So a step guesses only when the step before it neither clipped nor
+overflowed (`expect_wrong`); otherwise it steps after backward, once, and
+its norm says whether the next one guesses. Both paths give the same step. The copies cost RAM: 12 bytes
 per parameter (14 where the gradient shares the 16-bit slot) while a step is
 in flight, counted in the cpu tier; with grad_clip 0 and no loss scaling no
 guess can be wrong and nothing is copied.
@@ -100,13 +107,29 @@ class Speculation:
     armed: bool = False
     jobs: dict[tuple[int, int], _Job] = field(default_factory=dict)
     missing: dict[tuple[int, int], int] = field(default_factory=dict)
-    # Counters for tests and the run log: chunk groups stepped during backward, steps redone.
+    # Counters for tests and the run log: chunk groups stepped during backward, steps redone, steps that
+    # did not guess because the one before clipped or overflowed.
     stepped_early: int = 0
     rollbacks: int = 0
+    declined: int = 0
+    last_wrong: bool = False  # the last step clipped or overflowed: a guess now would likely be wrong too
 
     def __post_init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capstan-adam")
         self._overflowed = False
+
+    # ---- whether to guess --------------------------------------------------------------------------
+    def expect_wrong(self, grad_clip: float | None, check_overflow: bool) -> bool:
+        """True (and counted) when this step should not guess: the last one clipped or overflowed, and this
+        one can roll back (with neither clipping nor loss scaling no guess is ever wrong)."""
+        if self.last_wrong and (grad_clip is not None or check_overflow):
+            self.declined += 1
+            return True
+        return False
+
+    def saw(self, grad_clip: float | None, norm: float | None, overflow: bool) -> None:
+        """After every step, guessed or not: did it clip or overflow (what `expect_wrong` reads next)?"""
+        self.last_wrong = overflow or (grad_clip is not None and norm is not None and norm > grad_clip)
 
     # ---- arming and the gradient hook ----------------------------------------------------------------
     def arm(self, grad_clip: float | None, loss_scale: float, check_overflow: bool, arrivals: int = 1) -> None:
