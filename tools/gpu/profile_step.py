@@ -33,6 +33,37 @@ def _config(args: argparse.Namespace, offload: str) -> dict:
     return cfg
 
 
+# capstan's own phases, labelled for the profiler (a `capstan::` row each: host time inside, threads included),
+# so a table says how much of a step is forward, backward, the optimizer and its parts, and transfers.
+PHASES = {
+    "capstan.engine.engine:Engine": ("forward", "backward", "step"),
+    "capstan.chunkmem.optim.adam:ChunkAdam": ("_plain_step", "_update", "grad_norm", "_drop_grads"),
+    "capstan.chunkmem.optim.overlap:Speculation": ("_work", "finish", "_roll_back", "_settle"),
+    "capstan.chunkmem.memory.transfer:Transfers": ("to_device", "to_host"),
+}
+
+
+def label_phases() -> None:
+    import functools
+    import importlib
+
+    from torch.profiler import record_function
+
+    for where, names in PHASES.items():
+        module, cls = where.split(":")
+        owner = getattr(importlib.import_module(module), cls)
+        for name in names:
+            fn = getattr(owner, name, None)
+            if fn is None:
+                continue
+
+            def wrapped(*a, __fn=fn, __label=f"capstan::{cls}.{name}", **k):
+                with record_function(__label):
+                    return __fn(*a, **k)
+
+            setattr(owner, name, functools.wraps(fn)(wrapped))
+
+
 def profile(args: argparse.Namespace, offload: str) -> None:
     import torch
     from systems import _device_setup, _tokens
@@ -63,6 +94,10 @@ def profile(args: argparse.Namespace, offload: str) -> None:
     print(f"\n=== offload {offload} on {device}: step {plain[len(plain) // 2] * 1e3:.1f} ms "
           f"({profiled[len(profiled) // 2] * 1e3:.1f} ms under the profiler), chunked {engine.chunked}")
     table = prof.key_averages()
+    print("capstan phases (host time, ms per step; threads' time included):")
+    for ev in sorted(table, key=lambda e: -e.cpu_time_total):
+        if ev.key.startswith("capstan::"):
+            print(f"  {ev.key:48s} {ev.cpu_time_total / 1e3 / args.steps:9.1f} ms  x{ev.count / args.steps:g}")
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     if device.type == "cuda":
         print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
@@ -88,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         from capstan.native import standin
 
         standin.load()
+    label_phases()
     for offload in args.offload.split(","):
         profile(args, offload)
     return 0
