@@ -87,8 +87,8 @@ Block = DenseBlock
 def torch_gpt(a: dict) -> nn.Sequential:
     """[embedding, blocks..., final LayerNorm, head] with the values of capstan's tp=1 reference GPT."""
     from capstan import comm
-    from capstan.engine.build import build_reference_model
     from capstan.engine.config.load import resolve
+    from capstan.engine.models import build_reference_model
 
     cfg, _ = resolve(capstan_config(a, "dp"), ())
     ref = build_reference_model(cfg, comm.single_process_groups()).layers  # tp group of one: the full model

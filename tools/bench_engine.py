@@ -90,8 +90,8 @@ def peak_rss() -> int:
 
 def plain_model(a: dict):
     from capstan import comm
-    from capstan.engine.build import build_reference_model
     from capstan.engine.config.load import resolve
+    from capstan.engine.models import build_reference_model
 
     cfg, _ = resolve(model_config(a), ())
     torch.manual_seed(cfg.train.seed)

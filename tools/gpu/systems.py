@@ -62,8 +62,8 @@ def run_plain(cfg: dict) -> dict:
     import torch
 
     from capstan import comm
-    from capstan.engine.build import build_reference_model
     from capstan.engine.config import resolve
+    from capstan.engine.models import build_reference_model
 
     device, _ = _device_setup(cfg)
     c, _ = resolve(cfg)
@@ -108,8 +108,8 @@ def run_fsdp(cfg: dict) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from capstan import comm
-    from capstan.engine.build import build_reference_model
     from capstan.engine.config import resolve
+    from capstan.engine.models import build_reference_model
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29518"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
@@ -131,8 +131,8 @@ def run_deepspeed(cfg: dict) -> dict:
     import deepspeed
 
     from capstan import comm
-    from capstan.engine.build import build_reference_model
     from capstan.engine.config import resolve
+    from capstan.engine.models import build_reference_model
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1"),
                        ("LOCAL_RANK", "0")):

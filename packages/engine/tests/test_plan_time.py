@@ -425,3 +425,14 @@ def test_train_plan_records_predicted_beside_measured(tmp_path: object, caplog: 
     measured = median(r["step_s"] for r in records[3:])  # the steps after the three of the warm-up
     assert out["step_s"]["measured"] == pytest.approx(measured)
     assert out["ram_bytes"]["measured"] > 10**8 and out["ram_bytes"]["error"] is not None
+
+
+def test_the_calibration_probe_runs_under_mpirun_with_the_trainers_imports() -> None:
+    """`capstan plan --calibrate` measures collectives and the RSS baseline in a process that imported what
+    `capstan train` imports (the process is started with it: probe.py imports no trainer, which kept an
+    import circle plan -> trainer -> plan; tools/import_graph.py)."""
+    from capstan.engine.plan.calibrate import _launch_probe
+
+    probe = _launch_probe(2)
+    assert probe["ranks"] == 2 and probe["trainer_imported"] is True
+    assert probe["all_reduce"] and probe["all_gather"] and probe["rss"] > 0

@@ -14,6 +14,8 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from .aio_error import AsyncIOError
+
 __all__ = ["FallbackEngine"]
 
 
@@ -52,7 +54,6 @@ class FallbackEngine:
         flags = os.O_CLOEXEC | (os.O_RDONLY if mode == 0 else os.O_RDWR | os.O_CREAT)
         if mode == 2:
             flags |= os.O_TRUNC
-        from .aio import AsyncIOError
 
         if direct and hasattr(os, "O_DIRECT"):
             try:

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import _lib
 from ._aio_fallback import FallbackEngine
+from .aio_error import AsyncIOError
 
 __all__ = ["ALIGNMENT", "AsyncFile", "AsyncIOError", "Request", "aligned_empty"]
 
@@ -41,10 +42,6 @@ _SHORT = 5
 _warned_buffered = False
 _engine_lock = threading.Lock()
 _engine: object | None = None
-
-
-class AsyncIOError(OSError):
-    """A failed async request: errno, the file and the offset it was at."""
 
 
 class _AlignedBlock:

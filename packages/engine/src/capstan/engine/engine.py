@@ -131,7 +131,7 @@ class Engine:
         # recomputed blocks' inputs: offloaded or counted (chunkmem.ActivationOffload; build.activation_keeper)
         self.activations: object | None = None
         self._heads: list[nn.Module] | None = None  # the reference GPT's head on this rank (its logits' bytes)
-        # Where forward and backward run (build.resolve_device); chunks move there when they compute.
+        # Where forward and backward run (models.resolve_device); chunks move there when they compute.
         self.device = device or torch.device("cpu")
         self.pipeline = pipeline  # with pp > 1: this rank's stage; `model` is then its chunks
         self.accum = config.train.grad_accum_steps

@@ -211,14 +211,14 @@ class PipelineStage:
                                          checkpoint=ckpt, meta=meta, device=self.device, with_targets=with_targets)
         self.init_fn = None
         if meta:
-            from .build import LayerwiseInit
+            from .models import LayerwiseInit
 
             mine = [(layer, factories[int(name)]) for chunk in self.executor.chunks
                     for name, layer in chunk.named_children()]
             self.init_fn = LayerwiseInit([m for m, _ in mine], [f for _, f in mine])
         self.activations: object | None = None  # where recomputed blocks' inputs wait (build.activation_keeper)
         if cfg.memory.activation_checkpointing and self.reference:
-            from .build import activation_keeper, recompute_blocks
+            from .models import activation_keeper, recompute_blocks
 
             self.activations = activation_keeper(cfg, groups.world.rank, self.device)
             recompute_blocks((layer for chunk in self.executor.chunks for layer in chunk), self.activations)

@@ -240,7 +240,7 @@ def with_default_cpu_budget(cfg: Config, groups: comm.Groups, *, reference_model
     mem = cfg.memory
     if mem.offload != "disk" or mem.cpu_budget is not None:
         return cfg
-    from .build import resolve_device
+    from .models import resolve_device
 
     chosen = derive_budget(cfg, groups, resolve_device(cfg), reference_model)
     budget = chosen.budget

@@ -76,7 +76,11 @@ def _launch_probe(ranks: int, shapes: list[tuple[ModelShape, Layout]] = ()) -> d
         raise PlanError("capstan plan --calibrate needs mpirun to measure collectives (capstan info says which)")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "probe.json")
-        args = [sys.executable, "-m", "capstan.engine.plan.probe", out]
+        # The probe's process imports what `capstan train` imports before any model (its RSS is the baseline
+        # the planner adds to), so the trainer is imported here, in that process: probe.py itself needs none
+        # of it, and importing it there would close a circle plan -> trainer -> plan (tools/import_graph.py).
+        args = [sys.executable, "-c", "import sys, capstan.engine.trainer; from capstan.engine.plan.probe import main; "
+                "main(*sys.argv[1:])", out]
         if shapes:
             args.append(os.path.join(tmp, "shapes.json"))
             Path(args[-1]).write_text(json.dumps([{"shape": asdict(s), "layout": asdict(lay)} for s, lay in shapes]))

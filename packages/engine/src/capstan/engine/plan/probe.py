@@ -67,7 +67,7 @@ def block_seconds(reps: int = 5) -> float:
 
 
 def main(out: str, shapes_file: str | None = None) -> None:
-    import capstan.engine.trainer  # noqa: F401  what `capstan train` imports before any model
+    # The process imported capstan.engine.trainer first, as `capstan train` does (calibrate._launch_probe).
     from capstan import comm
 
     world = comm.init()
@@ -75,6 +75,7 @@ def main(out: str, shapes_file: str | None = None) -> None:
     rss = torch.tensor([_vm_rss()], dtype=torch.float64)
     comm.all_reduce(rss, "max")
     result: dict = {"ranks": n, "threads": torch.get_num_threads(), "rss": int(rss.item()),
+                    "trainer_imported": "capstan.engine.trainer" in sys.modules,  # the baseline's premise
                     "all_reduce": {}, "all_gather": {}, "all_to_all": {}}
     for size in SIZES:
         elems = size // 4
@@ -131,6 +132,3 @@ def _busy_layers(shapes_file: str, n: int) -> dict:
                                                                    "backward": float(flat[2 * j + 1])}
     return out
 
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

@@ -1,0 +1,203 @@
+"""The import graph between capstan's modules, and the two rules it must keep.
+
+capstan's packages are layered (ARCHITECTURE.md): comm imports no other capstan package; native
+none; chunkmem, tensorpar and pipeline only comm and native; engine any. Inside a package, modules
+must not import in a circle: a circle means no module of it can be read, tested or changed alone. This
+script reads every module's imports (module level and inside functions alike: a deferred import is
+still a dependency, only a hidden one) from the source, without importing anything, and reports:
+
+* upward imports: a package importing one above it in the layering, or a module outside the engine's
+  command line (`capstan.engine.cli`, the top floor) importing it;
+* circles: strongly connected groups of modules inside one package (a package's ``__init__``, which
+  re-exports its modules, is its interface, not a member of a circle; imports under ``if
+  TYPE_CHECKING:`` are for annotations and never run, so they do not count);
+* with --dot, the graph in Graphviz form (one package, or all), for docs/architecture.md.
+
+    python tools/import_graph.py                  # rules only; exit 1 when one is broken
+    python tools/import_graph.py --dot engine     # the engine's graph, to render with `dot -Tsvg`
+
+packages/engine/tests/test_import_graph.py runs the rules in every suite run, so the layering the docs
+draw cannot go stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {"native": ROOT / "native" / "src" / "capstan" / "native"} | {
+    p: ROOT / "packages" / p / "src" / "capstan" / p for p in ("comm", "chunkmem", "tensorpar", "pipeline", "engine")}
+# What each package may import from capstan (besides itself).
+ALLOWED = {"native": set(), "comm": {"native"}, "chunkmem": {"comm", "native"}, "tensorpar": {"comm", "native"},
+           "pipeline": {"comm", "native"}, "engine": {"comm", "native", "chunkmem", "tensorpar", "pipeline"}}
+
+
+def module_name(package: str, path: Path) -> str:
+    rel = path.relative_to(SOURCES[package]).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join(["capstan", package, *parts])
+
+
+def _resolve(current: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = current.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    """An `if TYPE_CHECKING:` block: imports for annotations only, never run."""
+    if not isinstance(node, ast.If):
+        return False
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def imports_of(package: str, path: Path, modules: set[str]) -> set[str]:
+    """The capstan modules `path` imports (a name imported from a package counts as its submodule when
+    one of that name exists, else as the package)."""
+    name = module_name(package, path)
+    tree = ast.parse(path.read_text(), str(path))
+    found: set[str] = set()
+    typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block)
+                   for stmt in block.body for n in ast.walk(stmt)}  # type: ignore[attr-defined]
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("capstan."))
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(name, path.name == "__init__.py", node)
+            if not target.startswith("capstan"):
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules else target)
+    out = set()
+    for f in found:  # the longest known module prefix (an attribute import names its module)
+        parts = f.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        if parts:
+            out.add(".".join(parts))
+    out.discard(name)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    files = {pkg: sorted(src.rglob("*.py")) for pkg, src in SOURCES.items()}
+    modules = {module_name(pkg, f) for pkg, fs in files.items() for f in fs}
+    return {module_name(pkg, f): imports_of(pkg, f, modules) for pkg, fs in files.items() for f in fs}
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[1]
+
+
+# Top floors: only modules inside them may import them (the engine's command line is a thin layer over the
+# library, which must never depend on it).
+TOP_FLOORS = ("capstan.engine.cli",)
+
+
+def _in(module: str, floor: str) -> bool:
+    return module == floor or module.startswith(floor + ".")
+
+
+def upward(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs that go up: to a package above in the layering, or into a top floor."""
+    return sorted((m, t) for m, ts in g.items() for t in ts
+                  if (package_of(t) != package_of(m) and package_of(t) not in ALLOWED[package_of(m)])
+                  or any(_in(t, f) and not _in(m, f) for f in TOP_FLOORS))
+
+
+def circles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module within a package (Tarjan's algorithm), where a
+    package's __init__ (which re-exports its modules) is left out: importing a name from a package is
+    the package's interface, and the package importing its own modules is not a circle of theirs."""
+    pkgs = {m for m in g if _is_package(m)}
+    nodes = {m: {t for t in ts if package_of(t) == package_of(m) and t in g and t not in pkgs}
+             for m, ts in g.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+    sys.setrecursionlimit(10000)
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in nodes[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(nodes):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def _is_package(module: str) -> bool:
+    pkg = package_of(module)
+    rel = module.split(".")[2:]
+    return (SOURCES[pkg].joinpath(*rel) / "__init__.py").exists()
+
+
+def dot(g: dict[str, set[str]], package: str | None) -> str:
+    lines = ["digraph capstan {", "  rankdir=LR; node [shape=box, fontsize=10];"]
+    for m in sorted(g):
+        if package and package_of(m) != package:
+            continue
+        for t in sorted(g[m]):
+            if package and package_of(t) != package:
+                continue
+            lines.append(f'  "{m.removeprefix("capstan.")}" -> "{t.removeprefix("capstan.")}";')
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dot", nargs="?", const="", metavar="PACKAGE", help="print the graph in Graphviz form")
+    args = ap.parse_args(argv)
+    g = graph()
+    if args.dot is not None:
+        print(dot(g, args.dot or None))
+        return 0
+    bad = 0
+    for m, t in upward(g):
+        print(f"upward import: {m} imports {t}")
+        bad += 1
+    for group in circles(g):
+        print("import circle: " + " <-> ".join(x.removeprefix("capstan.") for x in group))
+        bad += 1
+    print(f"{len(g)} modules, {sum(len(v) for v in g.values())} imports: "
+          + ("the layering holds and no circle" if not bad else f"{bad} problem(s)"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
