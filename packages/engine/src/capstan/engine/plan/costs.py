@@ -14,7 +14,11 @@ collectives inside them are replaced by local stand-ins of the same shapes while
 (`_local_collectives`): the step-time model adds their cost from the measured links instead. A
 profile is kept in `Rates.layers` under `layer_key`, so a calibrated machine file carries them.
 
-**From FLOPs** where nothing was profiled (the GPU presets, a shape the calibration did not see):
+**Fitted** (fit.py) for a shape the calibration did not profile, from the profiles of other shapes of
+the same family (precision, threads, flags; any tp): a cost per unit of work (matmul FLOPs, element-wise
+values, attention scores, logits) fitted to them, which counts what a FLOP rate leaves out.
+
+**From FLOPs** where nothing of the family was profiled (the GPU presets):
 a block's forward is 2·b·s·h²·(4 + 2·ffn_mult)/tp + 4·b·s²·h/tp FLOPs (the four attention and two
 MLP matmuls, then scores and values), the head 2·b·s·h·vocab/tp; backward twice forward; divided by
 the rate of `Rates.flops` for the precision. Embedding and norm are memory-bound: the bytes of their
@@ -30,6 +34,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .fit import fitted_cost, parse_key
 from .memory import mlp_tiled
 from .rates import LayerCost, Rates
 from .spec import Layout, ModelShape
@@ -85,6 +90,9 @@ def layer_costs(shape: ModelShape, layout: Layout, rates: Rates, measure: bool =
         keys = {kind: layer_key(kind, shape, layout, threads, busy) for kind in KINDS}
         if all(k in rates.layers for k in keys.values()):
             return {kind: rates.layers[k] for kind, k in keys.items()}, True
+        fitted = _fitted(keys, rates)
+        if fitted is not None:
+            return fitted, True
     keys = {kind: layer_key(kind, shape, layout, threads) for kind in KINDS}
     if all(k in rates.layers for k in keys.values()):
         return {kind: rates.layers[k] for kind, k in keys.items()}, False
@@ -93,7 +101,25 @@ def layer_costs(shape: ModelShape, layout: Layout, rates: Rates, measure: bool =
         for kind, cost in measured.items():
             rates.layers[keys[kind]] = cost
         return measured, False
+    fitted = _fitted(keys, rates)
+    if fitted is not None:
+        return fitted, False
     return _from_flops(shape, layout, rates), False
+
+
+def _fitted(keys: dict[str, str], rates: Rates) -> dict[str, LayerCost] | None:
+    """Every kind's profile where one exists, else its cost fitted to its family's profiles (fit.py); None
+    when some kind has neither (the caller counts FLOPs)."""
+    out = {}
+    for kind, key in keys.items():
+        cost = rates.layers.get(key)
+        if cost is None:
+            target = parse_key(key)
+            cost = fitted_cost(target, rates.layers) if target is not None else None
+        if cost is None:
+            return None
+        out[kind] = cost
+    return out
 
 
 @contextlib.contextmanager

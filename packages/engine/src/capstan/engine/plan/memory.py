@@ -180,6 +180,18 @@ def runtime_family(layout: Layout) -> str:
             + (f".cp{lay.cp}{lay.cp_mode[0]}" if lay.cp > 1 else "") + (".mt" if lay.mlp_tile else ""))
 
 
+def nearest_family(family: str, measured: dict[str, int]) -> str | None:
+    """The calibrated kind of run most like `family` (runtime_family names): the most parts in common (ranks
+    and axes, ZeRO stage, offload, precision, flags), ties to the larger overhead. A kind of layout the
+    calibration never launched (every layout `capstan plan --search` tries but one) then takes what the
+    nearest launched kind held, rather than the per-process figures that leave out its process groups and
+    buffers (held-out validation rows, docs/plan.md: 17% under for an unlaunched ZeRO-3 + disk run)."""
+    if not measured:
+        return None
+    mine = set(family.split("."))
+    return max(measured, key=lambda f: (len(mine & set(f.split("."))), measured[f]))
+
+
 def _runtime(machine: Machine, layout: Layout, chunked: bool, tensors: int) -> list[Item]:
     """What a rank holds besides tensors: measured by `capstan plan --calibrate` for a run of this layout's
     kind (a tiny model launched as the job would be: calibrate.py), else for one process (overhead.py),
@@ -188,12 +200,15 @@ def _runtime(machine: Machine, layout: Layout, chunked: bool, tensors: int) -> l
     if rates is None or not rates.host_overhead or not rates.runtime:
         return [Item("interpreter, torch and libraries", "ram", machine.host_overhead)]
     family = runtime_family(layout)
-    if family in rates.layout_overhead:
-        slack = rates.layout_slack.get(family, 0.0) * tensors
+    measured = family if family in rates.layout_overhead else nearest_family(family, rates.layout_overhead)
+    if measured is not None:
+        slack = rates.layout_slack.get(measured, 0.0) * tensors
+        how = f"measured: {family}" if measured == family else f"the nearest kind measured, {measured}"
         return [Item(f"interpreter, torch, MPI, capstan and what a run of this kind holds besides its tensors "
-                     f"(measured: {family})", "ram", rates.layout_overhead[family]),
-                Item(f"the allocator's slack on these tensors ({rates.layout_slack.get(family, 0.0):.2f} B per "
-                     "byte, measured)", "ram", int(slack))]
+                     f"({how})", "ram",
+                     rates.layout_overhead[measured]),
+                Item(f"the allocator's slack on these tensors ({rates.layout_slack.get(measured, 0.0):.2f} B per "
+                     f"byte, {'measured' if measured == family else 'of ' + measured})", "ram", int(slack))]
     r = rates.runtime
     items = [Item("interpreter, torch, MPI and capstan (measured)", "ram", rates.host_overhead),
              Item("compute kernels' first use (measured)", "ram", r.get("first_compute", 0))]
