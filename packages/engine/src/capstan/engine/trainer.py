@@ -73,7 +73,7 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups, plan: str | None = N
     sink = MetricsSink(run_dir, rank0, cfg.log.tensorboard, append=start > 0)
     if rank0:
         (run_dir / "config.resolved.toml").write_text(to_toml(cfg, derived))
-    chunks = f" | chunks of {engine.module.chunk_size} elements" if engine.chunked else ""
+    chunks = engine.states.describe()
     comm.log_rank0(log, "%s%s | %d tokens (%d train, %d validation) from %s | %s",
                    _layout(cfg, groups, engine.device), chunks, len(data.tokens), data.n_train, data.n_val, data.source,
                    ", ".join(f"{k} {v}" for k, v in derived.items()))
@@ -91,10 +91,8 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups, plan: str | None = N
         with contextlib.suppress(Exception):
             engine.close()
         raise
-    states = timeline = None
-    if engine.chunked:  # the last step's RAM at every chunk access, and all the chunks' bytes
-        timeline = list(engine.manager.cpu.stats.timeline)
-        states = sum(e.chunk.nbytes for e in engine.manager.entries.values())
+    # the last step's RAM at every chunk access, and all the chunks' bytes (where the states track them)
+    timeline, states = engine.states.ram_timeline() or (None, None)
     summary = watch.finish(sink.records, engine.disk_peak, groups.world, run_dir) if watch is not None else ""
     sink.close()
     engine.close()

@@ -120,8 +120,7 @@ def _tied_alias(engine: Engine, name: str) -> str | None:
 
 
 def _raw_module(engine: Engine) -> nn.Module:
-    mod = engine.module
-    return getattr(mod, "module", mod) if engine.chunked else mod
+    return engine.states.raw_module()
 
 
 def _owners(module: nn.Module) -> dict[int, tuple[str, nn.Module]]:
