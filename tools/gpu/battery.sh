@@ -48,7 +48,10 @@ done
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-if compgen -G ".whl/*.whl" > /dev/null; then
+if [[ $DEVICE == standin ]] && compgen -G ".whl/*.whl" > /dev/null; then
+  # .whl/ holds the GPU machine's wheels (its Python, its platform): the stand-in runs on this machine's
+  echo "battery: the stand-in leaves the carried wheels in .whl/ alone (they are for the GPU machine)"
+elif compgen -G ".whl/*.whl" > /dev/null; then
   if (( DRY )); then
     echo "would install: $(ls .whl/*.whl | tr '\n' ' ')"
   else

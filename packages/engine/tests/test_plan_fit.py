@@ -73,14 +73,20 @@ def test_a_tiny_held_out_model_is_predicted_within_30_percent_of_its_measured_la
     FLOPs estimate with the calibrated rate)."""
     torch.set_num_threads(1)
     lay = Layout(micro=2)
-    profiles = {}
-    for shape in (_shape(96, 4, 48), _shape(128, 8, 32), _shape(64, 4, 96)):
-        for kind, c in measure_layers(shape, lay, 1).items():
-            profiles[layer_key(kind, shape, lay, 1)] = c
     held = _shape(160, 5, 64, layers=4)
+    shapes = (_shape(96, 4, 48), _shape(128, 8, 32), _shape(64, 4, 96), held)
+    # Each shape timed in three rounds, interleaved, its fastest kept: a slow spell of a shared machine then
+    # costs a round, not the comparison (the first suite run saw the held-out model 34% off once).
+    best: dict[ModelShape, dict[str, LayerCost]] = {}
+    for _ in range(3):
+        for shape in shapes:
+            got = measure_layers(shape, lay, 1)
+            old = best.setdefault(shape, got)
+            best[shape] = {k: min(old[k], got[k], key=lambda c: c.forward + c.backward) for k in KINDS}
+    profiles = {layer_key(kind, s, lay, 1): c for s in shapes[:3] for kind, c in best[s].items()}
     predicted, _ = layer_costs(held, lay, Rates(source="test", threads=1, flops={"fp32": 1e10},
                                                 memory_bandwidth=1e10, layers=profiles))
-    measured = measure_layers(held, lay, 1)
+    measured = best[held]
 
     def total(c: dict[str, LayerCost]) -> float:
         return sum((c[k].forward + c[k].backward) * (held.layers if k == "block" else 1) for k in KINDS)
@@ -99,3 +105,17 @@ def test_an_unlaunched_kind_of_run_takes_the_overhead_of_the_nearest_one_launche
         "dp2.tp1.pp1.z3.none.fp32"
     assert nearest_family("dp1.tp1.pp1.z0.none.fp32.rc", measured) == "dp1.tp1.pp1.z0.none.fp32"
     assert nearest_family("dp1.tp1.pp1.z0.none.fp32", {}) is None
+
+
+def test_the_calibration_profiles_enough_shapes_per_family_to_fit() -> None:
+    """One shape of a family (bf16 here) gets variants (3/4 of the hidden size, half the sequence), so a fit
+    has FIT_POINTS shapes; a family with enough is left as it is."""
+    from capstan.engine.plan.calibrate import FIT_POINTS, _add_fit_points, _profile_key
+
+    bf16, fp32 = Layout(micro=2, precision="bf16", tp=2), Layout(micro=2)
+    given = [(_shape(384, 8, 128), bf16), *((_shape(h, 4, 64), fp32) for h in (64, 128, 256))]
+    profiles = {_profile_key(s, lay): (s, lay) for s, lay in given}
+    _add_fit_points(profiles)
+    added = [(s.hidden, s.seq, lay.precision) for s, lay in profiles.values() if (s, lay) not in given]
+    assert sorted(added) == [(288, 128, "bf16"), (384, 64, "bf16")]
+    assert FIT_POINTS == 3
