@@ -106,16 +106,3 @@ def test_an_unlaunched_kind_of_run_takes_the_overhead_of_the_nearest_one_launche
     assert nearest_family("dp1.tp1.pp1.z0.none.fp32.rc", measured) == "dp1.tp1.pp1.z0.none.fp32"
     assert nearest_family("dp1.tp1.pp1.z0.none.fp32", {}) is None
 
-
-def test_the_calibration_profiles_enough_shapes_per_family_to_fit() -> None:
-    """One shape of a family (bf16 here) gets variants (3/4 of the hidden size, half the sequence), so a fit
-    has FIT_POINTS shapes; a family with enough is left as it is."""
-    from capstan.engine.plan.calibrate import FIT_POINTS, _add_fit_points, _profile_key
-
-    bf16, fp32 = Layout(micro=2, precision="bf16", tp=2), Layout(micro=2)
-    given = [(_shape(384, 8, 128), bf16), *((_shape(h, 4, 64), fp32) for h in (64, 128, 256))]
-    profiles = {_profile_key(s, lay): (s, lay) for s, lay in given}
-    _add_fit_points(profiles)
-    added = [(s.hidden, s.seq, lay.precision) for s, lay in profiles.values() if (s, lay) not in given]
-    assert sorted(added) == [(288, 128, "bf16"), (384, 64, "bf16")]
-    assert FIT_POINTS == 3

@@ -254,47 +254,9 @@ def _disk(disk_dir: str | os.PathLike, size: int) -> tuple[float, float]:
     return rates["read_gbs"] * 1e9, rates["write_gbs"] * 1e9
 
 
-FIT_POINTS = 3  # shapes profiled per family (plan/fit.py): enough to determine a block's three work terms
-
-
 def _profile_key(shape: ModelShape, layout: Layout) -> tuple:
     return (shape, layout.tp, layout.micro, layout.precision, layout.sequence_parallel, layout.dropout, layout.cp,
             layout.cp_mode if layout.cp > 1 else "", layout.mlp_tile)
-
-
-def _add_fit_points(profiles: dict) -> None:
-    """Each family of profiles (plan/fit.py: the same precision and flags) gets at least FIT_POINTS shapes:
-    variants of its first shape with 3/4 of the hidden size and half the sequence, so the fit of a shape
-    nobody profiled has as many points as terms (with one, a bf16 block was fitted by its matmul FLOPs
-    alone and predicted 16% slow: docs/plan.md, held-out models)."""
-    def family(key: tuple) -> tuple:
-        _, _, _, precision, sp, dropout, cp, mode, tile = key
-        return precision, sp, dropout, cp, mode, tile
-
-    count: dict[tuple, int] = {}
-    for key in profiles:
-        count[family(key)] = count.get(family(key), 0) + 1
-    for key, (shape, layout) in list(profiles.items()):
-        for variant in _variants(shape, layout):
-            if count[family(key)] >= FIT_POINTS:
-                break
-            new = _profile_key(variant, layout)
-            if new not in profiles:
-                profiles[new] = (variant, layout)
-                count[family(key)] += 1
-
-
-def _variants(shape: ModelShape, layout: Layout) -> list[ModelShape]:
-    """Shapes near `shape` that `layout` can run: 3/4 of the hidden size (a multiple of the heads), half the
-    sequence (a multiple of what cp and the MLP tile need)."""
-    out = []
-    hidden = shape.hidden * 3 // 4 // shape.heads * shape.heads
-    if hidden >= 8 * shape.heads:
-        out.append(replace(shape, hidden=hidden))
-    seq, unit = shape.seq // 2, 2 * layout.cp * max(1, layout.tp if layout.sequence_parallel else 1)
-    if seq >= 16 and seq % unit == 0 and (not layout.mlp_tile or layout.mlp_tile <= seq // layout.cp):
-        out.append(replace(shape, seq=seq))
-    return out
 
 
 def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple[ModelShape, Layout]] = (),
@@ -306,7 +268,6 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
     profiles = {}  # one profile per distinct (shape, tp slice, micro-batch, precision, sp, dropout)
     for shape, layout in shapes:
         profiles.setdefault(_profile_key(shape, layout), (shape, replace(layout, dp=0)))
-    _add_fit_points(profiles)
     shapes = list(profiles.values())
     log(f"calibrating: collectives under mpirun -np {' and '.join(map(str, sorted({2, *ranks, cores} - {1})))} "
         f"({cores} cores)"
