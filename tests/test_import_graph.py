@@ -40,3 +40,16 @@ def test_imports_inside_functions_count_and_type_checking_ones_do_not(tmp_path, 
     modules = {"capstan.engine", "capstan.engine.a", "capstan.engine.b"}
     assert import_graph.imports_of("engine", pkg / "a.py", modules) == {"capstan.engine.b"}
     assert import_graph.imports_of("engine", pkg / "b.py", modules) == set()
+
+
+def test_every_package_readme_shows_its_rooms_as_the_code_has_them() -> None:
+    """Each package README holds its rooms and what each imports, generated from the source: a move that
+    changes them fails here until `python tools/import_graph.py --write-readmes` is run."""
+    g = import_graph.graph()
+    for package, readme in import_graph.READMES.items():
+        text = readme.read_text()
+        assert import_graph.BEGIN in text, f"{readme} has no rooms block: run tools/import_graph.py --write-readmes"
+        block = import_graph.BEGIN + text.split(import_graph.BEGIN, 1)[1].split(import_graph.END, 1)[0] + \
+            import_graph.END
+        assert block == import_graph.rooms(g, package), \
+            f"{readme}'s rooms are stale: run python tools/import_graph.py --write-readmes"
