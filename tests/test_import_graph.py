@@ -26,6 +26,11 @@ def test_the_rules_find_what_they_look_for() -> None:
          "capstan.engine.c": {"capstan.engine.a"}, "capstan.engine.d": {"capstan.engine.cli.launch"},
          "capstan.engine.cli.launch": set(), "capstan.comm.x": {"capstan.chunkmem.y"}, "capstan.chunkmem.y": set()}
     assert import_graph.circles(g) == [["capstan.engine.a", "capstan.engine.b", "capstan.engine.c"]]
+    # through a package's __init__: engine -> checkpoint (its __init__) -> store -> engine
+    through = {"capstan.engine.engine": {"capstan.engine.checkpoint"},
+               "capstan.engine.checkpoint": {"capstan.engine.checkpoint.store"},
+               "capstan.engine.checkpoint.store": {"capstan.engine.engine"}}
+    assert import_graph.circles(through) == [sorted(through)]
     assert import_graph.upward(g) == [("capstan.comm.x", "capstan.chunkmem.y"),
                                       ("capstan.engine.d", "capstan.engine.cli.launch")]
 

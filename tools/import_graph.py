@@ -8,9 +8,9 @@ still a dependency, only a hidden one) from the source, without importing anythi
 
 * upward imports: a package importing one above it in the layering, or a module outside the engine's
   command line (`capstan.engine.cli`, the top floor) importing it;
-* circles: strongly connected groups of modules inside one package (a package's ``__init__``, which
-  re-exports its modules, is its interface, not a member of a circle; imports under ``if
-  TYPE_CHECKING:`` are for annotations and never run, so they do not count);
+* circles: strongly connected groups of modules inside one package (a package's ``__init__`` counts as
+  a module: importing a name from it runs the imports it makes; imports under ``if TYPE_CHECKING:`` are
+  for annotations and never run, so they do not count);
 * with --dot, the graph in Graphviz form (one package, or all), for docs/architecture.md.
 
     python tools/import_graph.py                  # rules only; exit 1 when one is broken
@@ -120,12 +120,10 @@ def upward(g: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 
 def circles(g: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected groups of more than one module within a package (Tarjan's algorithm), where a
-    package's __init__ (which re-exports its modules) is left out: importing a name from a package is
-    the package's interface, and the package importing its own modules is not a circle of theirs."""
-    pkgs = {m for m in g if _is_package(m)}
-    nodes = {m: {t for t in ts if package_of(t) == package_of(m) and t in g and t not in pkgs}
-             for m, ts in g.items()}
+    """Strongly connected groups of more than one module within a package (Tarjan's algorithm). A package's
+    __init__ is a node too: a module importing `from . import checkpoint` depends on every module that
+    __init__ imports, and a circle through it (engine -> checkpoint/__init__ -> store -> engine) is one."""
+    nodes = {m: {t for t in ts if package_of(t) == package_of(m) and t in g} for m, ts in g.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -160,12 +158,6 @@ def circles(g: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return sorted(out)
-
-
-def _is_package(module: str) -> bool:
-    pkg = package_of(module)
-    rel = module.split(".")[2:]
-    return (SOURCES[pkg].joinpath(*rel) / "__init__.py").exists()
 
 
 BEGIN, END = "<!-- import_graph rooms: begin -->", "<!-- import_graph rooms: end -->"

@@ -133,6 +133,7 @@ def load() -> str:
         torch.utils.rename_privateuse1_backend(NAME)
         from . import device_module
 
+        device_module.bind(_device_count)
         torch._register_device_module(NAME, device_module)
         torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
     _lib = lib

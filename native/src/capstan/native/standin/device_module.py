@@ -40,10 +40,19 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
-def device_count() -> int:
-    from . import _device_count  # torch.accelerator.device_count() asks this module: ask the library
+_count = None  # the library's device count, bound by standin.load() (`bind`): no import of the package
 
-    return _device_count()
+
+def bind(device_count_fn) -> None:  # noqa: ANN001
+    """Called by standin.load(): how to ask the library for its device count."""
+    global _count
+    _count = device_count_fn
+
+
+def device_count() -> int:
+    # torch.accelerator.device_count() asks this module: ask the library
+    assert _count is not None, "standin.load() first"
+    return _count()
 
 
 def current_device() -> int:

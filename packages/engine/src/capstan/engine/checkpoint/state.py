@@ -24,11 +24,13 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..engine import Engine
+if TYPE_CHECKING:  # annotations only: the engine imports this package (Engine.save / load)
+    from ..engine import Engine
 
 __all__ = ["LocalParam", "StateView", "state_view", "merge_tp", "slice_tp", "FIELDS", "rng_generators"]
 

@@ -30,15 +30,18 @@ import shutil
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from capstan import comm
 from capstan.comm import faults
 
-from ..engine import Engine
 from .format import FORMAT, MANIFEST, VERSION, Entry, fsync_dir, read_tensor, write_safetensors
 from .state import FIELDS, LocalParam, merge_tp, rng_generators, slice_tp, state_view
+
+if TYPE_CHECKING:  # annotations only: the engine imports this package (Engine.save / load)
+    from ..engine import Engine
 
 __all__ = ["save", "load", "load_latest", "latest", "checkpoint_dir", "CheckpointError", "read_manifest",
            "assemble", "incomplete_checkpoints"]
