@@ -32,7 +32,8 @@ from torch import nn
 if TYPE_CHECKING:  # annotations only: the engine imports this package (Engine.save / load)
     from ..engine import Engine
 
-__all__ = ["LocalParam", "StateView", "state_view", "merge_tp", "slice_tp", "FIELDS", "rng_generators"]
+__all__ = ["LocalParam", "StateView", "state_view", "merge_tp", "slice_tp", "FIELDS", "rng_generators",
+           "describe_param", "param_owners", "tied_alias", "canonical_name"]
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -68,7 +69,7 @@ def _logical_rows(module: nn.Module) -> int | None:
     return None
 
 
-def _describe(name: str, p: nn.Parameter, shape: tuple[int, ...], owner: nn.Module, tp_rank: int,
+def describe_param(name: str, p: nn.Parameter, shape: tuple[int, ...], owner: nn.Module, tp_rank: int,
               tp_size: int) -> LocalParam:
     tp_dim = getattr(p, "tp_dim", None)
     fused = int(getattr(p, "tp_fused", 1) or 1)
@@ -109,7 +110,7 @@ def canonical_name(engine: Engine, local_name: str) -> str:
     return name
 
 
-def _tied_alias(engine: Engine, name: str) -> str | None:
+def tied_alias(engine: Engine, name: str) -> str | None:
     """A transformers head tied to its embedding: a checkpoint from one process has only the embedding
     (the model lists a tied parameter once), so the head's stage loads from it."""
     from capstan.pipeline import HF_TIED_HEADS
@@ -121,11 +122,7 @@ def _tied_alias(engine: Engine, name: str) -> str | None:
     return embedding
 
 
-def _raw_module(engine: Engine) -> nn.Module:
-    return engine.states.raw_module()
-
-
-def _owners(module: nn.Module) -> dict[int, tuple[str, nn.Module]]:
+def param_owners(module: nn.Module) -> dict[int, tuple[str, nn.Module]]:
     """id(param) -> (its name in `module`, the module that holds it directly)."""
     out: dict[int, tuple[str, nn.Module]] = {}
     for mod_name, mod in module.named_modules():
@@ -166,141 +163,10 @@ class StateView:
     optimizer_step: int
 
 
-class FlatView(StateView):
-    """`ZeroOptimizer`'s flat buffers (ZeRO 0-2)."""
-
-    def __init__(self, engine: Engine) -> None:
-        opt = engine.optimizer
-        opt.wait_params()  # the overlapped all-gather of the last step's parameters must be in place
-        self.opt = opt
-        g = engine.groups
-        owners = _owners(engine.module)
-        self.params, self._offset = [], {}
-        pos = 0
-        for p in opt.params:
-            local_name, owner = owners[id(p)]
-            lp = _describe(canonical_name(engine, local_name), p, tuple(p.shape), owner, g.tp.rank, g.tp.size)
-            lp.alias = _tied_alias(engine, lp.name)
-            n = p.numel()
-            lo, hi = max(pos, opt.lo), min(pos + n, opt.hi)
-            writes = (lp.tp_dim is not None or g.tp.rank == 0) and (opt.stage > 0 or g.replicas.rank == 0)
-            lp.own = (lo - pos, hi - pos) if writes and lo < hi else (0, 0)
-            self.params.append(lp)
-            self._offset[lp.name] = (pos, p)
-            pos += n
-
-    def _moment(self, field: str) -> torch.Tensor:
-        return self.opt.exp_avg if field == "exp_avg" else self.opt.exp_avg_sq
-
-    def read(self, lp: LocalParam, field: str) -> torch.Tensor:
-        pos, _ = self._offset[lp.name]
-        a, b = lp.own
-        # A copy in RAM (the buffers are on the GPU when the model trains there).
-        if field == "param":  # (int8 compression: the exact master shard, not the quantized gather)
-            return self.opt.exact_param(pos + a, pos + b).to("cpu", copy=True)
-        return self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo].to("cpu", copy=True)
-
-    def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
-        pos, p = self._offset[lp.name]
-        flat = local.reshape(-1)
-        if field == "param":
-            self.opt.flat_param[pos : pos + flat.numel()].copy_(flat)
-            return
-        lo, hi = max(pos, self.opt.lo), min(pos + flat.numel(), self.opt.hi)
-        if lo < hi:
-            self._moment(field)[lo - self.opt.lo : hi - self.opt.lo].copy_(flat[lo - pos : hi - pos])
-
-    def finish_load(self) -> None:
-        self.opt.after_load()
-
-    def _local(self) -> dict[str, torch.Tensor]:
-        return self.opt.onebit.state_tensors() if self.opt.onebit is not None else {}
-
-    def local_keys(self) -> dict[str, int]:
-        return {k: t.numel() for k, t in self._local().items()}
-
-    def read_local(self, key: str) -> torch.Tensor:
-        return self._local()[key].detach().reshape(-1).to("cpu", copy=True)
-
-    def write_local(self, key: str, value: torch.Tensor) -> None:
-        self._local()[key].view(-1).copy_(value.reshape(-1))
-
-    @property  # type: ignore[override]
-    def optimizer_step(self) -> int:
-        return self.opt.step_count
-
-    @optimizer_step.setter
-    def optimizer_step(self, value: int) -> None:
-        self.opt.step_count = value
-
-
-class ChunkView(StateView):
-    """A `ChunkedModel` / `ShardedChunkedModel` / `ReplicatedChunkedModel` with its `ChunkAdam`
-    (ZeRO-3, offload; `OneBitChunkAdam`'s residual chunks are this rank's local state)."""
-
-    def __init__(self, engine: Engine) -> None:
-        from capstan.chunkmem import OneBitChunkAdam, ReplicatedChunkedModel
-        from capstan.chunkmem.model.state_io import owned_homes
-
-        self.model, self.opt = engine.module, engine.optimizer
-        self._onebit = self.opt if isinstance(self.opt, OneBitChunkAdam) else None
-        g = engine.groups
-        owners = _owners(_raw_module(engine))
-        mine = {id(h.param) for h in owned_homes(self.model)}
-        # Replicated chunks (1-bit Adam): every dp rank holds everything, dp rank 0 writes (as ZeRO 0).
-        writes = not isinstance(self.model, ReplicatedChunkedModel) or g.replicas.rank == 0
-        self.params, self._homes = [], {}
-        for home in self.model.homes.values():
-            _, owner = owners[id(home.param)]
-            lp = _describe(canonical_name(engine, home.name), home.param, tuple(home.slot.shape), owner, g.tp.rank,
-                           g.tp.size)
-            lp.alias = _tied_alias(engine, lp.name)
-            if writes and id(home.param) in mine and (lp.tp_dim is not None or g.tp.rank == 0):
-                lp.own = (0, lp.numel)
-            self.params.append(lp)
-            self._homes[lp.name] = (home, id(home.param) in mine)
-
-    def read(self, lp: LocalParam, field: str) -> torch.Tensor:
-        from capstan.chunkmem.model.state_io import read_state
-
-        home, _ = self._homes[lp.name]
-        return read_state(self.model, home, field).reshape(-1)[lp.own[0] : lp.own[1]]
-
-    def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
-        from capstan.chunkmem.model.state_io import write_state
-
-        home, owned = self._homes[lp.name]
-        if owned:
-            write_state(self.model, home, field, local.reshape(home.slot.shape))
-
-    def finish_load(self) -> None:
-        drop = getattr(self.model, "drop_remote", None)
-        if drop is not None:
-            drop()  # gathered copies of remote chunks predate the load
-
-    def local_keys(self) -> dict[str, int]:
-        if self._onebit is None:
-            return {}
-        return {k: n for k, (_, n) in self._onebit.state_chunks().items()}
-
-    def read_local(self, key: str) -> torch.Tensor:
-        return self._onebit.read_state(key)  # type: ignore[union-attr]
-
-    def write_local(self, key: str, value: torch.Tensor) -> None:
-        self._onebit.write_state(key, value)  # type: ignore[union-attr]
-
-    @property  # type: ignore[override]
-    def optimizer_step(self) -> int:
-        return self.opt.groups[0].step
-
-    @optimizer_step.setter
-    def optimizer_step(self, value: int) -> None:
-        for group in self.opt.groups:
-            group.step = value
-
-
 def state_view(engine: Engine) -> StateView:
-    return ChunkView(engine) if engine.chunked else FlatView(engine)
+    """This rank's training state as checkpoints read and write it: the model states' own view of
+    themselves (engine/states: FlatView for flat buffers, ChunkView for chunks)."""
+    return engine.states.checkpoint_view(engine)
 
 
 def _blocks(t: torch.Tensor, dim: int, fused: int) -> list[torch.Tensor]:
@@ -338,7 +204,7 @@ def rng_generators(engine: Engine) -> Iterator[tuple[str, torch.Generator]]:
     seen: list[int] = []
     device = engine.device
     suffix = "" if device.type == "cpu" else f".{device.type}"
-    for mod in _raw_module(engine).modules():
+    for mod in engine.states.raw_module().modules():
         rng = getattr(mod, "rng", None)
         if rng is None or not hasattr(rng, "tensor_parallel") or id(rng) in seen:
             continue

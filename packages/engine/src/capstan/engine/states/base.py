@@ -3,7 +3,8 @@
 The engine (engine.py) owns the step's three calls, the loss, the pipeline schedule, loss scaling and
 the reports; a `ModelStates` owns the parameters, gradients and optimizer states and everything that
 depends on where they are: the optimizer step, what a backward does at its end, the memory figures of
-the states, a copy of the parameters, and what checkpoints, the trainer's log and `close` need. Two
+the states, a copy of the parameters, their view for checkpoints (FlatView, ChunkView), and what the
+trainer's log and `close` need. Two
 implementations: `FlatStates` (flat.py, ZeRO 0-2 on a flat fp32 buffer) and `ChunkedStates`
 (chunked.py, capstan.chunkmem: offload and ZeRO-3). Nothing outside them branches on which one it is;
 `chunked` says which, for reports and checkpoints' choice of view.
@@ -66,6 +67,11 @@ class ModelStates(ABC):
     @abstractmethod
     def raw_module(self) -> nn.Module:
         """The user's module (under a chunked wrapper where there is one): checkpoints name parameters in it."""
+
+    @abstractmethod
+    def checkpoint_view(self, engine: object) -> object:
+        """This rank's state as checkpoints read and write it (a checkpoint.state.StateView: canonical
+        parameter names, the elements this rank owns, reads and writes of param / exp_avg / exp_avg_sq)."""
 
     def disk_peak(self) -> int:
         """The most bytes this rank's disk tier held at a step's end (0 without one)."""

@@ -20,12 +20,13 @@ from capstan import comm
 from capstan.comm.device import device_module, is_accelerator
 from capstan.comm.procmem import peak_rss_bytes
 
+from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
 from ..config.load import check_states_fit
 from ..config.schema import Config
 from ..zero.optimizer import group_order
 from .base import ModelStates, UpdateScale, overflowed
 
-__all__ = ["ChunkedStates", "gpu_chunk_limit", "buffers_to", "GPU_SHARE", "GPU_WARMUP_SHARE"]
+__all__ = ["ChunkedStates", "ChunkView", "gpu_chunk_limit", "buffers_to", "GPU_SHARE", "GPU_WARMUP_SHARE"]
 
 log = comm.get_logger("capstan.engine.engine")
 
@@ -235,6 +236,9 @@ class ChunkedStates(ModelStates):
     def raw_module(self) -> nn.Module:
         return getattr(self.module, "module", self.module)
 
+    def checkpoint_view(self, engine: object) -> StateView:
+        return ChunkView(engine)
+
     def describe(self) -> str:
         return f" | chunks of {self.module.chunk_size} elements"  # type: ignore[attr-defined]
 
@@ -248,3 +252,68 @@ class ChunkedStates(ModelStates):
         if speculation is not None:
             speculation.close()
         self.manager.close()
+
+
+class ChunkView(StateView):
+    """A `ChunkedModel` / `ShardedChunkedModel` / `ReplicatedChunkedModel` with its `ChunkAdam`
+    (ZeRO-3, offload; `OneBitChunkAdam`'s residual chunks are this rank's local state)."""
+
+    def __init__(self, engine: object) -> None:
+        from capstan.chunkmem import OneBitChunkAdam, ReplicatedChunkedModel
+        from capstan.chunkmem.model.state_io import owned_homes
+
+        self.model, self.opt = engine.module, engine.optimizer
+        self._onebit = self.opt if isinstance(self.opt, OneBitChunkAdam) else None
+        g = engine.groups
+        owners = param_owners(engine.states.raw_module())
+        mine = {id(h.param) for h in owned_homes(self.model)}
+        # Replicated chunks (1-bit Adam): every dp rank holds everything, dp rank 0 writes (as ZeRO 0).
+        writes = not isinstance(self.model, ReplicatedChunkedModel) or g.replicas.rank == 0
+        self.params, self._homes = [], {}
+        for home in self.model.homes.values():
+            _, owner = owners[id(home.param)]
+            lp = describe_param(canonical_name(engine, home.name), home.param, tuple(home.slot.shape), owner, g.tp.rank,
+                           g.tp.size)
+            lp.alias = tied_alias(engine, lp.name)
+            if writes and id(home.param) in mine and (lp.tp_dim is not None or g.tp.rank == 0):
+                lp.own = (0, lp.numel)
+            self.params.append(lp)
+            self._homes[lp.name] = (home, id(home.param) in mine)
+
+    def read(self, lp: LocalParam, field: str) -> torch.Tensor:
+        from capstan.chunkmem.model.state_io import read_state
+
+        home, _ = self._homes[lp.name]
+        return read_state(self.model, home, field).reshape(-1)[lp.own[0] : lp.own[1]]
+
+    def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
+        from capstan.chunkmem.model.state_io import write_state
+
+        home, owned = self._homes[lp.name]
+        if owned:
+            write_state(self.model, home, field, local.reshape(home.slot.shape))
+
+    def finish_load(self) -> None:
+        drop = getattr(self.model, "drop_remote", None)
+        if drop is not None:
+            drop()  # gathered copies of remote chunks predate the load
+
+    def local_keys(self) -> dict[str, int]:
+        if self._onebit is None:
+            return {}
+        return {k: n for k, (_, n) in self._onebit.state_chunks().items()}
+
+    def read_local(self, key: str) -> torch.Tensor:
+        return self._onebit.read_state(key)  # type: ignore[union-attr]
+
+    def write_local(self, key: str, value: torch.Tensor) -> None:
+        self._onebit.write_state(key, value)  # type: ignore[union-attr]
+
+    @property  # type: ignore[override]
+    def optimizer_step(self) -> int:
+        return self.opt.groups[0].step
+
+    @optimizer_step.setter
+    def optimizer_step(self, value: int) -> None:
+        for group in self.opt.groups:
+            group.step = value

@@ -15,11 +15,12 @@ from torch import nn
 from capstan import comm
 from capstan.comm.procmem import peak_rss_bytes
 
+from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
 from ..config.schema import Config
 from ..zero.optimizer import ZeroOptimizer
 from .base import ModelStates, UpdateScale, overflowed
 
-__all__ = ["FlatStates"]
+__all__ = ["FlatStates", "FlatView"]
 
 log = comm.get_logger("capstan.engine.engine")
 
@@ -101,3 +102,74 @@ class FlatStates(ModelStates):
 
     def raw_module(self) -> nn.Module:
         return self.module
+
+    def checkpoint_view(self, engine: object) -> StateView:
+        return FlatView(engine)
+
+
+class FlatView(StateView):
+    """`ZeroOptimizer`'s flat buffers (ZeRO 0-2)."""
+
+    def __init__(self, engine: object) -> None:
+        opt = engine.optimizer
+        opt.wait_params()  # the overlapped all-gather of the last step's parameters must be in place
+        self.opt = opt
+        g = engine.groups
+        owners = param_owners(engine.module)
+        self.params, self._offset = [], {}
+        pos = 0
+        for p in opt.params:
+            local_name, owner = owners[id(p)]
+            lp = describe_param(canonical_name(engine, local_name), p, tuple(p.shape), owner, g.tp.rank, g.tp.size)
+            lp.alias = tied_alias(engine, lp.name)
+            n = p.numel()
+            lo, hi = max(pos, opt.lo), min(pos + n, opt.hi)
+            writes = (lp.tp_dim is not None or g.tp.rank == 0) and (opt.stage > 0 or g.replicas.rank == 0)
+            lp.own = (lo - pos, hi - pos) if writes and lo < hi else (0, 0)
+            self.params.append(lp)
+            self._offset[lp.name] = (pos, p)
+            pos += n
+
+    def _moment(self, field: str) -> torch.Tensor:
+        return self.opt.exp_avg if field == "exp_avg" else self.opt.exp_avg_sq
+
+    def read(self, lp: LocalParam, field: str) -> torch.Tensor:
+        pos, _ = self._offset[lp.name]
+        a, b = lp.own
+        # A copy in RAM (the buffers are on the GPU when the model trains there).
+        if field == "param":  # (int8 compression: the exact master shard, not the quantized gather)
+            return self.opt.exact_param(pos + a, pos + b).to("cpu", copy=True)
+        return self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo].to("cpu", copy=True)
+
+    def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
+        pos, p = self._offset[lp.name]
+        flat = local.reshape(-1)
+        if field == "param":
+            self.opt.flat_param[pos : pos + flat.numel()].copy_(flat)
+            return
+        lo, hi = max(pos, self.opt.lo), min(pos + flat.numel(), self.opt.hi)
+        if lo < hi:
+            self._moment(field)[lo - self.opt.lo : hi - self.opt.lo].copy_(flat[lo - pos : hi - pos])
+
+    def finish_load(self) -> None:
+        self.opt.after_load()
+
+    def _local(self) -> dict[str, torch.Tensor]:
+        return self.opt.onebit.state_tensors() if self.opt.onebit is not None else {}
+
+    def local_keys(self) -> dict[str, int]:
+        return {k: t.numel() for k, t in self._local().items()}
+
+    def read_local(self, key: str) -> torch.Tensor:
+        return self._local()[key].detach().reshape(-1).to("cpu", copy=True)
+
+    def write_local(self, key: str, value: torch.Tensor) -> None:
+        self._local()[key].view(-1).copy_(value.reshape(-1))
+
+    @property  # type: ignore[override]
+    def optimizer_step(self) -> int:
+        return self.opt.step_count
+
+    @optimizer_step.setter
+    def optimizer_step(self, value: int) -> None:
+        self.opt.step_count = value
