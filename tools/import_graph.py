@@ -197,7 +197,7 @@ def rooms(g: dict[str, set[str]], package: str) -> str:
              f"`python tools/import_graph.py --rooms {package}`; other capstan packages in italics):", "",
              "| room | modules | imports |", "|---|---|---|"]
     for room in sorted(members, key=lambda r: (not r.endswith("/"), r)):
-        own = sorted(u for u in uses.get(room, ()) if u.endswith("/") or f"{u}" in members)
+        own = sorted(u for u in uses.get(room, ()) if u in members)
         other = sorted(u for u in uses.get(room, ()) if u not in own)
         cell = ", ".join([*own, *(f"*{o}*" for o in other)]) or "—"
         inside = ", ".join(members[room]) if room.endswith("/") else "(a module)"

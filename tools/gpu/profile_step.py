@@ -61,6 +61,8 @@ def label_phases() -> None:
                 with record_function(__label):
                     return __fn(*a, **k)
 
+            if owner.__dict__.get("__call__") is fn:  # an alias (Engine.__call__ = forward): label it too
+                owner.__call__ = functools.wraps(fn)(wrapped)
             setattr(owner, name, functools.wraps(fn)(wrapped))
 
 

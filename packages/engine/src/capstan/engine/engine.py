@@ -143,8 +143,9 @@ class Engine:
             raise AttributeError("this engine's model states are flat buffers: no chunk manager")
         return self.states.manager
 
-    def _scale(self) -> float:
-        return self.scaler.scale if self.scaler is not None else 1.0
+    def _scale(self) -> float | None:
+        """The fp16 loss scale; None without loss scaling (the states' convention)."""
+        return self.scaler.scale if self.scaler is not None else None
 
     # ---- the three-call API ------------------------------------------------------------------------
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor] | Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -209,7 +210,7 @@ class Engine:
         info = StepInfo(step=self.global_step + 1, lr=lr_at(t, self.global_step))
         faults.crash_point("optimizer.step", step=info.step)
         info.loss = self._global_loss()
-        self.states.step(info, self.scaler.scale if self.scaler is not None else None, self._update_scale)
+        self.states.step(info, self._scale(), self._update_scale)
         self.global_step += 1
         self.micro_step = 0
         self._micro_losses = []
@@ -267,7 +268,8 @@ class Engine:
         batches = [self.tokens_of_this_rank(to_device(b, self.device)) for b in read]
         scale = self._scale()
         loss = self.states.pipeline_step(
-            lambda: self.pipeline.train_step([x for x, _ in batches], [y for _, y in batches], scale),  # type: ignore[union-attr]
+            lambda: self.pipeline.train_step([x for x, _ in batches], [y for _, y in batches],  # type: ignore[union-attr]
+                                             scale if scale is not None else 1.0),
             self.accum, lr_at(self.config.train, self.global_step), scale)
         self._micro_losses = [loss]  # the mean over the micro-batches, shared by the last stage
         self.micro_step = self.accum

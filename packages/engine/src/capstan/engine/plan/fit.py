@@ -22,6 +22,7 @@ the matmul term survives.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class ProfileKey:
     family: tuple  # (kind, precision, ffn_mult, threads, busy, flags, cp, mlp_tile)
 
 
+@lru_cache(maxsize=4096)  # a search fits every layout it times against the same profile names
 def parse_key(key: str) -> ProfileKey | None:
     """The parts of a profile name (costs.layer_key), or None for a name of another form."""
     parts = key.split(".")

@@ -37,12 +37,14 @@ class ModelStates(ABC):
         """Before the first forward of a step (once per step; chunks start the step's trace)."""
 
     @abstractmethod
-    def backward(self, scaled: torch.Tensor, completes_step: bool, lr: float, scale: float) -> None:
+    def backward(self, scaled: torch.Tensor, completes_step: bool, lr: float, scale: float | None) -> None:
         """Backward of one micro-batch's scaled loss; `completes_step`: the last of the step's micro-batches
-        (the overlapped optimizer arms for it, with this step's learning rate and loss scale)."""
+        (the overlapped optimizer arms for it, with this step's learning rate and loss scale; `scale` as in
+        `step`)."""
 
     @abstractmethod
-    def pipeline_step(self, run: Callable[[], torch.Tensor], arrivals: int, lr: float, scale: float) -> torch.Tensor:
+    def pipeline_step(self, run: Callable[[], torch.Tensor], arrivals: int, lr: float,
+                      scale: float | None) -> torch.Tensor:
         """All micro-batches through a pipeline schedule (`run` runs it and returns the mean loss), with
         what the states need around it; `arrivals` gradients per parameter."""
 

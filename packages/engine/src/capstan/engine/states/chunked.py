@@ -156,27 +156,29 @@ class ChunkedStates(ModelStates):
             return why is None and is_accelerator(self.device)
         return bool(mem.overlap_optimizer)
 
-    def _arm(self, lr: float, scale: float, arrivals: int = 1) -> None:
+    def _arm(self, lr: float, scale: float | None, arrivals: int = 1) -> None:
         """Before the backward that completes this step's gradients: the overlapped optimizer steps each
         chunk group as its gradients complete, with this step's learning rate, clip and loss scale."""
         if getattr(self.optimizer, "speculation", None) is None:
             return
         for group in self.optimizer.groups:  # type: ignore[attr-defined]
             group.lr = lr
-        self.optimizer.arm(grad_clip=self.config.train.grad_clip or None, loss_scale=scale,  # type: ignore[attr-defined]
-                           check_overflow=self.config.precision.dtype == "fp16", arrivals=arrivals)
+        self.optimizer.arm(grad_clip=self.config.train.grad_clip or None,  # type: ignore[attr-defined]
+                           loss_scale=scale if scale is not None else 1.0, check_overflow=scale is not None,
+                           arrivals=arrivals)
 
     def begin_step(self) -> None:
         if not self.stepping:
             self.manager.begin_step()
             self.stepping = True
 
-    def backward(self, scaled: torch.Tensor, completes_step: bool, lr: float, scale: float) -> None:
+    def backward(self, scaled: torch.Tensor, completes_step: bool, lr: float, scale: float | None) -> None:
         if completes_step:
             self._arm(lr, scale)
         self.module.backward(scaled)  # type: ignore[attr-defined]
 
-    def pipeline_step(self, run: Callable[[], torch.Tensor], arrivals: int, lr: float, scale: float) -> torch.Tensor:
+    def pipeline_step(self, run: Callable[[], torch.Tensor], arrivals: int, lr: float,
+                      scale: float | None) -> torch.Tensor:
         # The executor calls this stage's modules itself, so the chunk hooks fetch parameters; the
         # saved-tensor hooks must be active around its forwards, and the end of backward (release,
         # gradient reductions of sharded chunks) runs once after its last backward.

@@ -55,11 +55,12 @@ class FlatStates(ModelStates):
     def begin_step(self) -> None:
         pass
 
-    def backward(self, scaled: torch.Tensor, completes_step: bool, lr: float, scale: float) -> None:
+    def backward(self, scaled: torch.Tensor, completes_step: bool, lr: float, scale: float | None) -> None:
         scaled.backward()
         self.optimizer.after_backward()
 
-    def pipeline_step(self, run: Callable[[], torch.Tensor], arrivals: int, lr: float, scale: float) -> torch.Tensor:
+    def pipeline_step(self, run: Callable[[], torch.Tensor], arrivals: int, lr: float,
+                      scale: float | None) -> torch.Tensor:
         loss = run()
         self.optimizer.after_backward()  # gradients of the whole mean loss are in the flat buffer
         return loss
