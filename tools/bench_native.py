@@ -97,6 +97,35 @@ def bench_adam(n: int, reps: int) -> list[tuple[str, float]]:
     return interleaved(fns, reps)
 
 
+def bench_moments(n: int, reps: int) -> list[tuple[str, float, int]]:
+    """capstan's AdamW with fp32 and with bf16 moments (stochastic rounding), interleaved with copies of
+    the bytes each touches: fp32 moments 28 B/param (param, exp_avg, exp_avg_sq read and written, fp32
+    grad read), bf16 moments 20 B/param (the moments 2 + 2 each way). Returns (name, s, bytes)."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * 1e-3
+    m32, v32 = torch.zeros(n), torch.zeros(n)
+    m16, v16 = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    step = [0]
+
+    def adam(m: torch.Tensor, v: torch.Tensor):
+        def run() -> None:
+            step[0] += 1
+            kernels.adam_update(p, g, m, v, step=step[0], seed=step[0], **HP)
+        return run
+
+    copies = {}
+    for nbytes in (28, 20):
+        src = torch.empty(n * nbytes // 2, dtype=torch.uint8)
+        src.fill_(1)
+        copies[nbytes] = (src, torch.empty_like(src))
+    fns = [("capstan adam_update, fp32 moments", adam(m32, v32)),
+           ("capstan adam_update, bf16 moments (stochastic rounding)", adam(m16, v16)),
+           ("capstan copy_ of 28 B/param", lambda: kernels.copy_(copies[28][1], copies[28][0])),
+           ("capstan copy_ of 20 B/param", lambda: kernels.copy_(copies[20][1], copies[20][0]))]
+    return [(name, t, nb * n) for (name, t), nb in zip(interleaved(fns, reps), (28, 20, 28, 20), strict=True)]
+
+
 def bench_adam_shared(n: int, reps: int) -> list[tuple[str, float]]:
     """capstan's AdamW and torch's fused AdamW stepping the *same* tensors, alternately.
 
@@ -370,7 +399,8 @@ def main() -> None:
                     help="python of a separate venv with deepspeed (DeepSpeedCPUAdam comparison)")
     ap.add_argument("--only", default="adam,offload,casts,io,overlap,deepspeed",
                     help="comma-separated sections to run (adam-shared: capstan and torch fused "
-                         "AdamW on the same tensors, for sizes like 1B where each cannot have its own)")
+                         "AdamW on the same tensors, for sizes like 1B where each cannot have its own; "
+                         "moments: fp32 against bf16 moments)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     n = args.params
@@ -382,6 +412,13 @@ def main() -> None:
         base = rows[0][1]
         for name, t in rows:
             print(f"| {name} | {t:.3f} | {n / t / 1e6:.0f} | {28 * n / t / 1e9:.2f} | {t / base:.2f}x |")
+    if "moments" in only:
+        print(f"\n### Adam with bf16 moments, {n / 1e6:.0f}M params (median of {args.reps}, interleaved)\n")
+        print("| variant | s/step | GB/s of the bytes it touches | vs a copy of those bytes |\n|---|---|---|---|")
+        rows = bench_moments(n, args.reps)
+        copy_bw = {nb: nb / t for name, t, nb in rows if "copy_" in name}
+        for name, t, nb in rows:
+            print(f"| {name} | {t:.3f} | {nb / t / 1e9:.2f} | {nb / t / copy_bw[nb]:.0%} |")
     if "adam-shared" in only:
         print(f"\n### Adam step on shared tensors, {n / 1e6:.0f}M fp32 params (median of {args.reps})\n")
         print("| variant | s/step | Mparams/s | GB/s | vs capstan |\n|---|---|---|---|---|")

@@ -118,14 +118,16 @@ void sumsq_chunk(void* p, int64_t b, int64_t e, int chunk) {
 
 extern "C" {
 
-int capstan_adam_step(float* param, const void* grad, int grad_dtype, float* exp_avg,
-                      float* exp_avg_sq, int64_t n, int64_t step, double lr, double beta1,
-                      double beta2, double eps, double weight_decay, int adamw,
+int capstan_adam_step(float* param, const void* grad, int grad_dtype, void* exp_avg,
+                      void* exp_avg_sq, int moment_dtype, uint64_t seed, int64_t index_base, int64_t n,
+                      int64_t step,
+                      double lr, double beta1, double beta2, double eps, double weight_decay, int adamw,
                       double grad_scale, int check_overflow, void* out, int out_dtype,
                       int* overflow) {
   if (!param || !grad || !exp_avg || !exp_avg_sq || !overflow || n < 0 || step < 1)
     return CAPSTAN_EINVAL;
   if (!valid_dtype(grad_dtype)) return CAPSTAN_EDTYPE;
+  if (moment_dtype != CAPSTAN_F32 && moment_dtype != CAPSTAN_BF16) return CAPSTAN_EDTYPE;
   if (out ? !valid_dtype(out_dtype) : out_dtype != CAPSTAN_NONE) return CAPSTAN_EDTYPE;
   *overflow = 0;
   if (n == 0) return CAPSTAN_OK;
@@ -146,6 +148,13 @@ int capstan_adam_step(float* param, const void* grad, int grad_dtype, float* exp
   a.v = exp_avg_sq;
   a.out = out;
   a.gdt = grad_dtype;
+  a.mdt = moment_dtype;
+  // Two streams from the 64-bit seed: each key hashes one half mixed with the other.
+  a.key_m = sr_hash((uint32_t)seed ^ sr_hash((uint32_t)(seed >> 32)));
+  a.key_v = sr_hash(a.key_m ^ 0x9e3779b9u);
+  // Element i hashes key + index_base + i: the kernels add i, so fold the base into the keys (mod 2^32).
+  a.key_m += (uint32_t)index_base;
+  a.key_v += (uint32_t)index_base;
   a.odt = out ? out_dtype : CAPSTAN_NONE;
   a.grad_scale = scale;
   a.unscale = grad_scale != 1.0;

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define CAPSTAN_ABI_VERSION 2
+#define CAPSTAN_ABI_VERSION 3
 
 /* The library is built with -fvisibility=hidden; only the ABI is exported. */
 #define CAPSTAN_API __attribute__((visibility("default")))
@@ -77,14 +77,20 @@ CAPSTAN_API int capstan_get_num_threads(void);
 CAPSTAN_API const char* capstan_strerror(int code);
 
 /* ---- kernels (api.cc) ---- */
-/* One Adam/AdamW step over n fp32 master params with fp32 moments.
+/* One Adam/AdamW step over n fp32 master params.
  * grad has dtype grad_dtype; it is multiplied by grad_scale (1/loss_scale)
- * first. With check_overflow, all scaled grads are checked for inf/NaN before
- * anything is written: on overflow *overflow = 1 and no buffer changes.
+ * first. The moments exp_avg and exp_avg_sq have moment_dtype: CAPSTAN_F32, or
+ * CAPSTAN_BF16, updated in fp32 and stored with stochastic rounding whose
+ * random bits are a hash of (seed, index_base + element index): the same bits
+ * on every ISA and thread split, a new stream for each seed; a buffer stepped
+ * in slices gets the bits of one whole call when each slice passes its offset. With check_overflow, all
+ * scaled grads are checked for inf/NaN before anything is written: on overflow
+ * *overflow = 1 and no buffer changes.
  * With out != NULL the updated param is also written to out (out_dtype). */
-CAPSTAN_API int capstan_adam_step(float* param, const void* grad, int grad_dtype, float* exp_avg,
-                      float* exp_avg_sq, int64_t n, int64_t step, double lr, double beta1,
-                      double beta2, double eps, double weight_decay, int adamw,
+CAPSTAN_API int capstan_adam_step(float* param, const void* grad, int grad_dtype, void* exp_avg,
+                      void* exp_avg_sq, int moment_dtype, uint64_t seed, int64_t index_base, int64_t n,
+                      int64_t step,
+                      double lr, double beta1, double beta2, double eps, double weight_decay, int adamw,
                       double grad_scale, int check_overflow, void* out, int out_dtype,
                       int* overflow);
 /* dst = src converted (round to nearest even); same dtype = copy. */

@@ -34,7 +34,15 @@ static inline void store_from_f32(void* base, int dt, int64_t i, V x) {
 //   p = p + (-step_size * m) / (sqrt(v) / sqrt(1 - beta2^t) + eps)   (addcdiv_)
 // Kingma & Ba 2015, Algorithm 1, bias corrections folded into step_size and
 // the denominator; Loshchilov & Hutter 2019 for the decoupled decay.
-template <class V, int GD, int OD>
+// Moments in bf16 (MD): loaded to fp32, updated by the same operations, the
+// parameter updated from the fp32 values, then stored with stochastic rounding.
+template <class V, int MD>
+static inline void store_moment(void* base, uint32_t key, int64_t i, V x) {
+  if (MD == CAPSTAN_F32) V::store((float*)base + i, x);
+  else V::store_bf16_sr((uint16_t*)base + i, x, key, i);
+}
+
+template <class V, int GD, int OD, int MD>
 static inline void adam_one(const AdamArgs& a, int64_t i) {
   V p = V::load(a.p + i);
   V g = load_as_f32<V>(a.g, GD, i);
@@ -43,56 +51,63 @@ static inline void adam_one(const AdamArgs& a, int64_t i) {
     if (a.adamw) p = p * V::set1(a.decay);
     else g = V::fma(V::set1(a.wd), p, g);
   }
-  V m = V::load(a.m + i);
+  V m = load_as_f32<V>(a.m, MD, i);
   if (a.lerp_hi) m = V::fma(V::set1(a.w1m1), g - m, g);
   else m = V::fma(V::set1(a.w1), g - m, m);
-  V v = V::load(a.v + i) * V::set1(a.b2);
+  V v = load_as_f32<V>(a.v, MD, i) * V::set1(a.b2);
   v = V::fma(V::set1(a.c2) * g, g, v);
   V denom = V::sqrt(v) / V::set1(a.bc2_sqrt) + V::set1(a.eps);
   p = p + (V::set1(a.neg_step) * m) / denom;
   V::store(a.p + i, p);
-  V::store(a.m + i, m);
-  V::store(a.v + i, v);
+  store_moment<V, MD>(a.m, a.key_m, i, m);
+  store_moment<V, MD>(a.v, a.key_v, i, v);
   if (OD != CAPSTAN_NONE) store_from_f32<V>(a.out, OD, i, p);
 }
 
 #ifndef CAPSTAN_ADAM_PREFETCH
 #define CAPSTAN_ADAM_PREFETCH 1024
 #endif
-template <int GD, int OD>
+template <int GD, int OD, int MD>
 static void adam_range_t(const AdamArgs* a, int64_t begin, int64_t end) {
   int64_t i = begin;
+  constexpr int64_t msz = MD == CAPSTAN_F32 ? 4 : 2;
   for (; i + KV::W <= end; i += KV::W) {
     if (CAPSTAN_ADAM_PREFETCH) {
       // One core's hardware prefetchers keep too few of the 4 read streams'
       // lines in flight; fetch each a fixed distance ahead.
       constexpr int64_t d = CAPSTAN_ADAM_PREFETCH / 4;  // elements of fp32 ahead
       __builtin_prefetch(a->p + i + d);
-      __builtin_prefetch(a->m + i + d);
-      __builtin_prefetch(a->v + i + d);
+      __builtin_prefetch((const char*)a->m + (i + d) * msz);
+      __builtin_prefetch((const char*)a->v + (i + d) * msz);
       __builtin_prefetch((const char*)a->g + (i + d) * (GD == CAPSTAN_F32 ? 4 : 2));
     }
-    adam_one<KV, GD, OD>(*a, i);
+    adam_one<KV, GD, OD, MD>(*a, i);
   }
-  for (; i < end; ++i) adam_one<SVec, GD, OD>(*a, i);
+  for (; i < end; ++i) adam_one<SVec, GD, OD, MD>(*a, i);
 }
 
-template <int GD>
+template <int GD, int MD>
 static void adam_range_g(const AdamArgs* a, int64_t begin, int64_t end) {
   switch (a->odt) {
-    case CAPSTAN_NONE: return adam_range_t<GD, CAPSTAN_NONE>(a, begin, end);
-    case CAPSTAN_BF16: return adam_range_t<GD, CAPSTAN_BF16>(a, begin, end);
-    case CAPSTAN_F16: return adam_range_t<GD, CAPSTAN_F16>(a, begin, end);
-    default: return adam_range_t<GD, CAPSTAN_F32>(a, begin, end);
+    case CAPSTAN_NONE: return adam_range_t<GD, CAPSTAN_NONE, MD>(a, begin, end);
+    case CAPSTAN_BF16: return adam_range_t<GD, CAPSTAN_BF16, MD>(a, begin, end);
+    case CAPSTAN_F16: return adam_range_t<GD, CAPSTAN_F16, MD>(a, begin, end);
+    default: return adam_range_t<GD, CAPSTAN_F32, MD>(a, begin, end);
+  }
+}
+
+template <int MD>
+static void adam_range_m(const AdamArgs* a, int64_t begin, int64_t end) {
+  switch (a->gdt) {
+    case CAPSTAN_BF16: return adam_range_g<CAPSTAN_BF16, MD>(a, begin, end);
+    case CAPSTAN_F16: return adam_range_g<CAPSTAN_F16, MD>(a, begin, end);
+    default: return adam_range_g<CAPSTAN_F32, MD>(a, begin, end);
   }
 }
 
 static void adam_range(const AdamArgs* a, int64_t begin, int64_t end) {
-  switch (a->gdt) {
-    case CAPSTAN_BF16: return adam_range_g<CAPSTAN_BF16>(a, begin, end);
-    case CAPSTAN_F16: return adam_range_g<CAPSTAN_F16>(a, begin, end);
-    default: return adam_range_g<CAPSTAN_F32>(a, begin, end);
-  }
+  if (a->mdt == CAPSTAN_BF16) return adam_range_m<CAPSTAN_BF16>(a, begin, end);
+  return adam_range_m<CAPSTAN_F32>(a, begin, end);
 }
 
 // Non-temporal store of 2*W elements (a, then b) at i; dst + i 64-byte aligned.

@@ -33,6 +33,22 @@ struct VVec {
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     return _mm256_castsi256_si128(packed);
   }
+  // Stochastic rounding of elements i..i+7: the lane-wise form of capstan::f32_to_bf16_sr.
+  static void store_bf16_sr(uint16_t* p, VVec a, uint32_t key, int64_t i) {
+    __m256i x = _mm256_add_epi32(_mm256_set1_epi32((int)(key + (uint32_t)i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    __m256i u = _mm256_castps_si256(a.v);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(x, 16)), 16);
+    __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                       _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), isnan);
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+  }
   static void store_f16(uint16_t* p, VVec a) { _mm_storeu_si128((__m128i*)p, to_f16(a)); }
   static __m128i to_f16(VVec a) {
     return _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -49,6 +49,20 @@ struct VVec {
     __mmask16 isnan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
     return _mm512_mask_mov_epi32(r, isnan, _mm512_set1_epi32(-1));
   }
+  // Stochastic rounding of elements i..i+15: the lane-wise form of capstan::f32_to_bf16_sr.
+  static void store_bf16_sr(uint16_t* p, VVec a, uint32_t key, int64_t i) {
+    __m512i x = _mm512_add_epi32(_mm512_set1_epi32((int)(key + (uint32_t)i)),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    __m512i r = _mm512_add_epi32(_mm512_castps_si512(a.v), _mm512_srli_epi32(x, 16));
+    __mmask16 isnan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, isnan, _mm512_set1_epi32(-1));
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
   static void store_f16(uint16_t* p, VVec a) {
     _mm256_storeu_si256((__m256i*)p, to_f16(a));
   }

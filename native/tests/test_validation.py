@@ -34,11 +34,16 @@ def test_adam_wrong_type_size_layout(pos, name):
         kernels.adam_update(*args, **HP)
 
 
-@pytest.mark.parametrize("pos,name", [(0, "param"), (2, "exp_avg"), (3, "exp_avg_sq")])
-def test_adam_state_must_be_fp32(pos, name):
+@pytest.mark.parametrize("pos,dtype,match", [
+    (0, torch.bfloat16, "^param has dtype bfloat16; expected float32"),
+    (2, torch.float16, "^exp_avg has dtype float16; expected float32, bfloat16"),
+    (2, torch.bfloat16, "^exp_avg_sq has dtype float32; expected bfloat16"),  # the moments share one dtype
+    (3, torch.bfloat16, "^exp_avg_sq has dtype bfloat16; expected float32")])
+def test_adam_state_dtypes(pos, dtype, match):
+    """The master is fp32; the moments are both fp32 or both bf16 (stored with stochastic rounding)."""
     args = adam_args()
-    args[pos] = torch.zeros(16, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=f"^{name} has dtype bfloat16"):
+    args[pos] = torch.zeros(16, dtype=dtype)
+    with pytest.raises(TypeError, match=match):
         kernels.adam_update(*args, **HP)
 
 

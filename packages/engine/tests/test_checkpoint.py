@@ -20,14 +20,11 @@ from capstan.engine.checkpoint import CheckpointError, complete_checkpoints, lat
 from capstan.engine.checkpoint.format import read_bytes
 from capstan.engine.checkpoint.state import LocalParam, merge_tp, slice_tp
 from capstan.engine.checkpoint.tools import export, inspect
+from capstan.engine.testing import tiny_gpt_config
 
 
 def _cfg(tmp: Path, **memory: object) -> dict:
-    cfg = {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16, "dropout": 0.1},
-           "data": {"max_bytes": 100_000},
-           "train": {"steps": 6, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 1e-2, "min_lr": 1e-3,
-                     "warmup_steps": 2, "grad_clip": 0.5},
-           "checkpoint": {"keep": 2}}
+    cfg = tiny_gpt_config(6, 2, model={"dropout": 0.1}, data={"max_bytes": 100_000}, checkpoint={"keep": 2})
     if memory:
         cfg["memory"] = {"disk_dir": str(tmp / "chunks"), **memory}
     return cfg

@@ -23,7 +23,7 @@ from torch import nn
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize
-from capstan.engine.testing import assert_trajectories_close, train_steps
+from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config, train_steps
 from capstan.engine.zero.compression import wire_formula
 
 STEPS = 20
@@ -31,12 +31,8 @@ INT8_TOL = {1: 2e-2, 2: 2e-2, 3: 7.5e-3}  # about 2.5x the measured 0.85%, 0.88%
 
 
 def _cfg(stage: int = 0, compression: str = "none", freeze: int = 100, steps: int = STEPS, accum: int = 2) -> dict:
-    return {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
-            "data": {"max_bytes": 200_000},
-            "train": {"steps": steps, "micro_batch_size": 2, "grad_accum_steps": accum, "lr": 1e-2, "min_lr": 1e-3,
-                      "warmup_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1},
-            "parallel": {"dp": 2, "zero_stage": stage, "bucket_mb": 16 / 1024, "compression": compression,
-                         "compression_freeze_steps": freeze}}
+    return tiny_gpt_config(steps, accum, parallel={"dp": 2, "zero_stage": stage, "bucket_mb": 16 / 1024,
+                                                   "compression": compression, "compression_freeze_steps": freeze})
 
 
 def _params(engine: object) -> list[float]:

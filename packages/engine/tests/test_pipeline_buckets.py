@@ -17,17 +17,15 @@ from torch import nn
 
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches
+from capstan.engine.testing import tiny_gpt_config
 
 STEPS = 6
 
 
 def _cfg(zero: int, bucket_mb: float) -> dict:
-    return {"model": {"n_layers": 4, "n_heads": 4, "d_model": 32, "seq_len": 16},
-            "data": {"max_bytes": 200_000},
-            "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 4, "lr": 1e-2,
-                      "warmup_steps": 1, "grad_clip": 0.5},
-            "precision": {"dtype": "fp32"},
-            "parallel": {"dp": 2, "pp": 2, "zero_stage": zero, "bucket_mb": bucket_mb}}
+    return tiny_gpt_config(STEPS, 4, model={"n_layers": 4}, train={"min_lr": 1e-4, "warmup_steps": 1},
+                           precision={"dtype": "fp32"},
+                           parallel={"dp": 2, "pp": 2, "zero_stage": zero, "bucket_mb": bucket_mb})
 
 
 def _tied_specs() -> list:

@@ -89,6 +89,12 @@ def test_model_states_follow_the_zero_formulas_of_docs_parallelism() -> None:
 
     lists = chunk_lists(model, Layout(zero_stage=3, dp=4), list(range(model.layers + 3)))
     assert states(zero_stage=3) == lists.state_bytes() >= 16 * psi // 4
+    # bf16 moments (precision.optimizer_states): 4 bytes per parameter fewer, sharded as the moments are
+    assert states(zero_stage=0, optimizer_states="bf16") == 12 * psi
+    assert states(zero_stage=1, optimizer_states="bf16") == 8 * psi + 4 * psi // 4
+    half = chunk_lists(model, Layout(zero_stage=3, dp=4, optimizer_states="bf16"), list(range(model.layers + 3)))
+    assert half.bytes_per_element() == 12 and states(zero_stage=3, optimizer_states="bf16") == half.state_bytes()
+    assert 4 * half.state_bytes() == 3 * lists.state_bytes()
 
 
 def test_recompute_and_sequence_parallel_cut_activations() -> None:

@@ -16,17 +16,14 @@ import pytest
 from capstan.comm.testing import run_ranks
 from capstan.engine import initialize, open_data, train_batches, val_batches
 from capstan.engine.config.load import ConfigError, resolve
-from capstan.engine.testing import assert_trajectories_close, count_saved_bytes
+from capstan.engine.testing import assert_trajectories_close, count_saved_bytes, tiny_gpt_config
 
 STEPS = 8
 
 
 def _cfg(**parallel: object) -> dict:
-    return {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
-            "data": {"max_bytes": 200_000},
-            "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 1e-2,
-                      "warmup_steps": 1, "grad_clip": 0.5},
-            "precision": {"dtype": "fp32"}, "parallel": parallel}
+    return tiny_gpt_config(STEPS, 2, train={"min_lr": 1e-4, "warmup_steps": 1}, precision={"dtype": "fp32"},
+                           parallel=parallel)
 
 
 def _run(config: dict) -> dict:

@@ -24,9 +24,9 @@ TOL = 1e-6
 STEPS = 6
 
 
-def _config(device: str, memory: dict, dtype: str = "fp32", **parallel) -> dict:
-    return tiny_gpt_config(STEPS, 2, precision={"dtype": dtype}, train={"device": device}, parallel=parallel,
-                           memory=memory)
+def _config(device: str, memory: dict, dtype: str = "fp32", states: str = "fp32", **parallel) -> dict:
+    return tiny_gpt_config(STEPS, 2, precision={"dtype": dtype, "optimizer_states": states}, train={"device": device},
+                           parallel=parallel, memory=memory)
 
 
 def _run(cfg: dict, eval_after: int | None = None, model=None) -> dict:
@@ -105,6 +105,9 @@ def _single(tmp: str) -> dict:
         out[name] = (_run(_config("cpu", cpu_memory), **extra), _run(_config("standin", memory), **extra))
     for offload in ("none", "cpu"):  # autocast: CUDA's policy on the stand-in, the CPU's on the CPU
         out[f"bf16-{offload}"] = tuple(_run(_config(d, {"offload": offload}, dtype="bf16")) for d in ("cpu", "standin"))
+        # bf16 moments: on the device through torch's ops (kernels' fallback), in chunks through the native kernel
+        out[f"bf16-states-{offload}"] = tuple(_run(_config(d, {"offload": offload}, states="bf16"))
+                                              for d in ("cpu", "standin"))
     hf = {"model": {"seq_len": 16}, "data": {"max_bytes": 100_000},
           "train": {"steps": STEPS, "micro_batch_size": 2, "lr": 3e-3, "lr_schedule": "constant",
                     "warmup_steps": 0, "grad_clip": 1.0}}
@@ -178,6 +181,18 @@ def test_bf16_autocast_on_the_standin_follows_the_cpu_trajectory(single, case: s
     cpu, dev = single[case]
     assert dev["losses"] == pytest.approx(cpu["losses"], rel=BF16_VS_CPU)
     assert dev["losses"] != cpu["losses"]  # the two policies differ: the stand-in really took CUDA's
+
+
+@pytest.mark.parametrize("case", ["bf16-states-none", "bf16-states-cpu"])
+def test_bf16_optimizer_states_on_the_standin_follow_the_cpu(single, case: str) -> None:
+    """precision.optimizer_states = "bf16" on a device: the flat buffer's moments live there and step through
+    torch's ops, whose stochastic rounding draws the native kernel's bits; chunked, they step in RAM. Within
+    1e-5: the device's AdamW rounds its fp32 arithmetic differently in the last bit (see TOL), and a
+    stochastic rounding can carry such a bit further (test_optimizer_states.py)."""
+    cpu, dev = single[case]
+    assert dev["losses"] == pytest.approx(cpu["losses"], rel=1e-5)
+    fp32_states = single["none" if case.endswith("none") else "cpu-measured"][1]
+    assert dev["losses"] != fp32_states["losses"]  # the moments really were bf16
 
 
 @pytest.mark.parametrize("case", ["llama-none", "llama-cpu", "gpt2-none", "gpt2-cpu"])

@@ -49,14 +49,17 @@ def _scalar(device: torch.device, role: str, value: float) -> torch.Tensor:
 @torch.no_grad()
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool,
-              grad_scale: float = 1.0, check_overflow: bool = False, out: torch.Tensor | None = None) -> bool:
+              grad_scale: float = 1.0, check_overflow: bool = False, out: torch.Tensor | None = None,
+              seed: int = 0, index_base: int = 0) -> bool:
     """Same contract as `kernels.adam_update` (returns True and changes nothing on overflow), except
-    that with the fused kernel `grad` is left scaled (see the module docstring)."""
+    that with the fused kernel `grad` is left scaled (see the module docstring). bf16 moments take the
+    op-by-op form, whose stochastic rounding is the CPU kernel's bit for bit."""
     if check_overflow and fallback.has_nonfinite(grad, grad_scale):
         return True
-    if grad.dtype != param.dtype or not fused_available(param.device):
+    if grad.dtype != param.dtype or exp_avg.dtype != param.dtype or not fused_available(param.device):
         fallback.adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, out=out)
+                           weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, out=out, seed=seed,
+                           index_base=index_base)
         return False
     dev = param.device
     kernel = torch._fused_adamw_ if adamw else torch._fused_adam_

@@ -11,7 +11,40 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["adam_step", "cast_", "copy_", "sum_", "sumsq", "has_nonfinite"]
+__all__ = ["adam_step", "cast_", "copy_", "sum_", "sumsq", "has_nonfinite", "sr_keys", "to_bf16_sr"]
+
+_M32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """capstan::sr_hash on int64 tensors holding 32-bit values (each product masked back to 32 bits)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def _hash_int(x: int) -> int:
+    return int(_hash32(torch.tensor([x & _M32], dtype=torch.int64))[0])
+
+
+def sr_keys(seed: int) -> tuple[int, int]:
+    """The two hash streams (exp_avg's, exp_avg_sq's) the native kernel derives from a 64-bit seed."""
+    key_m = _hash_int((seed & _M32) ^ _hash_int(seed >> 32))
+    return key_m, _hash_int(key_m ^ 0x9E3779B9)
+
+
+def to_bf16_sr(x: torch.Tensor, key: int, index_base: int = 0) -> torch.Tensor:
+    """capstan::f32_to_bf16_sr of every element of fp32 `x` (index = `index_base` + position in `x`):
+    bit for bit the native kernel's stochastic rounding."""
+    idx = torch.arange(x.numel(), dtype=torch.int64, device=x.device) + (index_base & _M32)
+    r = _hash32((idx + key) & _M32) >> 16
+    u = x.reshape(-1).view(torch.int32).to(torch.int64) & _M32
+    out = ((u + r) >> 16) & 0xFFFF
+    out = torch.where(torch.isnan(x.reshape(-1)), torch.full_like(out, 0xFFFF), out)
+    out = torch.where(out >= 0x8000, out - 0x10000, out)  # the bit pattern as a signed 16-bit value
+    return out.to(torch.int16).view(torch.bfloat16).view(x.shape)
 
 
 def has_nonfinite(x: torch.Tensor, scale: float = 1.0) -> bool:
@@ -25,8 +58,10 @@ def has_nonfinite(x: torch.Tensor, scale: float = 1.0) -> bool:
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, adamw: bool, grad_scale: float = 1.0,
-              check_overflow: bool = False, out: torch.Tensor | None = None) -> bool:
-    """Same contract as capstan_adam_step: returns True (and changes nothing) on overflow."""
+              check_overflow: bool = False, out: torch.Tensor | None = None, seed: int = 0,
+              index_base: int = 0) -> bool:
+    """Same contract as capstan_adam_step: returns True (and changes nothing) on overflow. bf16
+    moments are updated in fp32 copies and stored back with the kernel's stochastic rounding."""
     f32 = torch.float32
     scale = torch.tensor(grad_scale, dtype=f32)  # the kernel multiplies by float(grad_scale)
     if check_overflow and has_nonfinite(grad, float(scale)):
@@ -42,10 +77,17 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
             param.mul_(1.0 - lr * weight_decay)
         else:
             g = g.add(param, alpha=weight_decay)
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = (exp_avg_sq.sqrt() / (1.0 - beta2**step) ** 0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-(lr / (1.0 - beta1**step)))
+    m, v = exp_avg, exp_avg_sq
+    if exp_avg.dtype != f32:
+        m, v = exp_avg.to(f32), exp_avg_sq.to(f32)
+    m.lerp_(g, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    denom = (v.sqrt() / (1.0 - beta2**step) ** 0.5).add_(eps)
+    param.addcdiv_(m, denom, value=-(lr / (1.0 - beta1**step)))
+    if exp_avg.dtype != f32:
+        key_m, key_v = sr_keys(seed)
+        exp_avg.copy_(to_bf16_sr(m, key_m, index_base))
+        exp_avg_sq.copy_(to_bf16_sr(v, key_v, index_base))
     if out is not None:
         out.copy_(param)
     return False

@@ -35,6 +35,8 @@ __all__ = ["adam_update", "adam_update_and_cast", "cast_", "copy_", "sum_", "sum
 
 FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 HALF_TYPES = (torch.bfloat16, torch.float16)
+# Adam's moments: fp32, or bf16 stored with stochastic rounding (`adam_update`'s `seed`).
+MOMENT_TYPES = (torch.float32, torch.bfloat16)
 
 
 def _code(dtype: torch.dtype) -> int:
@@ -90,13 +92,17 @@ def _where(name: str, t: object) -> torch.device | None:
 
 
 def _adam(param, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps,
-          weight_decay, adamw, grad_scale, check_overflow) -> bool:
+          weight_decay, adamw, grad_scale, check_overflow, seed=0, index_base=0) -> bool:
     dev = _where("param", param)
     check_tensor("param", param, (torch.float32,), device=dev)
     n = param.numel()
     check_tensor("grad", grad, FLOAT_TYPES, n, "param", dev)
-    check_tensor("exp_avg", exp_avg, (torch.float32,), n, "param", dev)
-    check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), n, "param", dev)
+    check_tensor("exp_avg", exp_avg, MOMENT_TYPES, n, "param", dev)
+    check_tensor("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n, "exp_avg", dev)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    if isinstance(index_base, bool) or not isinstance(index_base, int) or index_base < 0:
+        raise ValueError(f"index_base must be an int >= 0, got {index_base!r}")
     if out is not None:
         check_tensor("out", out, HALF_TYPES + (torch.float32,), n, "param", dev)
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
@@ -110,17 +116,19 @@ def _adam(param, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps,
     if dev is not None:
         return device_ops.adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
                                     beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
-                                    grad_scale=grad_scale, check_overflow=check_overflow, out=out)
+                                    grad_scale=grad_scale, check_overflow=check_overflow, out=out, seed=seed,
+                                    index_base=index_base)
     lib = _lib.get()
     if lib is None:
         return fallback.adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr,
                                   beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                   adamw=adamw, grad_scale=grad_scale,
-                                  check_overflow=check_overflow, out=out)
+                                  check_overflow=check_overflow, out=out, seed=seed, index_base=index_base)
     overflow = ctypes.c_int(0)
     code = lib.capstan_adam_step(
         param.data_ptr(), grad.data_ptr(), _code(grad.dtype), exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(), n, step, lr, beta1, beta2, eps, weight_decay, int(bool(adamw)),
+        exp_avg_sq.data_ptr(), _code(exp_avg.dtype), seed, index_base, n, step, lr, beta1, beta2, eps,
+        weight_decay, int(bool(adamw)),
         grad_scale, int(bool(check_overflow)), out.data_ptr() if out is not None else None,
         _code(out.dtype) if out is not None else _lib.NONE, ctypes.byref(overflow))
     _lib.check(lib, code, "capstan_adam_step")
@@ -131,30 +139,39 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, *, step: int, lr: float = 1e-3, beta1: float = 0.9,
                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                 adamw: bool = True, grad_scale: float = 1.0,
-                check_overflow: bool = False) -> bool:
-    """One Adam (adamw=False) or AdamW step, in place, on fp32 param/exp_avg/exp_avg_sq.
+                check_overflow: bool = False, seed: int = 0, index_base: int = 0) -> bool:
+    """One Adam (adamw=False) or AdamW step, in place, on fp32 param and moments.
 
-    param, exp_avg, exp_avg_sq: fp32 [n]; grad: fp32/bf16/fp16 [n], multiplied
-    by grad_scale (1/loss_scale) first. `step` counts from 1. With
+    param: fp32 [n]; grad: fp32/bf16/fp16 [n], multiplied by grad_scale
+    (1/loss_scale) first. exp_avg, exp_avg_sq: fp32 [n], or both bf16: then they
+    are updated in fp32 (the parameter from those fp32 values) and stored with
+    stochastic rounding, whose random bits are a hash of (`seed`, `index_base` +
+    element index) -- the same on every ISA, thread count and fallback; pass a
+    new seed each step, or the same elements round the same way every step. A
+    buffer stepped in slices (ZeRO shards, chunks) gets the bits it would get
+    whole when each slice passes its offset in the buffer as `index_base`.
+    Nearest rounding would lose the second moment's decay: v * 0.999 rounds
+    back to v in bf16's 8 significant bits. `step` counts from 1. With
     check_overflow, returns True and changes nothing when a scaled grad is
     inf/NaN; otherwise returns False.
     """
     return _adam(param, grad, exp_avg, exp_avg_sq, None, step=step, lr=lr, beta1=beta1,
                  beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
-                 grad_scale=grad_scale, check_overflow=check_overflow)
+                 grad_scale=grad_scale, check_overflow=check_overflow, seed=seed, index_base=index_base)
 
 
 def adam_update_and_cast(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                          exp_avg_sq: torch.Tensor, out: torch.Tensor, *, step: int,
                          lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
                          eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
-                         grad_scale: float = 1.0, check_overflow: bool = False) -> bool:
+                         grad_scale: float = 1.0, check_overflow: bool = False, seed: int = 0,
+                         index_base: int = 0) -> bool:
     """`adam_update` fused with `cast_(param, out)`: out [n] (bf16/fp16/fp32) gets the new param."""
     if out is None:
         raise TypeError("out must be a torch.Tensor, got NoneType")
     return _adam(param, grad, exp_avg, exp_avg_sq, out, step=step, lr=lr, beta1=beta1,
                  beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
-                 grad_scale=grad_scale, check_overflow=check_overflow)
+                 grad_scale=grad_scale, check_overflow=check_overflow, seed=seed, index_base=index_base)
 
 
 def cast_(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:

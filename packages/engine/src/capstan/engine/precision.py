@@ -17,7 +17,7 @@ from capstan.chunkmem.optim.precision import DynamicLossScaler
 
 from .config.schema import PrecisionConfig
 
-__all__ = ["loss_scaler", "autocast"]
+__all__ = ["loss_scaler", "autocast", "moment_dtype"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -26,6 +26,11 @@ def autocast(p: PrecisionConfig, device: str = "cpu") -> contextlib.AbstractCont
     if p.dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device, dtype=_DTYPES[p.dtype])
+
+
+def moment_dtype(config: object) -> torch.dtype:
+    """The dtype of Adam's moments (`precision.optimizer_states`) for the flat buffers and the chunks."""
+    return torch.bfloat16 if config.precision.optimizer_states == "bf16" else torch.float32  # type: ignore[attr-defined]
 
 
 def loss_scaler(p: PrecisionConfig) -> DynamicLossScaler:

@@ -58,6 +58,7 @@ class ParamHome:
     slot: TensorSlot
     group: int = 0
     pins: int = 0
+    canonical: int = 0  # its first element's place in the canonical parameter order (`rounding_spans`)
     grad_in_slot: bool = False  # slot-reuse mode: the PARAM slot holds this step's gradient
 
 
@@ -82,7 +83,7 @@ class ChunkedModel(nn.Module):
                  init_fn: Callable[[nn.Module], None] | None = None,
                  norm_weights: Sequence[float] | None = None, outer_groups: Sequence[Group] = (),
                  order: str = "modules", example_inputs: Sequence[object] | None = None,
-                 report_grads: bool = False) -> None:
+                 report_grads: bool = False, moment_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.init_fn = init_fn
         # report_grads: every parameter's gradient hook calls `grad_listener(group, index)` once its
@@ -99,6 +100,11 @@ class ChunkedModel(nn.Module):
             raise ValueError(f"chunk dtype must be float32, bfloat16 or float16, got {dtype}")
         self.dtype = dtype
         self.mixed = dtype != torch.float32
+        # Adam's moments: fp32, or bf16 chunks (half the bytes in every tier) that `ChunkAdam` updates in
+        # fp32 and stores with stochastic rounding (capstan.native.kernels.adam_update).
+        if moment_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"moment dtype must be float32 or bfloat16, got {moment_dtype}")
+        self.moment_dtype = moment_dtype
         # Gradients get chunks of their own (fp32) in pure-fp32 mode (the PARAM chunk is the master
         # and must survive backward) and under gradient accumulation (several backwards add up).
         # Otherwise a 16-bit gradient reuses its parameter's slot once that parameter's backward
@@ -118,6 +124,8 @@ class ChunkedModel(nn.Module):
         manager.on_resident.append(self._bind)
         manager.on_evict.append(self._unbind)
         self._register(param_groups, module_order(module, order, example_inputs, atomic_types))
+        self._number_elements(param_groups)
+        self._spans: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         self._install_hooks()
         self._bind_resident_grads()
         self._check_budget()
@@ -263,8 +271,7 @@ class ChunkedModel(nn.Module):
                         self.chunks[kind][g].append(Chunk(next_id, kind, torch.float32, stateful[kind]))
                         next_id += 1
                         continue
-                    dtype = self.dtype if kind is ChunkKind.PARAM else torch.float32
-                    chunk = Chunk(next_id, kind, dtype, size)
+                    chunk = Chunk(next_id, kind, self._chunk_dtype(kind), size)
                     next_id += 1
                     for spec, offset in members:
                         p = named[spec.name]
@@ -324,6 +331,41 @@ class ChunkedModel(nn.Module):
         if self.grad_chunks:
             kinds.append(ChunkKind.GRAD)
         return kinds + [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ]
+
+    def _number_elements(self, param_groups: list[list[str]] | None) -> None:
+        """Number every element in the canonical order: the groups in order, each group's parameters as
+        `param_groups` lists them (unlisted ones, in group 0, after its listed ones in module order). It is
+        independent of how chunks pack them (module or trace order, sharding, padding), and it is the
+        order of capstan.engine's flat ZeRO buffer, so bf16 moments round alike in every layout."""
+        place = {n: (g, 0, k) for g, names in enumerate(param_groups or []) for k, n in enumerate(names)}
+        for k, n in enumerate(dict(self.module.named_parameters(remove_duplicate=False))):
+            place.setdefault(n, (0, 1, k))
+        pos = 0
+        for home in sorted(self.homes.values(), key=lambda h: place.get(h.name, (0, 1, 0))):
+            home.canonical = pos
+            pos += home.slot.numel
+
+    def rounding_spans(self, g: int, i: int) -> list[tuple[int, int, int]]:
+        """Chunk `i` of group `g` as runs of slots consecutive in the canonical order: (start, end, canonical
+        index of start), in chunk order; the stochastic rounding of bf16 moments draws from the canonical
+        index (optim/moments.py)."""
+        key = (g, i)
+        if key not in self._spans:
+            spans: list[tuple[int, int, int]] = []
+            homes = sorted(self._homes_in(self.chunks[ChunkKind.PARAM][g][i]), key=lambda h: h.slot.offset)
+            for home in homes:
+                lo, hi, base = home.slot.offset, home.slot.offset + home.slot.numel, home.canonical
+                if spans and spans[-1][1] == lo and spans[-1][2] + (lo - spans[-1][0]) == base:
+                    spans[-1] = (spans[-1][0], hi, spans[-1][2])
+                else:
+                    spans.append((lo, hi, base))
+            self._spans[key] = spans
+        return self._spans[key]
+
+    def _chunk_dtype(self, kind: ChunkKind) -> torch.dtype:
+        if kind is ChunkKind.PARAM:
+            return self.dtype
+        return self.moment_dtype if kind in (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ) else torch.float32
 
     def _state_capacities(self, size: int) -> dict[ChunkKind, int]:
         """Chunk kinds among `kinds()` that hold a state of their own rather than the parameters' (1-bit

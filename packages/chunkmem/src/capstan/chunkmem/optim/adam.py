@@ -14,6 +14,9 @@ is written). With a loss scale, gradients are unscaled on the fly and a
 first pass checks them all for inf/NaN; on overflow nothing is updated and
 the 16-bit parameters are restored from their masters.
 
+Adam's moments may be bf16 chunks (`ChunkedModel(moment_dtype=torch.bfloat16)`): the kernel updates
+them in fp32 and stores them with stochastic rounding (moments.py).
+
 Gradients are consumed by the step (their chunks read as zeros again, which
 is `zero_grad`).
 
@@ -33,9 +36,11 @@ from capstan.native import kernels
 
 from ..model.chunked import ChunkedModel
 from ..model.states import ChunkKind
+from .moments import step_chunk
 from .overlap import Speculation, can_overlap
 
 __all__ = ["ChunkAdam", "AdamGroup"]
+
 
 
 @dataclass
@@ -209,12 +214,13 @@ class ChunkAdam:
             master, grad, m, v = (mgr.access(cid, write=True).payload[:n] for cid in ids)  # type: ignore[index]
             args = dict(step=hp.step, lr=hp.lr, beta1=beta1, beta2=beta2, eps=hp.eps,
                         weight_decay=hp.weight_decay, adamw=True, grad_scale=unscale)
+            spans = lambda g=g, i=i: self.model.rounding_spans(g, i)  # noqa: E731
             if mixed:  # update fp32 master, write the 16-bit parameter in the same pass
                 out = mgr.access(p_chunk.chunk_id, write=True).payload[:n]  # type: ignore[index]
-                kernels.adam_update_and_cast(master, grad, m, v, out, **args)
+                step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, hp.step, spans)
                 mgr.release(p_chunk.chunk_id)
             else:
-                kernels.adam_update(master, grad, m, v, **args)
+                step_chunk(kernels.adam_update, (master, grad, m, v), args, hp.step, spans)
             for cid in ids:
                 mgr.release(cid)
 

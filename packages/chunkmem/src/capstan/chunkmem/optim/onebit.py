@@ -70,6 +70,9 @@ class OneBitChunkAdam(ChunkAdam):
             raise ValueError("OneBitChunkAdam needs a ReplicatedChunkedModel(..., onebit=True): its residual chunks")
         if freeze_steps < 0:
             raise ValueError(f"freeze_steps must be >= 0, got {freeze_steps}")
+        if model.moment_dtype != torch.float32:
+            raise ValueError(f"OneBitChunkAdam keeps fp32 moments (its compressed step is its own arithmetic); "
+                             f"the model's moment chunks are {model.moment_dtype}")
         super().__init__(model, groups, **defaults)
         self.model: ReplicatedChunkedModel = model
         self.freeze_steps = freeze_steps

@@ -59,6 +59,7 @@ import torch
 from capstan.native import kernels
 
 from ..model.states import ChunkKind
+from .moments import step_chunk
 
 if TYPE_CHECKING:
     from .adam import ChunkAdam
@@ -93,6 +94,7 @@ class _Job:
     sumsq: float = 0.0
     nonfinite: bool = False
     stepped: bool = False
+    spans: list = field(default_factory=list)  # bf16 moments: the chunk's rounding spans (moments.py)
 
 
 @dataclass
@@ -184,6 +186,7 @@ class Speculation:
         hp = opt.groups[g]
         args = dict(step=hp.step + 1, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], eps=hp.eps,
                     weight_decay=hp.weight_decay, adamw=True, grad_scale=1.0 / self.loss_scale)
+        job.spans = model.rounding_spans(g, i)  # (main thread: the model's bookkeeping stays here)
         job.future = self._pool.submit(self._work, job, views, args, model.mixed)
         self.jobs[(g, i)] = job
 
@@ -204,9 +207,9 @@ class Speculation:
             for k, t in enumerate((master, m, v, grad) if job.backup.numel() == 4 * n else (master, m, v)):
                 job.backup[k * n : (k + 1) * n].copy_(t)
         if mixed:
-            kernels.adam_update_and_cast(master, grad, m, v, out, **args)
+            step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, args["step"], lambda: job.spans)
         else:
-            kernels.adam_update(master, grad, m, v, **args)
+            step_chunk(kernels.adam_update, (master, grad, m, v), args, args["step"], lambda: job.spans)
         job.stepped = True
 
     def _may_roll_back(self) -> bool:

@@ -337,6 +337,11 @@ def _check_compression(cfg: Config, sources: Sources) -> None:
         raise ConfigError(f"parallel.compression = \"int8\" needs parallel.zero_stage 1-3 or offload (got {where}): "
                           "it quantizes ZeRO's gradient reduce-scatter and parameter all-gather, which ZeRO 0's "
                           "all-reduce does not have (1-bit Adam, \"onebit\", compresses ZeRO 0)")
+    if p.compression == "onebit" and cfg.precision.optimizer_states != "fp32":
+        raise ConfigError(f"precision.optimizer_states = {cfg.precision.optimizer_states!r} (from "
+                          f"{_src(sources, 'precision.optimizer_states')}) cannot be used with parallel.compression = "
+                          "\"onebit\": 1-bit Adam's compressed step keeps its own fp32 momentum and variance; "
+                          "use optimizer_states = \"fp32\" or another compression")
 
 
 def _check_bpe(cfg: Config) -> None:

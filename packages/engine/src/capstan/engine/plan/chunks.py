@@ -23,6 +23,7 @@ nothing extra) is left out. `tests/test_plan_time.py` checks it against the byte
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class ChunkLists:
     grad_chunks: bool  # gradients in chunks of their own (else in the 16-bit parameter's slot)
     # 1-bit Adam's replicas (chunkmem/parallel/replicated.py: two residual lists beside the others); 0: none
     onebit: int = 0
+    moment_bytes: int = 4  # bytes per element of exp_avg and exp_avg_sq (precision.optimizer_states)
 
     @property
     def elements(self) -> int:
@@ -76,7 +78,7 @@ class ChunkLists:
             out.append(("master", 4))
         if self.grad_chunks:
             out.append(("grad", 4))
-        out += [("exp_avg", 4), ("exp_avg_sq", 4)]
+        out += [("exp_avg", self.moment_bytes), ("exp_avg_sq", self.moment_bytes)]
         if self.onebit:  # the worker residual as long as the chunk, the server's one part of dp
             out += [("onebit_worker", 4), ("onebit_server", 4 / self.onebit)]
         return tuple(out)
@@ -191,7 +193,8 @@ def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int
     mixed = layout.precision in ("bf16", "fp16")
     grad_chunks = not mixed or layout.accum > 1 or shard > 1 or onebit > 0
     # packed once per distinct stage (the search asks for the same one for every micro-batch, ZeRO stage, ...)
-    return _packed(shape, _kinds(shape, layers), layout.tp, layout.chunk_size, shard, onebit, mixed, grad_chunks)
+    lists = _packed(shape, _kinds(shape, layers), layout.tp, layout.chunk_size, shard, onebit, mixed, grad_chunks)
+    return lists if layout.optimizer_states == "fp32" else dataclasses.replace(lists, moment_bytes=2)
 
 
 @lru_cache(maxsize=1024)

@@ -267,7 +267,8 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
     pbytes = 2 if e16 else 4
     chunked = layout.zero_stage == 3 or layout.offload != "none"
     if not chunked:  # the flat fp32 buffer of ZeroOptimizer (ZeRO 0-2)
-        moments = 8 * params // (dp if layout.zero_stage >= 1 else 1)
+        moment_bytes = 4 if layout.optimizer_states == "bf16" else 8  # exp_avg + exp_avg_sq per parameter
+        moments = moment_bytes * params // (dp if layout.zero_stage >= 1 else 1)
         # ZeRO 2 keeps a shard accumulator only where gradients outlive a backward (accumulation over
         # several backwards; one pipeline schedule is one): zero/optimizer.py; all-reduce buckets are
         # views of the flat gradient (buckets.py)
@@ -278,7 +279,8 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         items += [Item("parameters (fp32 flat buffer)", compute, 4 * params),
                   Item("gradients (fp32 flat buffer" + (" + shard accumulator)" if accumulator else ")"),
                        compute, grads),
-                  Item(f"Adam moments (fp32{', sharded over dp' if layout.zero_stage >= 1 else ''})", compute, moments)]
+                  Item(f"Adam moments ({layout.optimizer_states}"
+                       f"{', sharded over dp' if layout.zero_stage >= 1 else ''})", compute, moments)]
         if dp > 1 and layout.compression == "int8":  # zero/optimizer.py: Adam steps it, the buffer holds the gather
             items.append(Item("int8 compression: the exact fp32 master shard", compute, 4 * params // dp))
         if dp > 1 and layout.compression == "onebit":  # zero/compression.py: a worker and a server residual

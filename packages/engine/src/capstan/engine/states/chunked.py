@@ -23,6 +23,7 @@ from capstan.comm.procmem import peak_rss_bytes
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
 from ..config.load import check_states_fit
 from ..config.schema import Config
+from ..precision import moment_dtype
 from ..zero.optimizer import group_order
 from .base import ModelStates, UpdateScale, overflowed
 
@@ -114,7 +115,8 @@ class ChunkedStates(ModelStates):
             weights.append(1.0 if (sliced or groups.tp.rank == 0) and not copy else 0.0)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.precision.dtype]
         kwargs = dict(param_groups=param_groups, dtype=dtype, accumulate_grads=t.grad_accum_steps > 1,
-                      norm_weights=weights, outer_groups=(groups.tp, groups.pp), init_fn=init_fn)
+                      norm_weights=weights, outer_groups=(groups.tp, groups.pp), init_fn=init_fn,
+                      moment_dtype=moment_dtype(config))
         if mem.chunk_order == "trace":  # one forward on a dummy batch of token ids decides the packing order
             tokens = config.model.seq_len // groups.cp.size  # this rank's tokens under cp
             dummy = torch.zeros(t.micro_batch_size, tokens, dtype=torch.long)

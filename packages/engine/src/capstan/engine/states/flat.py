@@ -17,6 +17,7 @@ from capstan.comm.procmem import peak_rss_bytes
 
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
 from ..config.schema import Config
+from ..precision import moment_dtype
 from ..zero.optimizer import ZeroOptimizer
 from .base import ModelStates, UpdateScale, overflowed
 
@@ -47,7 +48,7 @@ class FlatStates(ModelStates):
         compression = p.compression if groups.replicas.size > 1 else "none"
         self.optimizer = ZeroOptimizer(model, groups, p.zero_stage, config.train, bucket_bytes, p.zero2_collective,
                                        gather_bytes, micro, late, compression=compression,
-                                       freeze_steps=p.compression_freeze_steps)
+                                       freeze_steps=p.compression_freeze_steps, moment_dtype=moment_dtype(config))
         comm.reset_wire_bytes()
         # state_dict() between steps must see every rank's updated parameters.
         model.register_state_dict_pre_hook(lambda *args, **kwargs: self.optimizer.wait_params())
@@ -140,7 +141,9 @@ class FlatView(StateView):
         # A copy in RAM (the buffers are on the GPU when the model trains there).
         if field == "param":  # (int8 compression: the exact master shard, not the quantized gather)
             return self.opt.exact_param(pos + a, pos + b).to("cpu", copy=True)
-        return self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo].to("cpu", copy=True)
+        # (bf16 moments widened to fp32, exactly: checkpoints hold fp32 states whatever the run keeps)
+        moment = self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo]
+        return moment.to("cpu", dtype=torch.float32, copy=True)
 
     def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
         pos, p = self._offset[lp.name]

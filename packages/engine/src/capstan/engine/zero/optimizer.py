@@ -120,7 +120,8 @@ class ZeroOptimizer:
     def __init__(self, model: nn.Module, groups: comm.Groups, stage: int, train: TrainConfig,
                  bucket_bytes: int = 0, zero2_collective: str = "all_reduce", gather_bytes: int = 0,
                  pipeline_microbatches: int = 0, late_params: Sequence[torch.Tensor] = (),
-                 compression: str = "none", freeze_steps: int = 0) -> None:
+                 compression: str = "none", freeze_steps: int = 0,
+                 moment_dtype: torch.dtype = torch.float32) -> None:
         """pipeline_microbatches > 0: gradients come from a pipeline schedule, one `after_backward` per
         step after all its micro-batches; the buckets then count that many accumulations per parameter
         and start while the schedule's last backwards run. late_params: sent only after the schedule
@@ -172,8 +173,11 @@ class ZeroOptimizer:
         # Replicas must start equal: a user module may have been initialized differently per rank.
         comm.broadcast(self.flat_param, src=0, group=groups.replicas)
         self.lo, self.hi = (0, self.padded) if stage == 0 else comm.shard_bounds(self.padded, dp, groups.replicas.rank)
-        self.exp_avg = torch.zeros(self.hi - self.lo, device=dev)
-        self.exp_avg_sq = torch.zeros(self.hi - self.lo, device=dev)
+        # bf16 moments (precision.optimizer_states) round stochastically from (step, flat position): the
+        # same bits for an element whatever the stage and dp, and as in the chunks (chunkmem's
+        # optim/moments.py numbers elements in this buffer's order).
+        self.exp_avg = torch.zeros(self.hi - self.lo, device=dev, dtype=moment_dtype)
+        self.exp_avg_sq = torch.zeros(self.hi - self.lo, device=dev, dtype=moment_dtype)
         self.step_count = 0
         self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
         # Backward passes per optimizer step: the accumulation's micro-batches, or one pipeline schedule.
@@ -359,7 +363,7 @@ class ZeroOptimizer:
             kernels.adam_update(param[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
                                 step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
                                 weight_decay=t.weight_decay if seg.decay else 0.0, adamw=True,
-                                grad_scale=grad_scale)
+                                grad_scale=grad_scale, seed=self.step_count, index_base=a)
         if self.prefetch is not None:
             self.prefetch.start()  # waited for by the next forward's pre-hooks (gather.py; int8 too)
         elif self.master is not None:

@@ -1,0 +1,30 @@
+"""How Adam's moments are stored: fp32, or bf16 chunks that the native kernel updates in fp32 and stores
+with stochastic rounding (capstan.native.kernels.adam_update's `seed` and `index_base`).
+
+The rounding's random bits are a hash of (step, element), where an element is numbered by its place in
+the model's canonical parameter order (`ChunkedModel.rounding_spans`): the parameter groups in order, each
+group's parameters as listed -- the order of capstan.engine's flat ZeRO buffer. So chunked, sharded and
+flat layouts draw the same bits for the same element at the same step, and keep training the same
+trajectory with bf16 moments as they do with fp32 ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["step_chunk"]
+
+
+def step_chunk(update: Callable[..., bool], views: Sequence[torch.Tensor], args: dict, step: int,
+               spans: Callable[[], list[tuple[int, int, int]]]) -> None:
+    """`update(*views, **args)` (kernels.adam_update or adam_update_and_cast over one chunk group's
+    sibling views): one call over the whole chunk with fp32 moments; with bf16 moments one call per run of
+    slots that are consecutive in the canonical order (`spans()`: (start, end, canonical index of start)),
+    each drawing its bits from `step` and its canonical index. Padding between slots stays as it is."""
+    if views[2].dtype == torch.float32:
+        update(*views, **args)
+        return
+    for lo, hi, base in spans():
+        update(*(t[lo:hi] for t in views), **args, seed=step, index_base=base)

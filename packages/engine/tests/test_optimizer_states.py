@@ -1,0 +1,128 @@
+"""precision.optimizer_states = "bf16": Adam's moments in half the bytes, trained alike in every layout.
+
+The moments round stochastically from (step, the element's place in the canonical parameter order), so
+the flat ZeRO buffer, chunks in RAM or on disk, the overlapped step and ZeRO-3's shards all draw the same
+bits. Where the layout sums in the same order (one process, flat or chunked, overlapped or not, RAM or
+disk) the trajectory is the same to the last bit; over dp the fp32 sums' last-bit differences (~1e-7)
+can flip a stochastic rounding, which carries them further: loss within 1e-6 over 20 steps here, the
+norm within 1.1e-5 (so the norm bound is 1e-4). tp ranks number their slices locally, so tp draws other
+bits: loss within 1.1e-4 (bound 2e-4). A resumed run continues bit for bit. Memory is checked in chunk
+bytes and in the process's RSS.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from capstan.comm.testing import run_ranks
+from capstan.engine.config.load import ConfigError, resolve
+from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config, train_steps, trajectory
+
+STEPS = 20
+BF16 = {"optimizer_states": "bf16"}
+
+
+def _cfg(**sections: dict) -> dict:
+    precision = {**BF16, **sections.pop("precision", {})}
+    return tiny_gpt_config(STEPS, 2, precision=precision, **sections)
+
+
+def _two_rank_layouts() -> dict:
+    one = {"grad_accum_steps": 1}
+    out = {f"dp2-zero{stage}": trajectory(_cfg(train=one, parallel={"dp": 2, "zero_stage": stage}), STEPS)
+           for stage in (1, 2)}
+    out["dp2-zero3-disk"] = trajectory(_cfg(train=one, parallel={"dp": 2, "zero_stage": 3},
+                                            memory={"offload": "disk", "chunk_size": 8192, "cpu_budget": 24 * 8192 * 4,
+                                                    "disk_dir": tempfile.mkdtemp(prefix="capstan-bf16m-")}), STEPS)
+    out["tp2"] = trajectory(_cfg(parallel={"tp": 2}), STEPS)
+    return out
+
+
+def test_bf16_moments_train_the_same_trajectory_in_every_layout(tmp_path: Path) -> None:
+    ref = trajectory(_cfg(), STEPS)
+    fp32 = trajectory(_cfg(precision={"optimizer_states": "fp32"}), STEPS)
+    # bf16 moments really are in use (a different trajectory), and train as well as fp32 ones here
+    assert ref["loss"] != fp32["loss"]
+    assert ref["loss"][-1] < ref["loss"][0] - 0.5
+    assert abs(ref["loss"][-1] - fp32["loss"][-1]) / fp32["loss"][-1] < 0.02
+    single = {
+        "offload-cpu": _cfg(memory={"offload": "cpu", "chunk_size": 8192}),
+        "offload-cpu-overlapped": _cfg(memory={"offload": "cpu", "chunk_size": 8192, "overlap_optimizer": True}),
+        "offload-disk": _cfg(memory={"offload": "disk", "chunk_size": 8192, "cpu_budget": 8 * 8192 * 4,
+                                     "disk_dir": str(tmp_path / "chunks")}),
+    }
+    for cfg in single.values():
+        got = trajectory(cfg, STEPS)
+        assert got["loss"] == ref["loss"] and got["norm"] == ref["norm"]
+    for rank_result in run_ranks(_two_rank_layouts, 2, timeout=240):
+        for name, got in rank_result.items():
+            tp = name == "tp2"
+            assert_trajectories_close(got["loss"], ref["loss"], tol=2e-4 if tp else 1e-5)
+            assert_trajectories_close(got["norm"], ref["norm"], tol=1e-3 if tp else 1e-4)
+
+
+@pytest.mark.parametrize("memory", [{}, {"offload": "cpu", "chunk_size": 8192}])
+def test_bf16_moments_resume_bit_for_bit(tmp_path: Path, memory: dict) -> None:
+    """Checkpoints hold the moments widened to fp32 (exact), and the rounding bits depend on the step
+    only: a run saved at step 3 and resumed continues as the unbroken run, to the last bit."""
+    cfg = _cfg(memory=memory)
+    engine, straight, _ = train_steps(cfg, 6)
+    engine.close()
+    engine, _, saved = train_steps(cfg, 3, save_at=3, directory=str(tmp_path / "ckpt"))
+    engine.close()
+    engine, resumed, _ = train_steps(cfg, 6, load=saved)
+    engine.close()
+    assert [i.loss for i in resumed] == [i.loss for i in straight[3:]]
+
+
+def _state_memory() -> dict:
+    """In a fresh process: one step of a 19M-parameter GPT, flat (ranks 0, 1) or chunked in RAM (2, 3), with
+    fp32 (even ranks) or bf16 moments; the growth of peak RSS over the process before `initialize`, and the
+    engine's own count of the moments' bytes."""
+    import os
+
+    import torch
+
+    from capstan.chunkmem import ChunkKind
+    from capstan.comm.procmem import peak_rss_bytes
+    from capstan.engine import initialize, open_data, train_batches
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CAPSTAN_RENDEZVOUS_FILE"):
+        os.environ.pop(var)  # four independent one-process runs, not one world of four
+    memory = {} if rank < 2 else {"offload": "cpu"}
+    states = "bf16" if rank % 2 else "fp32"
+    cfg = {"model": {"n_layers": 6, "n_heads": 8, "d_model": 512, "seq_len": 16}, "data": {"max_bytes": 100_000},
+           "train": {"steps": 1, "micro_batch_size": 1, "warmup_steps": 0}, "memory": memory,
+           "precision": {"optimizer_states": states}}
+    before = peak_rss_bytes()
+    engine = initialize(config=cfg)
+    engine.train_batch(train_batches(open_data(engine.config), engine.config, 1, 0))
+    grown = peak_rss_bytes() - before
+    if memory:
+        kinds = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
+        moments = sum(e.chunk.nbytes for e in engine.manager.entries.values() if e.chunk.kind in kinds)
+    else:
+        moments = sum(t.numel() * t.element_size() for t in (engine.optimizer.exp_avg, engine.optimizer.exp_avg_sq))
+    params = sum(p.numel() for p in engine.module.parameters())
+    engine.close()
+    return {"rss": grown, "moments": moments, "params": params}
+
+
+def test_bf16_moments_halve_the_moment_bytes_and_the_rss() -> None:
+    flat32, flat16, chunk32, chunk16 = run_ranks(_state_memory, 4, init=False, timeout=300)
+    for fp32, bf16 in ((flat32, flat16), (chunk32, chunk16)):
+        assert bf16["moments"] * 2 == fp32["moments"]
+        assert fp32["moments"] >= 8 * fp32["params"]  # both moments, every parameter
+        saved = fp32["rss"] - bf16["rss"]
+        want = fp32["moments"] // 2  # 4 bytes per parameter
+        assert abs(saved - want) < 0.25 * want, (saved, want, fp32, bf16)
+
+
+def test_bf16_moments_refuse_onebit_with_one_clear_error() -> None:
+    with pytest.raises(ConfigError, match=r"precision.optimizer_states = 'bf16'.*onebit"):
+        resolve(_cfg(parallel={"dp": 2, "compression": "onebit"}))

@@ -1,0 +1,105 @@
+"""A model larger than RAM, stepped through the disk tier, with fp32 and with bf16 Adam moments (not a test).
+
+    hatch run python tools/bench_disk_states.py [--layers 36 --d-model 2048] [--budget 2GiB] [--steps 4]
+        [--states fp32,bf16] [--dir /tmp] [--rounds 1]
+
+Each run is a fresh process (`--one STATES` runs one and prints a JSON line): the reference GPT with
+`memory.offload = "disk"` under a chunk budget, fp32 compute, micro-batch 2 x seq 128. The first step
+is the warm-up that records the trace; the table gives the median of the rest: step time, bytes the
+chunk manager moved between RAM and disk per step, seconds stalled on I/O (both counters are cumulative:
+differences of consecutive steps), peak RSS, and the bytes of
+the chunks (model states). `capstan bench-disk` on the same directory bounds what the disk allows.
+With --rounds > 1 the formats alternate (fp32, bf16, fp32, ...), each round a new process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def one(states: str, layers: int, d_model: int, budget: str, steps: int, directory: str) -> dict:
+    import torch
+
+    from capstan import comm
+    from capstan.comm.procmem import peak_rss_bytes
+    from capstan.engine import initialize, open_data, train_batches
+
+    torch.manual_seed(0)
+    cfg = {"model": {"n_layers": layers, "n_heads": max(1, d_model // 128), "d_model": d_model, "seq_len": 128},
+           "data": {"max_bytes": 2_000_000},
+           "train": {"steps": steps, "micro_batch_size": 2, "lr": 1e-4, "warmup_steps": 1},
+           "memory": {"offload": "disk", "cpu_budget": budget, "disk_dir": directory},
+           "precision": {"optimizer_states": states}}
+    t0 = time.perf_counter()
+    engine = initialize(config=cfg, groups=comm.single_process_groups())
+    built = time.perf_counter() - t0
+    it = train_batches(open_data(engine.config), engine.config, 1, 0)
+    rows = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        info = engine.train_batch(it)
+        rows.append({"s": time.perf_counter() - t, "moved": info.mem["mem.moved_bytes"],
+                     "stall": info.mem.get("mem.stall_s", 0.0), "loss": info.loss})
+    chunks = sum(e.chunk.nbytes for e in engine.manager.entries.values())
+    from capstan.engine.config.load import reference_param_count
+
+    params = reference_param_count(engine.config)  # (chunked parameters not in RAM are empty tensors)
+    engine.close()
+    return {"states": states, "params": params, "chunk_bytes": chunks, "build_s": built, "steps": rows,
+            "peak_rss": peak_rss_bytes()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--budget", default="2GiB")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--states", default="fp32,bf16")
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.layers, args.d_model, args.budget, args.steps, args.dir)))
+        return
+    results: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):
+        for states in args.states.split(","):
+            chunks = tempfile.mkdtemp(prefix="capstan-disk-states-", dir=args.dir)
+            try:
+                out = subprocess.run([sys.executable, __file__, "--one", states, "--layers", str(args.layers),
+                                      "--d-model", str(args.d_model), "--budget", args.budget,
+                                      "--steps", str(args.steps), "--dir", chunks],
+                                     check=True, capture_output=True, text=True).stdout
+            finally:
+                shutil.rmtree(chunks, ignore_errors=True)
+            results.setdefault(states, []).append(json.loads(out.strip().splitlines()[-1]))
+    first = next(iter(results.values()))[0]
+    print(f"### {first['params'] / 1e9:.2f}B-parameter GPT ({args.layers} x {args.d_model}), disk offload under "
+          f"{args.budget}, micro-batch 2 x 128 tokens, {args.rounds} round(s), steps 2-{args.steps} of each\n")
+    print("| moments | model states (chunks) | B/param | s/step | vs fp32 | moved/step | stalled on I/O | "
+          "peak RSS | loss at the last step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = None
+    for states, runs in results.items():
+        later = [s for r in runs for s in r["steps"][1:]]
+        step = statistics.median(s["s"] for s in later)
+        moved = statistics.median(b["moved"] - a["moved"] for r in runs for a, b in zip(r["steps"], r["steps"][1:]))
+        stall = statistics.median(b["stall"] - a["stall"] for r in runs for a, b in zip(r["steps"], r["steps"][1:]))
+        base = base or step
+        r = runs[0]
+        print(f"| {states} | {r['chunk_bytes'] / 2**30:.1f} GiB | {r['chunk_bytes'] / r['params']:.1f} | {step:.1f} | "
+              f"{base / step:.2f}x | {moved / 2**30:.1f} GiB | {stall:.1f} s | {r['peak_rss'] / 2**30:.2f} GiB | "
+              f"{r['steps'][-1]['loss']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
