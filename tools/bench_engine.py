@@ -20,7 +20,8 @@ matrices only), gradient clipping at 1.0, one thread per rank. The peers:
 * single: a plain PyTorch loop, `torch.optim.AdamW(fused=True)` and
   `clip_grad_norm_` (what capstan's engine does, written by hand);
 * dp2: `DistributedDataParallel` (fused AdamW) and FSDP2 (`fully_shard` per
-  layer + root on a 2-rank CPU mesh), both over gloo, against capstan
+  layer + root on a 2-rank CPU mesh; ``fsdp2-noreshard`` with ``reshard_after_forward=False``, FSDP2's
+  ZeRO-2), both over gloo, against capstan
   `parallel.zero_stage = 2` over gloo (gradient buckets communicating during
   backward; add ``capstan-after`` to --systems-dp2 for the same engine with
   ``parallel.bucket_mb = 0``, all communication after backward, or
@@ -151,14 +152,18 @@ def make_system(system: str, a: dict, world: int, rank: int):
 
             model = DistributedDataParallel(model)
             opt = adamw(list(model.parameters()), cfg, fused=True)
-        elif system == "fsdp2":
+        elif system in ("fsdp2", "fsdp2-noreshard"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
+            # fsdp2: the default, parameters resharded after forward (ZeRO-3's memory, a second gather in
+            # backward); fsdp2-noreshard: reshard_after_forward=False, parameters kept whole from forward
+            # through backward (ZeRO-2's memory and traffic: the FSDP2 peer of capstan's zero_stage 2)
             mesh = init_device_mesh("cpu", (world,))
+            keep = {"reshard_after_forward": system == "fsdp2"}
             for layer in model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, **keep)
+            fully_shard(model, mesh=mesh, **keep)
             opt = adamw(list(model.parameters()), cfg, fused=True)  # tried by the first step below
         else:
             raise ValueError(system)
@@ -177,7 +182,7 @@ def make_system(system: str, a: dict, world: int, rank: int):
                 v /= world
             losses.append(float(v))
 
-        if system == "fsdp2":  # fall back to foreach if fused AdamW rejects DTensors
+        if system.startswith("fsdp2"):  # fall back to foreach if fused AdamW rejects DTensors
             try:
                 step()
             except Exception as e:  # noqa: BLE001

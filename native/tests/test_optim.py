@@ -68,3 +68,25 @@ def test_rejects_non_cpu_fp32_params():
         CPUAdam([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))])
     with pytest.raises(ValueError, match="betas"):
         CPUAdam([torch.nn.Parameter(torch.zeros(3))], betas=(0.9, 1.0))
+
+
+def test_bf16_states_keep_the_moments_in_bf16_and_train_like_fp32():
+    a, b = make_model(3), make_model(3)
+    full = CPUAdam(a.parameters(), lr=1e-2, weight_decay=0.05)
+    half = CPUAdam(b.parameters(), lr=1e-2, weight_decay=0.05, state_dtype=torch.bfloat16)
+    train(a, full, 50)
+    train(b, half, 50)
+    for st in half.state.values():
+        assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pb, pa, rtol=2e-2, atol=2e-3)  # stochastic rounding's noise, not bits
+    assert any(not torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
+    # a state_dict of fp32 moments (torch's, or this run's) loads and stays bf16 from the next step on
+    c = make_model(3)
+    c.load_state_dict(a.state_dict())
+    again = CPUAdam(c.parameters(), lr=1e-2, weight_decay=0.05, state_dtype=torch.bfloat16)
+    again.load_state_dict(copy.deepcopy(full.state_dict()))
+    train(c, again, 1)
+    assert all(st["exp_avg"].dtype == torch.bfloat16 for st in again.state.values())
+    with pytest.raises(ValueError, match="state_dtype"):
+        CPUAdam(c.parameters(), state_dtype=torch.float16)

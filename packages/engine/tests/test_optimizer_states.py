@@ -78,6 +78,29 @@ def test_bf16_moments_resume_bit_for_bit(tmp_path: Path, memory: dict) -> None:
     assert [i.loss for i in resumed] == [i.loss for i in straight[3:]]
 
 
+def test_bf16_moments_are_saved_as_they_are_and_load_into_either_setting(tmp_path: Path) -> None:
+    """The checkpoint holds the moments as bf16 pieces (half the bytes), named so in the manifest; a run
+    with fp32 moments loads them (widened exactly) and starts from the same parameters."""
+    import json
+
+    cfg = _cfg(memory={"offload": "cpu", "chunk_size": 8192})
+    engine, _, saved = train_steps(cfg, 3, save_at=3, directory=str(tmp_path / "ckpt"))
+    engine.close()
+    pieces = json.loads((Path(saved) / "manifest.json").read_text())["pieces"]
+    for p in pieces:
+        bf16 = p["field"] != "param"
+        assert p["dtype"] == ("BF16" if bf16 else "F32") and p["nbytes"] == (2 if bf16 else 4) * p["length"]
+    resumed = {}
+    for states in ("bf16", "fp32"):
+        engine, infos, _ = train_steps(_cfg(precision={"optimizer_states": states}), 6, load=saved)
+        engine.close()
+        resumed[states] = [i.loss for i in infos]
+    # the same parameters and moments (flat buffers this time), so the same step 4 and, as both update the
+    # parameters from the unrounded moments, the same step 5; from then on each steps its own moments
+    assert resumed["fp32"][:2] == resumed["bf16"][:2]
+    assert resumed["fp32"][2] != resumed["bf16"][2]
+
+
 def _state_memory() -> dict:
     """In a fresh process: one step of a 19M-parameter GPT, flat (ranks 0, 1) or chunked in RAM (2, 3), with
     fp32 (even ranks) or bf16 moments; the growth of peak RSS over the process before `initialize`, and the

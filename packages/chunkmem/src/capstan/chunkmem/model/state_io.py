@@ -1,7 +1,8 @@
 """Read and write one parameter's training state in a `ChunkedModel`: for checkpoints.
 
-A checkpoint wants, per parameter, three fp32 tensors: the parameter (the
-master copy in mixed precision), and Adam's ``exp_avg`` and ``exp_avg_sq``.
+A checkpoint wants, per parameter, three tensors: the parameter (fp32: the
+master copy in mixed precision), and Adam's ``exp_avg`` and ``exp_avg_sq`` (fp32,
+or bf16 where the model keeps them so: `ChunkedModel.moment_dtype`).
 These live at the parameter's slot in sibling chunks, which may be on disk;
 each call brings the chunk in through the manager (so the RAM budget holds)
 and releases it. Only chunks this rank owns have optimizer state
@@ -9,7 +10,7 @@ and releases it. Only chunks this rank owns have optimizer state
 data-parallel rank.
 
     for home in owned_homes(model):
-        t = read_state(model, home, "exp_avg")       # a copy, fp32
+        t = read_state(model, home, "exp_avg")       # a copy, as the chunk keeps it
         write_state(model, home, "exp_avg", t)
 """
 
@@ -42,11 +43,12 @@ def _kind(model: ChunkedModel, field: str) -> ChunkKind:
 
 
 def read_state(model: ChunkedModel, home: ParamHome, field: str) -> torch.Tensor:
-    """A fp32 copy of `field` of the parameter at `home` (an owned one)."""
+    """A copy of `field` of the parameter at `home` (an owned one): fp32, the moments in the model's
+    moment dtype (bf16 ones are saved as they are)."""
     chunk = model.chunk_of(home, _kind(model, field))
     model.manager.access(chunk.chunk_id)
     try:
-        return chunk.view(home.slot).float().clone()
+        return chunk.view(home.slot).to(torch.float32 if field == "param" else model.moment_dtype, copy=True)
     finally:
         model.manager.release(chunk.chunk_id)
 

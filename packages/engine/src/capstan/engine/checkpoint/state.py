@@ -137,8 +137,13 @@ class StateView:
     params: list[LocalParam]
 
     def read(self, lp: LocalParam, field: str) -> torch.Tensor:
-        """Flat fp32 elements ``lp.own`` of `field` of the local tensor."""
+        """Flat elements ``lp.own`` of `field` of the local tensor, in `dtype(field)`."""
         raise NotImplementedError
+
+    def dtype(self, field: str) -> torch.dtype:
+        """What `field` is kept (and saved) as: fp32, but Adam's moments under precision.optimizer_states =
+        "bf16", which checkpoints hold as they are (a load converts to what the loading run keeps)."""
+        return torch.float32
 
     def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
         """Set `field` from the whole local tensor (this rank keeps the part it holds)."""

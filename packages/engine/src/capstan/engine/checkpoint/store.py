@@ -37,7 +37,7 @@ import torch
 from capstan import comm
 from capstan.comm import faults
 
-from .format import FORMAT, MANIFEST, VERSION, Entry, fsync_dir, read_tensor, write_safetensors
+from .format import DTYPE_CODES, FORMAT, MANIFEST, VERSION, Entry, fsync_dir, read_tensor, write_safetensors
 from .state import FIELDS, LocalParam, merge_tp, rng_generators, slice_tp, state_view
 
 if TYPE_CHECKING:  # annotations only: the engine imports this package (Engine.save / load)
@@ -158,8 +158,8 @@ def _write_shard(engine: Engine, directory: Path, rank: int) -> dict[str, object
         sliced = lp.tp_dim is not None
         for field in FIELDS:
             key = f"{field}/{lp.name}"
-            entries.append(Entry(key, (b - a,), torch.float32, lambda lp=lp, f=field: view.read(lp, f)))
-            pieces.append({"name": lp.name, "field": field, "key": key,
+            entries.append(Entry(key, (b - a,), view.dtype(field), lambda lp=lp, f=field: view.read(lp, f)))
+            pieces.append({"name": lp.name, "field": field, "key": key, "dtype": DTYPE_CODES[view.dtype(field)],
                            "tp_rank": lp.tp_rank if sliced else 0, "tp_size": lp.tp_size if sliced else 1,
                            "local_shape": list(lp.local_shape), "start": a, "length": b - a})
     rng = [("rng.torch", torch.get_rng_state())]
@@ -269,7 +269,8 @@ def piece_index(manifest: dict) -> dict[tuple[str, str], list[dict]]:
 
 
 def assemble(directory: Path, manifest: dict, pieces: list[dict], name: str) -> torch.Tensor:
-    """The full logical fp32 tensor `name` from its pieces (every element covered exactly once)."""
+    """The full logical fp32 tensor `name` from its pieces (every element covered exactly once; bf16 pieces,
+    Adam's moments under precision.optimizer_states = "bf16", widened exactly)."""
     desc = manifest["params"][name]
     by_rank: dict[int, list[dict]] = defaultdict(list)
     for p in pieces:
@@ -289,7 +290,8 @@ def assemble(directory: Path, manifest: dict, pieces: list[dict], name: str) -> 
                                       f"at element {pos}")
             path = directory / p["file"]
             try:
-                flat[pos : pos + p["length"]] = read_tensor(path, p["offset"], p["nbytes"], "F32", p["crc32"])
+                flat[pos : pos + p["length"]] = read_tensor(path, p["offset"], p["nbytes"], p.get("dtype", "F32"),
+                                                            p["crc32"])
             except (OSError, EOFError, ValueError) as exc:
                 raise CheckpointError(str(exc)) from None
             pos += p["length"]

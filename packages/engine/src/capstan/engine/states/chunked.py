@@ -290,6 +290,9 @@ class ChunkView(StateView):
         home, _ = self._homes[lp.name]
         return read_state(self.model, home, field).reshape(-1)[lp.own[0] : lp.own[1]]
 
+    def dtype(self, field: str) -> torch.dtype:
+        return torch.float32 if field == "param" else self.model.moment_dtype
+
     def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
         from capstan.chunkmem.model.state_io import write_state
 

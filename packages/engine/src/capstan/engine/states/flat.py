@@ -141,9 +141,10 @@ class FlatView(StateView):
         # A copy in RAM (the buffers are on the GPU when the model trains there).
         if field == "param":  # (int8 compression: the exact master shard, not the quantized gather)
             return self.opt.exact_param(pos + a, pos + b).to("cpu", copy=True)
-        # (bf16 moments widened to fp32, exactly: checkpoints hold fp32 states whatever the run keeps)
-        moment = self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo]
-        return moment.to("cpu", dtype=torch.float32, copy=True)
+        return self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo].to("cpu", copy=True)
+
+    def dtype(self, field: str) -> torch.dtype:
+        return torch.float32 if field == "param" else self.opt.exp_avg.dtype
 
     def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
         pos, p = self._offset[lp.name]
