@@ -290,7 +290,8 @@ def run(system: str, world: int, a: dict) -> dict:
     if system.startswith("ds-zero"):
         from bench_engine_deepspeed import run_deepspeed
 
-        res = run_deepspeed(a["deepspeed"], int(system[-1]), world, a)
+        stage = int(system[len("ds-zero")])  # ds-zero2, ds-zero3: offload_optimizer cpu; -nooffload: none
+        res = run_deepspeed(a["deepspeed"], stage, world, dict(a, ds_offload=not system.endswith("-nooffload")))
     elif system.startswith("capstan") and world > 1 and a.get("mpirun"):
         from capstan.comm.testing import run_mpirun
 
@@ -306,7 +307,7 @@ def run(system: str, world: int, a: dict) -> dict:
     elapsed = max(r["elapsed"] for r in res)
     tokens = a["steps"] * a["micro"] * a["seq"] * world
     return {"tok_s": tokens / elapsed, "rss": [r["rss"] for r in res], "losses": res[0]["losses"],
-            "params": res[0]["params"], "step_s": statistics.median(res[0]["step_s"])}
+            "params": res[0]["params"], "step_s": statistics.median(res[0]["step_s"]), "note": res[0].get("note", "")}
 
 
 def bench(name: str, world: int, systems: list[str], a: dict, rounds: int) -> dict:
@@ -319,7 +320,8 @@ def bench(name: str, world: int, systems: list[str], a: dict, rounds: int) -> di
             print(f"[{name}] round {r + 1}/{rounds} {s:8s} {res['tok_s']:8.0f} tok/s  "
                   f"step {res['step_s']:.3f} s  peak RSS/rank "
                   f"{', '.join(f'{x / 2**20:.0f}' for x in res['rss'])} MiB  "
-                  f"loss {res['losses'][0]:.4f} -> {res['losses'][-1]:.4f}", flush=True)
+                  f"loss {res['losses'][0]:.4f} -> {res['losses'][-1]:.4f}"
+                  + (f" ({res['note']})" if res["note"] and r == 0 else ""), flush=True)
     base = systems[0]
     summary: dict = {"params": out[base][0]["params"], "systems": {}}
     for s in systems:
@@ -360,7 +362,10 @@ def main() -> int:
                    help="with --mpirun: capstan.comm's backend (default: MPI when mpi4py imports)")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--deepspeed", default=None, metavar="PYTHON",
-                   help="a python with deepspeed (a separate venv): adds ds-zero2 and ds-zero3, offload_optimizer cpu")
+                   help="a python with deepspeed (a separate venv): adds --ds-systems to the process rounds")
+    p.add_argument("--ds-systems", default="ds-zero2,ds-zero3",
+                   help="DeepSpeed systems: ds-zero2 / ds-zero3 with offload_optimizer cpu, "
+                        "ds-zero2-nooffload / ds-zero3-nooffload without")
     args = p.parse_args()
     a = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq, "vocab": args.vocab,
          "micro": args.micro, "steps": args.steps, "warmup": args.warmup, "deepspeed": args.deepspeed,
@@ -372,7 +377,7 @@ def main() -> int:
     if args.only in (None, "dp2"):
         results["dp2"] = bench_interleaved("dp2", 2, args.systems_dp2.split(","), a, args.rounds)
     if args.only in (None, "dp2", "dp2-processes") and args.process_rounds:
-        systems = args.systems_dp2.split(",") + (["ds-zero2", "ds-zero3"] if args.deepspeed else [])
+        systems = args.systems_dp2.split(",") + (args.ds_systems.split(",") if args.deepspeed else [])
         results["dp2_processes"] = bench("dp2 processes", 2, systems, a, args.process_rounds)
     print(json.dumps(results, indent=1))
     if args.json:

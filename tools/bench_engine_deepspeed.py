@@ -1,4 +1,6 @@
-"""The DeepSpeed peers of tools/bench_engine.py: ZeRO-2 / ZeRO-3 with `offload_optimizer: cpu`.
+"""The DeepSpeed peers of tools/bench_engine.py: ZeRO-2 / ZeRO-3, with `offload_optimizer: cpu` (the systems
+`ds-zero2`, `ds-zero3`) or without (`ds-zero2-nooffload`, `ds-zero3-nooffload`: `a["ds_offload"]` false; the
+optimizer is then what DeepSpeed builds for its CPU accelerator from `"type": "AdamW"`).
 
 `run_deepspeed` starts `world` ranks of this file with `--worker` under the
 python given to bench_engine.py's `--deepspeed` (a separate venv with
@@ -20,7 +22,8 @@ from bench_engine import VOCAB, batches, timed_steps
 
 
 def ds_worker(a: dict, stage: int) -> dict:
-    """DeepSpeed ZeRO-`stage` with offload_optimizer cpu on this rank (run under --deepspeed's python)."""
+    """DeepSpeed ZeRO-`stage` on this rank, with offload_optimizer cpu unless `a["ds_offload"]` is false (run
+    under --deepspeed's python)."""
     torch.set_num_threads(1)
     import deepspeed
     import torch.distributed as dist
@@ -47,7 +50,8 @@ def ds_worker(a: dict, stage: int) -> dict:
         "gradient_clipping": t.grad_clip, "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps,
                                                   "weight_decay": t.weight_decay}},
-        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}},
+        "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}}
+                                                 if a.get("ds_offload", True) else {})},
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
     loss_of = model.loss
@@ -63,7 +67,8 @@ def ds_worker(a: dict, stage: int) -> dict:
         dist.all_reduce(v)
         losses.append(float(v) / world)
 
-    return {**timed_steps(step, a, world), "losses": losses, "params": n_params}
+    note = type(engine.optimizer).__name__ + "/" + type(getattr(engine.optimizer, "optimizer", None)).__name__
+    return {**timed_steps(step, a, world), "losses": losses, "params": n_params, "note": note}
 
 
 def run_deepspeed(python: str, stage: int, world: int, a: dict, tries: int = 3) -> list[dict]:
