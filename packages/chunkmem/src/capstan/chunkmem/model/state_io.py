@@ -48,7 +48,7 @@ def read_state(model: ChunkedModel, home: ParamHome, field: str) -> torch.Tensor
     chunk = model.chunk_of(home, _kind(model, field))
     model.manager.access(chunk.chunk_id)
     try:
-        return chunk.view(home.slot).to(torch.float32 if field == "param" else model.moment_dtype, copy=True)
+        return chunk.view(home.slot).clone()  # (the master / fp32 PARAM chunk, or the moments' own dtype)
     finally:
         model.manager.release(chunk.chunk_id)
 

@@ -42,7 +42,6 @@ from .overlap import Speculation, can_overlap
 __all__ = ["ChunkAdam", "AdamGroup"]
 
 
-
 @dataclass
 class AdamGroup:
     lr: float = 1e-3
@@ -214,13 +213,13 @@ class ChunkAdam:
             master, grad, m, v = (mgr.access(cid, write=True).payload[:n] for cid in ids)  # type: ignore[index]
             args = dict(step=hp.step, lr=hp.lr, beta1=beta1, beta2=beta2, eps=hp.eps,
                         weight_decay=hp.weight_decay, adamw=True, grad_scale=unscale)
-            spans = lambda g=g, i=i: self.model.rounding_spans(g, i)  # noqa: E731
+            spans = self.model.rounding_spans(g, i)  # (cached per chunk)
             if mixed:  # update fp32 master, write the 16-bit parameter in the same pass
                 out = mgr.access(p_chunk.chunk_id, write=True).payload[:n]  # type: ignore[index]
-                step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, hp.step, spans)
+                step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, spans)
                 mgr.release(p_chunk.chunk_id)
             else:
-                step_chunk(kernels.adam_update, (master, grad, m, v), args, hp.step, spans)
+                step_chunk(kernels.adam_update, (master, grad, m, v), args, spans)
             for cid in ids:
                 mgr.release(cid)
 

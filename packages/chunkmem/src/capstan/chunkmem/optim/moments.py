@@ -17,14 +17,15 @@ import torch
 __all__ = ["step_chunk"]
 
 
-def step_chunk(update: Callable[..., bool], views: Sequence[torch.Tensor], args: dict, step: int,
-               spans: Callable[[], list[tuple[int, int, int]]]) -> None:
+def step_chunk(update: Callable[..., bool], views: Sequence[torch.Tensor], args: dict,
+               spans: list[tuple[int, int, int]]) -> None:
     """`update(*views, **args)` (kernels.adam_update or adam_update_and_cast over one chunk group's
     sibling views): one call over the whole chunk with fp32 moments; with bf16 moments one call per run of
-    slots that are consecutive in the canonical order (`spans()`: (start, end, canonical index of start)),
-    each drawing its bits from `step` and its canonical index. Padding between slots stays as it is."""
+    slots that are consecutive in the canonical order (`spans`: (start, end, canonical index of start),
+    `ChunkedModel.rounding_spans`), each drawing its bits from `args["step"]` and its canonical index.
+    Padding between slots stays as it is."""
     if views[2].dtype == torch.float32:
         update(*views, **args)
         return
-    for lo, hi, base in spans():
-        update(*(t[lo:hi] for t in views), **args, seed=step, index_base=base)
+    for lo, hi, base in spans:
+        update(*(t[lo:hi] for t in views), **args, seed=args["step"], index_base=base)

@@ -207,9 +207,9 @@ class Speculation:
             for k, t in enumerate((master, m, v, grad) if job.backup.numel() == 4 * n else (master, m, v)):
                 job.backup[k * n : (k + 1) * n].copy_(t)
         if mixed:
-            step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, args["step"], lambda: job.spans)
+            step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, job.spans)
         else:
-            step_chunk(kernels.adam_update, (master, grad, m, v), args, args["step"], lambda: job.spans)
+            step_chunk(kernels.adam_update, (master, grad, m, v), args, job.spans)
         job.stepped = True
 
     def _may_roll_back(self) -> bool:

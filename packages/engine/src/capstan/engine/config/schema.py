@@ -186,7 +186,7 @@ class PrecisionConfig:
     dtype: str = constraint("fp32", choices=("fp32", "bf16", "fp16"))
     """Autocast dtype of forward/backward ("fp32": no autocast)."""
     optimizer_states: str = constraint("fp32", choices=("fp32", "bf16"))
-    """Adam's exp_avg and exp_avg_sq: "fp32", or "bf16" (half their bytes in every tier: 12 instead of 16 bytes per parameter with fp32 master and gradient), updated in fp32 by the fused native kernel and stored with stochastic rounding, so that v * beta2 still decays (nearest rounding would round it back to v in bf16's 8 significant bits). Every layout draws the same random bits for the same element, so layouts keep training the same trajectory. Checkpoints hold the moments widened to fp32 (exactly). Not with parallel.compression = "onebit" (1-bit Adam keeps its own fp32 momentum)."""
+    """Adam's exp_avg and exp_avg_sq: "fp32", or "bf16" (half their bytes in every tier: 12 instead of 16 bytes per parameter with fp32 master and gradient), updated in fp32 by the fused native kernel and stored with stochastic rounding, so that v * beta2 still decays (nearest rounding would round it back to v in bf16's 8 significant bits). The random bits follow the step and the element's place in the flat buffer's order, so one process trains the same trajectory flat or chunked, in RAM or on disk, and dp layouts stay within the parity bound (tp ranks draw other bits). Checkpoints hold the moments as bf16, and either setting loads either. Not with parallel.compression = "onebit" (1-bit Adam keeps its own fp32 momentum)."""
     initial_scale: float = constraint(65536.0, gt=0.0)
     """fp16: initial dynamic loss scale."""
     window: int = constraint(1000, ge=1)
