@@ -64,6 +64,30 @@ def test_the_battery_parity_part_on_the_standin(tmp_path: Path) -> None:
     assert "| dp2-zero3 rank 1 |" in md and "| parity | ok |" in md, md
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not standin.available(),
+                    reason="no stand-in device here (it needs torch's C++ headers and a C++ compiler)")
+def test_the_battery_profiles_a_step_in_both_parts(tmp_path: Path) -> None:
+    """`--only profile,profile-peers`: each part profiles capstan's step on the device (offload none and
+    cpu in part 1, cpu in part 2) and its log names the phases that take the time. The first lease's
+    profile, run beside the battery, died on `import capstan`: now it is a step of its own."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env.update(OUT=str(out), PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(ROOT / "tools" / "gpu" / "battery.sh"), "--device", "standin",
+                           "--only", "profile,profile-peers"], capture_output=True, text=True, timeout=110,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    parts = json.loads((out / "summary.json").read_text())["parts"]
+    assert list(parts["1"]["steps"]) == ["profile"] and list(parts["2"]["steps"]) == ["profile-peers"], parts
+    first, second = (out / "profile.log").read_text(), (out / "profile-peers.log").read_text()
+    assert "=== offload none on standin:0" in first and "=== offload cpu on standin:0" in first, first[-2000:]
+    assert "=== offload cpu on standin:0" in second and "offload none" not in second, second[-2000:]
+    for log in (first, second):
+        assert "capstan phases" in log and "capstan::Engine.step" in log, log[-2000:]
+    assert "capstan::ChunkAdam._update" in second, second[-2000:]  # the chunked step's own phases
+
+
 def _traj(losses: list[float], device: str = "standin:0") -> dict:
     return {"loss": losses, "norm": [1.0] * len(losses), "device": device, "moved": 0, "device_bytes": []}
 

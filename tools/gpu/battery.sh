@@ -2,8 +2,9 @@
 # The GPU battery: prove capstan's GPU path on a bare GPU machine without network access, in two runs of
 # at most 10 minutes each (docs/gpu.md, "The GPU battery"). From the repository root:
 #
-#   bash tools/gpu/battery.sh --part 1     # build libcapstan, capstan info, pytest -m cuda, parity, speed point
-#   bash tools/gpu/battery.sh --part 2     # peers (FSDP2, DeepSpeed) throughput, scale probe
+#   bash tools/gpu/battery.sh --part 1     # build libcapstan, capstan info, pytest -m cuda, parity, speed point,
+#                                          # its profile
+#   bash tools/gpu/battery.sh --part 2     # peers (FSDP2, DeepSpeed) throughput and profile, scale probe
 #   bash tools/gpu/battery.sh              # both parts, one after the other (each within its own budget)
 #   bash tools/gpu/battery.sh --device standin            # on the CPU's stand-in accelerator, tiny sizes
 #   bash tools/gpu/battery.sh --part 1 --only parity      # some steps only (comma-separated names)
@@ -33,7 +34,7 @@ OUT=${OUT:-/tmp/capstan-gpu}
 PY=${PYTHON:-python3}
 BUDGET=${CAPSTAN_BATTERY_BUDGET:-540}
 DEVICE=cuda PART=all ONLY="" DRY=0
-usage() { sed -n '2,11p' "$0" >&2; exit 2; }
+usage() { sed -n '2,12p' "$0" >&2; exit 2; }
 while (( $# )); do
   case $1 in
     --device) DEVICE=${2:-}; shift 2 ;;
@@ -86,9 +87,10 @@ fi
 if [[ $DEVICE == cuda ]]; then
   SPEED=(--quick); PEERS=(--d-model 2048 --layers 16 --seq 1024 --micro 4 --steps 5)
   SCALE=(--scale-d-model 2048 --seq 1024 --micro 1 --scale-resolution 1.5)  # a probe of billions: ~a minute
+  PROFILE=(); PROFILE_PEERS=(--d-model 2048 --layers 16 --seq 1024 --micro 4)
   BUILD=("$PY" native/build_native.py -j "$(nproc)")
 else
-  SPEED=(--tiny); PEERS=(--tiny); SCALE=(--tiny)
+  SPEED=(--tiny); PEERS=(--tiny); SCALE=(--tiny); PROFILE=(--tiny); PROFILE_PEERS=(--tiny)
   # the stand-in proves the build step, into a scratch directory: the library in the tree stays as it is
   BUILD=("$PY" native/build_native.py -j "$(nproc)" --out /tmp/capstan-battery-native)
 fi
@@ -157,6 +159,8 @@ part1() {
     --json "$OUT/parity.json" ${PARITY_EXTRA[@]+"${PARITY_EXTRA[@]}"}
   step speed 240 "$OUT/speed.json" -- "$PY" tools/bench_gpu.py --device "$DEVICE" --sections speed "${SPEED[@]}" \
     --timeout 150 --deadline @LEFT@ --json "$OUT/speed.json"
+  # why the speed point is what it is: host and device time by operator and by capstan phase (log only)
+  step profile 90 - -- "$PY" tools/gpu/profile_step.py --device "$DEVICE" --offload none,cpu "${PROFILE[@]}"
 }
 
 part2() {
@@ -164,6 +168,7 @@ part2() {
   (( LAST_RC == 0 )) || { echo "battery: $DEVICE does not work here: part 2 stops" >&2; return; }
   step peers 210 "$OUT/peers.json" -- "$PY" tools/bench_gpu.py --device "$DEVICE" --sections peers "${PEERS[@]}" \
     --timeout 150 --deadline @LEFT@ --json "$OUT/peers.json"
+  step profile-peers 90 - -- "$PY" tools/gpu/profile_step.py --device "$DEVICE" --offload cpu "${PROFILE_PEERS[@]}"
   step scale 600 "$OUT/scale.json" -- "$PY" tools/bench_gpu.py --device "$DEVICE" --sections scale "${SCALE[@]}" \
     --disk "$DISK" --deadline @LEFT@ --json "$OUT/scale.json"
   (( DRY )) || rm -rf "$DISK"

@@ -9,6 +9,9 @@ profiler. One run of a few seconds per layout; a stand-in run checks the script:
 
     python tools/gpu/profile_step.py --device cuda --offload none,cpu
     python tools/gpu/profile_step.py --device standin --tiny     # the CPU suite's stand-in, tiny sizes
+
+The battery runs it as its `profile` step (part 1, the speed point's model) and `profile-peers` (part 2,
+the peers' model with offload cpu).
 """
 
 from __future__ import annotations
@@ -18,8 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
+# capstan from the checkout where it is not installed (the GPU machine: nothing is installed there, and the
+# first lease's run of this script outside the battery died on `import capstan`); an installed one wins.
+for _src in [ROOT / "native" / "src", *sorted((ROOT / "packages").glob("*/src"))]:
+    if str(_src) not in sys.path:
+        sys.path.append(str(_src))
 
 
 def _config(args: argparse.Namespace, offload: str) -> dict:
@@ -98,7 +107,7 @@ def profile(args: argparse.Namespace, offload: str) -> None:
     table = prof.key_averages()
     print("capstan phases (host time, ms per step; threads' time included):")
     for ev in sorted(table, key=lambda e: -e.cpu_time_total):
-        if ev.key.startswith("capstan::"):
+        if ev.key.startswith("capstan::") and ev.cpu_time_total > 0:  # (not the device-side twin rows)
             print(f"  {ev.key:48s} {ev.cpu_time_total / 1e3 / args.steps:9.1f} ms  x{ev.count / args.steps:g}")
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     if device.type == "cuda":
