@@ -35,17 +35,19 @@ def _loss(model: torch.nn.Module, step: int, device: str) -> torch.Tensor:
 
 
 def _train(manager: ChunkManager, steps: int, device: str, overlap: bool = False, dtype=torch.bfloat16,
-           each_step=None) -> tuple[list[float], ChunkedModel]:
+           each_step=None, clip: float = 1.0, opts: list | None = None) -> tuple[list[float], ChunkedModel]:
     model = ChunkedModel(_net(), manager, CHUNK, dtype=dtype, report_grads=overlap)
     opt = ChunkAdam(model, lr=1e-2, weight_decay=0.1, overlap=overlap)
+    if opts is not None:
+        opts.append(opt)
     losses = []
     for s in range(steps):
         manager.begin_step()
         if overlap:
-            opt.arm(grad_clip=1.0)
+            opt.arm(grad_clip=clip)
         loss = _loss(model, s, device)
         model.backward(loss)
-        opt.step(grad_clip=1.0)
+        opt.step(grad_clip=clip)
         manager.end_step()
         losses.append(loss.item())
         if each_step is not None:
@@ -153,11 +155,16 @@ def test_the_device_budget_follows_the_activations() -> None:
         _train(small, 1, "cpu")
 
 
+@pytest.mark.parametrize("clip", [1.0, 1e-3])  # 1e-3: every step clips, steps 1-4 only measure during backward
 @pytest.mark.parametrize("device", DEVICES)
-def test_overlapped_step_with_chunks_on_the_device(device: str) -> None:
-    plain, m1 = _train(ChunkManager(None, audit=True, device=device), 5, device)
-    overlapped, m2 = _train(ChunkManager(None, audit=True, device=device), 5, device, overlap=True)
+def test_overlapped_step_with_chunks_on_the_device(device: str, clip: float) -> None:
+    plain, m1 = _train(ChunkManager(None, audit=True, device=device), 5, device, clip=clip)
+    opts: list = []
+    overlapped, m2 = _train(ChunkManager(None, audit=True, device=device), 5, device, overlap=True, clip=clip,
+                            opts=opts)
     assert overlapped == plain
+    if clip < 1e-2:  # the norm terms were taken off chunks landing from the device, while backward ran
+        assert opts[0].speculation.declined == 4 and opts[0].speculation.measured_early > 0
     masters = [[c.payload.clone() for c in lst] for m in (m1, m2) for lst in m.chunks[ChunkKind.MASTER]]
     assert all(torch.equal(a, b) for a, b in zip(masters[0], masters[1]))
 

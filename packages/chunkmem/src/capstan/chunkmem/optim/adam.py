@@ -82,9 +82,10 @@ class ChunkAdam:
         schedule does), with the learning rates already set and the arguments `step` will get."""
         if self.speculation is None:
             raise RuntimeError("arm() needs ChunkAdam(..., overlap=True)")
-        if self.speculation.expect_wrong(grad_clip, check_overflow):
-            return  # the last step clipped or overflowed: this one steps after backward (`step` sees it unarmed)
-        self.speculation.arm(grad_clip, loss_scale, check_overflow, arrivals)
+        # The last step clipped or overflowed: this one steps after backward, but the chunks' norm terms are
+        # taken during backward as their gradients complete (overlap.py, "measure only").
+        update = not self.speculation.expect_wrong(grad_clip, check_overflow)
+        self.speculation.arm(grad_clip, loss_scale, check_overflow, arrivals, update=update)
 
     @property
     def armed(self) -> bool:
