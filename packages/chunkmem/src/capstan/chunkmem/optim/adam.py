@@ -182,14 +182,17 @@ class ChunkAdam:
             self._drop_grads()
             return None, True
         unscale = 1.0 / loss_scale
-        norm = None
-        if grad_clip is not None:
-            norm = self.grad_norm() * unscale
-            if norm > grad_clip:
-                unscale *= grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
+        norm = self.grad_norm() * unscale if grad_clip is not None else None
+        self._clipped_update(unscale, grad_clip, norm)
+        return norm, False
+
+    def _clipped_update(self, unscale: float, grad_clip: float | None, norm: float | None) -> None:
+        """The step after backward, with the (unscaled) gradient norm known: the update, its gradients
+        multiplied by `unscale` and clipped to `grad_clip`, then the gradients dropped."""
+        if grad_clip is not None and norm is not None and norm > grad_clip:
+            unscale *= grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
         self._update(unscale)
         self._drop_grads()
-        return norm, False
 
     def _chunk_groups(self, skip: set[tuple[int, int]] | frozenset = frozenset()):  # noqa: ANN202
         """(group, its AdamGroup, chunk index, PARAM chunk, used elements) of every owned chunk group to

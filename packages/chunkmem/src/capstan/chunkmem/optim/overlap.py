@@ -267,10 +267,7 @@ class Speculation:
             self.measured_early += len(self.jobs)
             self._settle()
             opt.overflowed = []
-            if clipped:
-                unscale *= self.grad_clip / (norm + 1e-6)  # type: ignore[operator]  # clip_grad_norm_'s coefficient
-            opt._update(unscale)
-            opt._drop_grads()
+            opt._clipped_update(unscale, self.grad_clip, norm)
             return norm, False
         if overflow or clipped:  # the guess was wrong: undo it, and take the ordinary step
             stepped = [j for j in self.jobs.values() if j.stepped]
