@@ -97,15 +97,46 @@ def bench_adam(n: int, reps: int) -> list[tuple[str, float]]:
     return interleaved(fns, reps)
 
 
-def bench_moments(n: int, reps: int) -> list[tuple[str, float, int]]:
-    """capstan's AdamW with fp32 and with bf16 moments (stochastic rounding), interleaved with copies of
-    the bytes each touches: fp32 moments 28 B/param (param, exp_avg, exp_avg_sq read and written, fp32
-    grad read), bf16 moments 20 B/param (the moments 2 + 2 each way). Returns (name, s, bytes)."""
+def _peer_8bit(n: int, g: torch.Tensor) -> list[tuple[str, object]]:
+    """The published 8-bit AdamWs that install and run on this CPU, at their defaults (block-wise, 256
+    values per block), each over its own n-element parameter with the same gradient values."""
+    peers = []
+    try:
+        import bitsandbytes as bnb  # noqa: PLC0415 (an optional peer)
+        peers.append(("bitsandbytes AdamW8bit", lambda ps: bnb.optim.AdamW8bit(ps, lr=HP["lr"],
+                                                                               weight_decay=HP["weight_decay"])))
+    except Exception as exc:  # noqa: BLE001 (a missing or broken peer is reported, not fatal)
+        print(f"(bitsandbytes not run: {type(exc).__name__}: {exc})")
+    try:
+        from torchao.optim import AdamW8bit  # noqa: PLC0415 (an optional peer)
+        peers.append(("torchao AdamW8bit", lambda ps: AdamW8bit(ps, lr=HP["lr"], weight_decay=HP["weight_decay"])))
+    except Exception as exc:  # noqa: BLE001
+        print(f"(torchao not run: {type(exc).__name__}: {exc})")
+    fns = []
+    for name, make in peers:
+        param = torch.nn.Parameter(torch.randn(n))
+        param.grad = g.clone()
+        opt = make([param])
+        opt.step()  # state, and torchao's compile, before the timed rounds
+        fns.append((f"{name} (peer, its defaults)", opt.step))
+    return fns
+
+
+def bench_moments(n: int, reps: int, peers: bool = False) -> list[tuple[str, float, int]]:
+    """capstan's AdamW with fp32, bf16 (stochastic rounding) and 8-bit block-wise moments, interleaved
+    with copies of the bytes each touches: fp32 moments 28 B/param (param, exp_avg, exp_avg_sq read and
+    written, fp32 grad read), bf16 moments 20 B/param (the moments 2 + 2 each way), 8-bit moments
+    16 B/param (1 + 1 each way; the fp32 scales, 8 B per 256 values, round to nothing). With `peers`,
+    bitsandbytes' and torchao's 8-bit AdamW on their own tensors of the same size in the same rounds.
+    Returns (name, s, bytes)."""
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen) * 1e-3
     m32, v32 = torch.zeros(n), torch.zeros(n)
     m16, v16 = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    m8, v8 = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    blocks = kernels.q8_blocks([n], 256)
+    sm, sv = torch.zeros(blocks), torch.zeros(blocks)
     step = [0]
 
     def adam(m: torch.Tensor, v: torch.Tensor):
@@ -114,16 +145,24 @@ def bench_moments(n: int, reps: int) -> list[tuple[str, float, int]]:
             kernels.adam_update(p, g, m, v, step=step[0], seed=step[0], **HP)
         return run
 
+    def adam_q8() -> None:
+        step[0] += 1
+        kernels.adam_update_q8(p, g, m8, v8, sm, sv, step=step[0], seed=step[0], **HP)
+
     copies = {}
-    for nbytes in (28, 20):
+    for nbytes in (28, 20, 16):
         src = torch.empty(n * nbytes // 2, dtype=torch.uint8)
         src.fill_(1)
         copies[nbytes] = (src, torch.empty_like(src))
-    fns = [("capstan adam_update, fp32 moments", adam(m32, v32)),
-           ("capstan adam_update, bf16 moments (stochastic rounding)", adam(m16, v16)),
-           ("capstan copy_ of 28 B/param", lambda: kernels.copy_(copies[28][1], copies[28][0])),
-           ("capstan copy_ of 20 B/param", lambda: kernels.copy_(copies[20][1], copies[20][0]))]
-    return [(name, t, nb * n) for (name, t), nb in zip(interleaved(fns, reps), (28, 20, 28, 20), strict=True)]
+    fns = [("capstan adam_update, fp32 moments", adam(m32, v32), 28),
+           ("capstan adam_update, bf16 moments (stochastic rounding)", adam(m16, v16), 20),
+           ("capstan adam_update_q8, 8-bit moments (block 256, stochastic rounding)", adam_q8, 16)]
+    fns += [(f"capstan copy_ of {nb} B/param", (lambda c=copies[nb]: kernels.copy_(c[1], c[0])), nb)
+            for nb in (28, 20, 16)]
+    if peers:
+        fns += [(name, fn, 16) for name, fn in _peer_8bit(n, g)]
+    times = interleaved([(name, fn) for name, fn, _ in fns], reps)
+    return [(name, t, nb * n) for (name, t), (_, _, nb) in zip(times, fns, strict=True)]
 
 
 def bench_adam_shared(n: int, reps: int) -> list[tuple[str, float]]:
@@ -400,7 +439,8 @@ def main() -> None:
     ap.add_argument("--only", default="adam,offload,casts,io,overlap,deepspeed",
                     help="comma-separated sections to run (adam-shared: capstan and torch fused "
                          "AdamW on the same tensors, for sizes like 1B where each cannot have its own; "
-                         "moments: fp32 against bf16 moments)")
+                         "moments: fp32 against bf16 and 8-bit moments; peers: with moments, bitsandbytes' "
+                         "and torchao's 8-bit AdamW where they import)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     n = args.params
@@ -413,12 +453,15 @@ def main() -> None:
         for name, t in rows:
             print(f"| {name} | {t:.3f} | {n / t / 1e6:.0f} | {28 * n / t / 1e9:.2f} | {t / base:.2f}x |")
     if "moments" in only:
-        print(f"\n### Adam with bf16 moments, {n / 1e6:.0f}M params (median of {args.reps}, interleaved)\n")
-        print("| variant | s/step | GB/s of the bytes it touches | vs a copy of those bytes |\n|---|---|---|---|")
-        rows = bench_moments(n, args.reps)
+        print(f"\n### Adam with fp32, bf16 and 8-bit moments, {n / 1e6:.0f}M params (median of {args.reps}, "
+              "interleaved)\n")
+        print("| variant | s/step | GB/s of the bytes it touches | vs a copy of those bytes | vs capstan 8-bit |\n"
+              "|---|---|---|---|---|")
+        rows = bench_moments(n, args.reps, peers="peers" in only)
         copy_bw = {nb: nb / t for name, t, nb in rows if "copy_" in name}
+        q8 = next(t for name, t, _ in rows if "q8" in name)
         for name, t, nb in rows:
-            print(f"| {name} | {t:.3f} | {nb / t / 1e9:.2f} | {nb / t / copy_bw[nb]:.0%} |")
+            print(f"| {name} | {t:.3f} | {nb / t / 1e9:.2f} | {nb / t / copy_bw[nb]:.0%} | {t / q8:.2f}x |")
     if "adam-shared" in only:
         print(f"\n### Adam step on shared tensors, {n / 1e6:.0f}M fp32 params (median of {args.reps})\n")
         print("| variant | s/step | Mparams/s | GB/s | vs capstan |\n|---|---|---|---|---|")

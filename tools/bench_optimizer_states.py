@@ -1,6 +1,7 @@
 """Convergence of Adam's moments stored in fewer bits (precision.optimizer_states), not a test.
 
-    hatch run python tools/bench_optimizer_states.py [--steps 2000] [--states fp32,bf16] [--seeds 1234,1235]
+    hatch run python tools/bench_optimizer_states.py [--steps 2000] [--states fp32,bf16,int8] [--seeds 1234,1235]
+        [--peers torch-adamw,bnb-adamw8bit,torchao-adamw8bit]
 
 Trains the same small GPT on the default corpus once per moment format and seed, in this one process and
 run: same data, schedule and layout (one process, fp32 compute, flat ZeRO-0 buffers; every layout draws
@@ -9,6 +10,11 @@ order. Reports, averaged over the seeds, the validation loss (held-out tokens, d
 end and the mean training loss of the last 100 steps, each format's difference from fp32 moments, and
 fp32's own seed-to-seed difference (the noise a format's difference is to be read against), then the
 validation curve of the first seed. Prints a markdown fragment for docs/benchmarks.md.
+
+--peers trains the same model (capstan's reference GPT, the same initialization, batches, learning-rate
+schedule, clipping and decay groups) in a plain PyTorch loop with another optimizer: torch's AdamW (fp32
+moments: the loop's own baseline), bitsandbytes' AdamW8bit and torchao's AdamW8bit (8-bit moments,
+block-wise, their defaults), where they import. Their rows compare with the plain loop's fp32 AdamW.
 """
 
 from __future__ import annotations
@@ -22,12 +28,7 @@ def train(states: str, steps: int, eval_every: int, seed: int) -> dict:
     from capstan import comm
     from capstan.engine import initialize, open_data, train_batches, val_batches
 
-    cfg = {"model": {"n_layers": 4, "n_heads": 4, "d_model": 128, "seq_len": 64},
-           "train": {"steps": steps, "micro_batch_size": 16, "lr": 3e-3, "min_lr": 3e-4,
-                     "warmup_steps": min(100, steps // 10), "grad_clip": 1.0, "weight_decay": 0.1, "beta2": 0.999,
-                     "eval_batches": 32, "seed": seed},
-           "precision": {"optimizer_states": states}}
-    engine = initialize(config=cfg, groups=comm.single_process_groups())
+    engine = initialize(config=_config(steps, seed, states), groups=comm.single_process_groups())
     data = open_data(engine.config)
     it = train_batches(data, engine.config, 1, 0)
     held = val_batches(data, engine.config, 1, 0)
@@ -42,15 +43,91 @@ def train(states: str, steps: int, eval_every: int, seed: int) -> dict:
     return {"losses": losses, "evals": evals, "step_s": statistics.median(times[10:])}
 
 
+def _config(steps: int, seed: int, states: str = "fp32") -> dict:
+    return {"model": {"n_layers": 4, "n_heads": 4, "d_model": 128, "seq_len": 64},
+            "train": {"steps": steps, "micro_batch_size": 16, "lr": 3e-3, "min_lr": 3e-4,
+                      "warmup_steps": min(100, steps // 10), "grad_clip": 1.0, "weight_decay": 0.1, "beta2": 0.999,
+                      "eval_batches": 32, "seed": seed},
+            "precision": {"optimizer_states": states}}
+
+
+def _peer_optimizer(name: str, groups: list[dict], t) -> object:  # noqa: ANN001
+    """`name`'s optimizer over the decay groups, with the engine's hyper-parameters."""
+    import torch
+
+    kw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    if name == "torch-adamw":
+        return torch.optim.AdamW(groups, **kw)
+    if name == "bnb-adamw8bit":
+        import bitsandbytes as bnb  # noqa: PLC0415 (an optional peer)
+        return bnb.optim.AdamW8bit(groups, **kw)
+    if name == "torchao-adamw8bit":
+        from torchao.optim import AdamW8bit  # noqa: PLC0415 (an optional peer)
+        return AdamW8bit(groups, **kw)
+    raise ValueError(f"unknown peer {name!r}")
+
+
+def train_plain(name: str, steps: int, eval_every: int, seed: int) -> dict:
+    """The engine's one-process fp32 run, as a plain PyTorch loop around peer optimizer `name`."""
+    import torch
+
+    from capstan import comm
+    from capstan.engine import open_data, train_batches, val_batches
+    from capstan.engine.config.load import resolve
+    from capstan.engine.models import build_reference_model
+    from capstan.engine.schedule_lr import lr_at
+    from capstan.engine.zero.optimizer import decays
+
+    cfg, _ = resolve(_config(steps, seed), ())
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    model = build_reference_model(cfg, comm.single_process_groups())
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if decays(p)], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
+    opt = _peer_optimizer(name, groups, t)
+    data = open_data(cfg)
+    it = train_batches(data, cfg, 1, 0)
+    held = val_batches(data, cfg, 1, 0)
+    losses, times, evals = [], [], []
+    for step in range(1, steps + 1):
+        tick = time.perf_counter()
+        for group in opt.param_groups:  # (torchao keeps lr as a tensor, to be filled)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr_at(t, step - 1))
+            else:
+                group["lr"] = lr_at(t, step - 1)
+        x, y = next(it)
+        loss = model.loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        times.append(time.perf_counter() - tick)
+        if step % eval_every == 0 or step == steps:
+            model.eval()
+            with torch.no_grad():
+                evals.append((step, sum(float(model.loss(model(a), b)) for a, b in held) / len(held)))
+            model.train()
+    return {"losses": losses, "evals": evals, "step_s": statistics.median(times[10:])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--eval-every", type=int, default=250)
-    ap.add_argument("--states", default="fp32,bf16")
+    ap.add_argument("--states", default="fp32,bf16,int8")
     ap.add_argument("--seeds", default="1234,1235")
+    ap.add_argument("--peers", default="", help="comma-separated: torch-adamw, bnb-adamw8bit, torchao-adamw8bit")
     args = ap.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
     runs = {s: [train(s, args.steps, args.eval_every, seed) for seed in seeds] for s in args.states.split(",")}
+    for peer in filter(None, args.peers.split(",")):
+        try:
+            runs[f"plain loop, {peer}"] = [train_plain(peer, args.steps, args.eval_every, seed) for seed in seeds]
+        except ImportError as exc:
+            print(f"({peer} not run: {exc})")
 
     def val(s: str) -> float:
         return statistics.fmean(r["evals"][-1][1] for r in runs[s])
@@ -60,12 +137,14 @@ def main() -> None:
 
     print(f"### Adam moments in fewer bits: GPT 4 x 128, seq 64, 16 sequences a step, {args.steps} steps, "
           f"mean of seeds {args.seeds}\n")
-    print("| moments | val loss at the end | vs fp32 | train loss, last 100 steps | vs fp32 | s/step |")
+    print("| moments (capstan) or optimizer (plain loop) | val loss at the end | vs fp32 | "
+          "train loss, last 100 steps | vs fp32 | s/step |")
     print("|---|---|---|---|---|---|")
     for s in runs:
         step_s = statistics.median(r["step_s"] for r in runs[s])
-        dv = f"{val(s) / val('fp32') - 1:+.2%}" if "fp32" in runs else "-"
-        dt = f"{tail(s) / tail('fp32') - 1:+.2%}" if "fp32" in runs else "-"
+        base = "plain loop, torch-adamw" if s.startswith("plain loop") else "fp32"
+        dv = f"{val(s) / val(base) - 1:+.2%}" if base in runs else "-"
+        dt = f"{tail(s) / tail(base) - 1:+.2%}" if base in runs else "-"
         print(f"| {s} | {val(s):.4f} | {dv} | {tail(s):.4f} | {dt} | {step_s:.4f} |")
     if "fp32" in runs and len(seeds) > 1:
         a, b = runs["fp32"][0], runs["fp32"][1]

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include <atomic>
+#include <vector>
 
 #include "internal.h"
 
@@ -65,6 +66,44 @@ struct AdamCtx {
 void adam_chunk(void* p, int64_t b, int64_t e, int) {
   auto* c = (AdamCtx*)p;
   c->k->adam(&c->a, b, e);
+}
+
+// The scalars of one Adam step, rounded where torch.optim's single-tensor AdamW rounds them, and the
+// stochastic rounding's two hash streams.
+void fill_adam_args(AdamArgs* a, int64_t step, double lr, double beta1, double beta2, double eps,
+                    double weight_decay, int adamw, double grad_scale, uint64_t seed, int64_t index_base) {
+  // Two streams from the 64-bit seed: each key hashes one half mixed with the other.
+  a->key_m = sr_hash((uint32_t)seed ^ sr_hash((uint32_t)(seed >> 32)));
+  a->key_v = sr_hash(a->key_m ^ 0x9e3779b9u);
+  // Element i hashes key + index_base + i: the kernels add i, so fold the base into the keys (mod 2^32).
+  a->key_m += (uint32_t)index_base;
+  a->key_v += (uint32_t)index_base;
+  a->grad_scale = (float)grad_scale;
+  a->unscale = grad_scale != 1.0;
+  a->adamw = adamw != 0;
+  a->has_wd = weight_decay != 0.0;
+  a->decay = (float)(1.0 - lr * weight_decay);
+  a->wd = (float)weight_decay;
+  a->w1 = (float)(1.0 - beta1);
+  a->lerp_hi = !(fabsf(a->w1) < 0.5f);
+  a->w1m1 = a->w1 - 1.0f;
+  a->b2 = (float)beta2;
+  a->c2 = (float)(1.0 - beta2);
+  // pow(x, 0.5), not sqrt: torch.optim computes bias_correction2**0.5, and the
+  // two may differ in the last bit of the double.
+  a->bc2_sqrt = (float)pow(1.0 - pow(beta2, (double)step), 0.5);
+  a->eps = (float)eps;
+  a->neg_step = (float)(-(lr / (1.0 - pow(beta1, (double)step))));
+}
+
+struct AdamQ8Ctx {
+  const KernelTable* k;
+  AdamQ8Args q;
+};
+
+void adam_q8_chunk(void* p, int64_t b, int64_t e, int) {
+  auto* c = (AdamQ8Ctx*)p;
+  c->k->adam_q8(&c->q, b, e);
 }
 
 struct CastCtx {
@@ -141,6 +180,7 @@ int capstan_adam_step(float* param, const void* grad, int grad_dtype, void* exp_
   }
   AdamCtx c;
   c.k = k;
+  fill_adam_args(&c.a, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, index_base);
   AdamArgs& a = c.a;
   a.p = param;
   a.g = grad;
@@ -149,30 +189,68 @@ int capstan_adam_step(float* param, const void* grad, int grad_dtype, void* exp_
   a.out = out;
   a.gdt = grad_dtype;
   a.mdt = moment_dtype;
-  // Two streams from the 64-bit seed: each key hashes one half mixed with the other.
-  a.key_m = sr_hash((uint32_t)seed ^ sr_hash((uint32_t)(seed >> 32)));
-  a.key_v = sr_hash(a.key_m ^ 0x9e3779b9u);
-  // Element i hashes key + index_base + i: the kernels add i, so fold the base into the keys (mod 2^32).
-  a.key_m += (uint32_t)index_base;
-  a.key_v += (uint32_t)index_base;
   a.odt = out ? out_dtype : CAPSTAN_NONE;
-  a.grad_scale = scale;
-  a.unscale = grad_scale != 1.0;
-  a.adamw = adamw != 0;
-  a.has_wd = weight_decay != 0.0;
-  a.decay = (float)(1.0 - lr * weight_decay);
-  a.wd = (float)weight_decay;
-  a.w1 = (float)(1.0 - beta1);
-  a.lerp_hi = !(fabsf(a.w1) < 0.5f);
-  a.w1m1 = a.w1 - 1.0f;
-  a.b2 = (float)beta2;
-  a.c2 = (float)(1.0 - beta2);
-  // pow(x, 0.5), not sqrt: torch.optim computes bias_correction2**0.5, and the
-  // two may differ in the last bit of the double.
-  a.bc2_sqrt = (float)pow(1.0 - pow(beta2, (double)step), 0.5);
-  a.eps = (float)eps;
-  a.neg_step = (float)(-(lr / (1.0 - pow(beta1, (double)step))));
   parallel_for(n, kGrain, adam_chunk, &c);
+  return CAPSTAN_OK;
+}
+
+int capstan_adam_step_q8(float* param, const void* grad, int grad_dtype, uint8_t* exp_avg,
+                         uint8_t* exp_avg_sq, float* scale_m, float* scale_v, int64_t block, int nseg,
+                         const int64_t* seg_offset, const int64_t* seg_numel, const int64_t* seg_index,
+                         uint64_t seed, int64_t step, double lr, double beta1, double beta2, double eps,
+                         double weight_decay, int adamw, double grad_scale, int check_overflow, void* out,
+                         int out_dtype, int* overflow) {
+  if (!param || !grad || !exp_avg || !exp_avg_sq || !scale_m || !scale_v || !overflow || step < 1 ||
+      nseg < 0 || (nseg > 0 && (!seg_offset || !seg_numel || !seg_index)))
+    return CAPSTAN_EINVAL;
+  if (block < 16 || block > kQ8MaxBlock || (block & (block - 1)) != 0) return CAPSTAN_EINVAL;
+  for (int s = 0; s < nseg; ++s)
+    if (seg_offset[s] < 0 || seg_numel[s] < 0 || seg_index[s] < 0) return CAPSTAN_EINVAL;
+  if (!valid_dtype(grad_dtype)) return CAPSTAN_EDTYPE;
+  if (out ? !valid_dtype(out_dtype) : out_dtype != CAPSTAN_NONE) return CAPSTAN_EDTYPE;
+  *overflow = 0;
+  const KernelTable* k = active_kernels();
+  const float scale = (float)grad_scale;
+  if (check_overflow) {
+    for (int s = 0; s < nseg; ++s) {
+      const char* g = (const char*)grad + seg_offset[s] * dtype_size(grad_dtype);
+      if (any_nonfinite(k, g, grad_dtype, scale, seg_numel[s])) {
+        *overflow = 1;
+        return CAPSTAN_OK;
+      }
+    }
+  }
+  std::vector<int64_t> first;
+  try {
+    first.assign((size_t)nseg + 1, 0);
+  } catch (...) {
+    return CAPSTAN_ENOMEM;
+  }
+  for (int s = 0; s < nseg; ++s) first[s + 1] = first[s] + (seg_numel[s] + block - 1) / block;
+  if (first[nseg] == 0) return CAPSTAN_OK;
+  AdamQ8Ctx c;
+  c.k = k;
+  AdamArgs& a = c.q.a;
+  fill_adam_args(&a, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, 0);
+  a.p = param;
+  a.g = grad;
+  a.m = exp_avg;
+  a.v = exp_avg_sq;
+  a.out = out;
+  a.gdt = grad_dtype;
+  a.mdt = CAPSTAN_NONE;
+  a.odt = out ? out_dtype : CAPSTAN_NONE;
+  c.q.scale_m = scale_m;
+  c.q.scale_v = scale_v;
+  c.q.block = block;
+  c.q.nseg = nseg;
+  c.q.seg_offset = seg_offset;
+  c.q.seg_numel = seg_numel;
+  c.q.seg_index = seg_index;
+  c.q.seg_first_block = first.data();
+  // Whole blocks per thread: a block's scale needs all of its elements.
+  const int64_t grain = kGrain / block > 1 ? kGrain / block : 1;
+  parallel_for(first[nseg], grain, adam_q8_chunk, &c);
   return CAPSTAN_OK;
 }
 

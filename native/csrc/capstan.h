@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define CAPSTAN_ABI_VERSION 3
+#define CAPSTAN_ABI_VERSION 4
 
 /* The library is built with -fvisibility=hidden; only the ABI is exported. */
 #define CAPSTAN_API __attribute__((visibility("default")))
@@ -93,6 +93,21 @@ CAPSTAN_API int capstan_adam_step(float* param, const void* grad, int grad_dtype
                       double lr, double beta1, double beta2, double eps, double weight_decay, int adamw,
                       double grad_scale, int check_overflow, void* out, int out_dtype,
                       int* overflow);
+/* One Adam/AdamW step with 8-bit moments (block-wise quantized; capstan::Q8Format in internal.h).
+ * The buffers hold nseg segments (one parameter each): segment k is the n = seg_numel[k] elements at
+ * seg_offset[k], cut into ceil(n / block) blocks of `block` elements (a power of two in 16..4096; the
+ * last block short). exp_avg and exp_avg_sq are uint8 codes, scale_m and scale_v one fp32 per block,
+ * the segments' blocks in order (segment 0's first). Each element's moments are decoded with its
+ * block's scales, updated as capstan_adam_step updates fp32 ones (the parameter from the fp32 values),
+ * then each block gets new scales -- the absmax of exp_avg and the max of sqrt(exp_avg_sq) -- and both
+ * are re-encoded with stochastic rounding whose random bits hash (seed, seg_index[k] + element index in
+ * the segment). Elements between segments are not touched. check_overflow, out: as capstan_adam_step. */
+CAPSTAN_API int capstan_adam_step_q8(float* param, const void* grad, int grad_dtype, uint8_t* exp_avg,
+                         uint8_t* exp_avg_sq, float* scale_m, float* scale_v, int64_t block, int nseg,
+                         const int64_t* seg_offset, const int64_t* seg_numel, const int64_t* seg_index,
+                         uint64_t seed, int64_t step, double lr, double beta1, double beta2, double eps,
+                         double weight_decay, int adamw, double grad_scale, int check_overflow, void* out,
+                         int out_dtype, int* overflow);
 /* dst = src converted (round to nearest even); same dtype = copy. */
 CAPSTAN_API int capstan_cast(const void* src, int src_dtype, void* dst, int dst_dtype, int64_t n);
 CAPSTAN_API int capstan_copy(void* dst, const void* src, int64_t nbytes);

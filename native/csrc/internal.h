@@ -39,6 +39,43 @@ struct AdamArgs {
   float neg_step;     // -lr / (1 - beta1^step)
 };
 
+// 8-bit moments (capstan_adam_step_q8): the buffers of one call, cut into segments (one parameter
+// each) and each segment into blocks of `block` elements (the last one short) with one fp32 scale
+// per block and moment. Block ids run over all segments in order; scale k belongs to block id k.
+struct AdamQ8Args {
+  AdamArgs a;              // a.m / a.v: the uint8 codes; a.mdt unused
+  float* scale_m;          // absmax of exp_avg in each block
+  float* scale_v;          // max of sqrt(exp_avg_sq) in each block
+  int64_t block;
+  int nseg;
+  const int64_t* seg_offset;  // where segment k starts in the buffers
+  const int64_t* seg_numel;
+  const int64_t* seg_index;   // its first element's canonical index (the rounding's random bits)
+  const int64_t* seg_first_block;  // block id of its first block; [nseg] = the total
+};
+constexpr int64_t kQ8MaxBlock = 4096;
+
+// ---- the 8-bit codes ----
+// A code is a small float relative to its block's scale: E exponent bits and M mantissa bits, with the
+// top binade's first value 1.0 (the scale itself), subnormals below 2^-(2^E - 2), and zero. exp_avg
+// takes a sign bit and E4M3 (values down to 2^-17 of the block's absmax); exp_avg_sq stores
+// sqrt(exp_avg_sq) as unsigned E4M4 (2^-18 of the block's max): the square root halves the second
+// moment's dynamic range, and is what the update divides by. Codes above 1.0 are never produced.
+// A code with an exponent keeps small moments from flushing to zero, as the dynamic quantization of
+// Dettmers et al. 2022 ("8-bit optimizers via block-wise quantization") does with a lookup table;
+// here encoding and decoding are a few integer operations per lane.
+template <int E, int M>
+struct Q8Format {
+  static constexpr int emin = (1 << E) - 2;                    // smallest normal: 2^-emin
+  static constexpr uint32_t min_normal_bits = (uint32_t)(127 - emin) << 23;
+  static constexpr uint32_t bias = (uint32_t)(127 - ((1 << E) - 1));  // fp32 exponent - code exponent
+  static constexpr uint32_t mag_max = (uint32_t)(((1 << E) - 1) << M);  // the code of 1.0
+  static constexpr float sub_unit() { return 1.0f / (float)(1u << (emin + M)); }
+  static constexpr float min_normal() { return 1.0f / (float)(1u << emin); }
+};
+using Q8M = Q8Format<4, 3>;
+using Q8V = Q8Format<4, 4>;
+
 // One instruction set's kernels, each over the element range [begin, end).
 // The thread pool (threadpool.cc) splits a call into ranges; api.cc validates.
 struct KernelTable {
@@ -52,6 +89,8 @@ struct KernelTable {
   double (*sumsq)(const void* src, int dt, int64_t begin, int64_t end);
   // 1 if any element * scale is inf or NaN.
   int (*nonfinite)(const void* src, int dt, float scale, int64_t begin, int64_t end);
+  // Adam with 8-bit moments over the block ids [begin, end) (AdamQ8Args).
+  void (*adam_q8)(const AdamQ8Args* q, int64_t begin, int64_t end);
 };
 
 const KernelTable* kernels_scalar();
@@ -142,6 +181,45 @@ static inline uint16_t f32_to_f16(float f) {
   // NaN: keep the top payload bits and make it quiet, like vcvtps2ph.
   const uint32_t nan = 0x7E00u | ((w & 0x007fffffu) >> 13);
   return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? nan : nonsign));
+}
+
+// Decode a magnitude code to fp32 (exact).
+template <class F, int M>
+static inline float q8_decode_mag(uint32_t mag) {
+  if ((mag >> M) == 0) return (float)(int32_t)mag * F::sub_unit();
+  uint32_t bits = (mag << (23 - M)) + (F::bias << 23);
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+// Encode y in [0, 1] with stochastic rounding from 16 random bits r16: add them at the top of the
+// 23 - M mantissa bits the code drops and truncate, so y rounds up with probability (its distance from
+// the code below, to 16 bits) / (the gap), unbiased; the carry may step into the next binade, as it
+// should. A subnormal y (below 2^-emin) is first offset by 2^-emin into the smallest normal binade,
+// whose grid spacing is the subnormals', rounded there, and the offset's code (1 << M) taken off again.
+// min(., mag_max) keeps a NaN's code in range.
+template <class F, int M>
+static inline uint32_t q8_encode_mag(float y, uint32_t r16) {
+  uint32_t off = 0;
+  if (f32_bits(y) < F::min_normal_bits) {
+    y = y + F::min_normal();
+    off = 1u << M;
+  }
+  const uint32_t c = ((f32_bits(y) + (r16 << (7 - M))) >> (23 - M)) - (F::bias << M) - off;
+  return c < F::mag_max ? c : F::mag_max;
+}
+
+// A block's scale from the max of its magnitudes: below FLT_MIN the block is stored as zeros (its
+// reciprocal would overflow); NaN stays NaN, so a broken moment decodes as NaN, never as a number.
+static inline float q8_scale(float max_abs) { return max_abs < 0x1p-126f ? 0.0f : max_abs; }
+// What the block's values are multiplied by before encoding: 1 / scale, raised by one ulp where
+// scale * (1 / scale) < 1, so the block's largest value encodes exactly as 1.0 (the top code). Then a
+// block's dequantized values, encoded again to nearest against their max, give back the same codes
+// and scale (checkpoints rely on it). 1 for a zero (or NaN) scale.
+static inline float q8_inverse(float scale) {
+  if (!(scale > 0.0f)) return 1.0f;
+  const float inv = 1.0f / scale;
+  return inv * scale < 1.0f ? bits_f32(f32_bits(inv) + 1u) : inv;
 }
 
 }  // namespace capstan

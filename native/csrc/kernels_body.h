@@ -9,6 +9,7 @@
 // (sumsq differs in summation order only).
 
 using capstan::AdamArgs;
+using capstan::AdamQ8Args;
 
 template <class V>
 static inline V load_as_f32(const void* base, int dt, int64_t i) {
@@ -42,22 +43,30 @@ static inline void store_moment(void* base, uint32_t key, int64_t i, V x) {
   else V::store_bf16_sr((uint16_t*)base + i, x, key, i);
 }
 
-template <class V, int GD, int OD, int MD>
-static inline void adam_one(const AdamArgs& a, int64_t i) {
-  V p = V::load(a.p + i);
-  V g = load_as_f32<V>(a.g, GD, i);
+// The update of one vector of elements, in registers: p, m and v (loaded as fp32) in place; returns
+// sqrt(v), the denominator's root (8-bit moments store it).
+template <class V>
+static inline V adam_math(const AdamArgs& a, V& p, V g, V& m, V& v) {
   if (a.unscale) g = g * V::set1(a.grad_scale);
   if (a.has_wd) {
     if (a.adamw) p = p * V::set1(a.decay);
     else g = V::fma(V::set1(a.wd), p, g);
   }
-  V m = load_as_f32<V>(a.m, MD, i);
   if (a.lerp_hi) m = V::fma(V::set1(a.w1m1), g - m, g);
   else m = V::fma(V::set1(a.w1), g - m, m);
-  V v = load_as_f32<V>(a.v, MD, i) * V::set1(a.b2);
-  v = V::fma(V::set1(a.c2) * g, g, v);
-  V denom = V::sqrt(v) / V::set1(a.bc2_sqrt) + V::set1(a.eps);
+  v = V::fma(V::set1(a.c2) * g, g, v * V::set1(a.b2));
+  V root = V::sqrt(v);
+  V denom = root / V::set1(a.bc2_sqrt) + V::set1(a.eps);
   p = p + (V::set1(a.neg_step) * m) / denom;
+  return root;
+}
+
+template <class V, int GD, int OD, int MD>
+static inline void adam_one(const AdamArgs& a, int64_t i) {
+  V p = V::load(a.p + i);
+  V m = load_as_f32<V>(a.m, MD, i);
+  V v = load_as_f32<V>(a.v, MD, i);
+  adam_math<V>(a, p, load_as_f32<V>(a.g, GD, i), m, v);
   V::store(a.p + i, p);
   store_moment<V, MD>(a.m, a.key_m, i, m);
   store_moment<V, MD>(a.v, a.key_v, i, v);
@@ -108,6 +117,100 @@ static void adam_range_m(const AdamArgs* a, int64_t begin, int64_t end) {
 static void adam_range(const AdamArgs* a, int64_t begin, int64_t end) {
   if (a->mdt == CAPSTAN_BF16) return adam_range_m<CAPSTAN_BF16>(a, begin, end);
   return adam_range_m<CAPSTAN_F32>(a, begin, end);
+}
+
+// ---- Adam with 8-bit moments (capstan_adam_step_q8) ----
+// Element i of a block: decode its moments with the block's old scales, the same update as adam_one,
+// the parameter written; the new m and sqrt(v) kept in fp32 (mb, rb at j) for the block's new scales.
+template <class V, int GD, int OD>
+static inline void adam_q8_one(const AdamArgs& a, int64_t i, float sm, float sv, float* mb, float* rb,
+                               int64_t j, V& max_m, V& max_r) {
+  V p = V::load(a.p + i);
+  V m = V::template load_q8<capstan::Q8M, 3, true>((const uint8_t*)a.m + i) * V::set1(sm);
+  V r = V::template load_q8<capstan::Q8V, 4, false>((const uint8_t*)a.v + i) * V::set1(sv);
+  V v = r * r;
+  r = adam_math<V>(a, p, load_as_f32<V>(a.g, GD, i), m, v);
+  V::store(a.p + i, p);
+  if (OD != CAPSTAN_NONE) store_from_f32<V>(a.out, OD, i, p);
+  V::store(mb + j, m);
+  V::store(rb + j, r);
+  max_m = V::max(max_m, V::abs(m));
+  max_r = V::max(max_r, r);
+}
+
+// Block ids [begin, end): each block updated, its scales set to the new absmax of m and max of sqrt(v),
+// then both re-encoded against them with stochastic rounding: element i of segment s draws one random
+// word from its canonical index seg_index[s] + i, whose top 16 bits round m and low 16 bits sqrt(v).
+// A zero block keeps scale 0 and codes 0.
+template <int GD, int OD>
+static void adam_q8_t(const AdamQ8Args* q, int64_t begin, int64_t end) {
+  alignas(64) float mb[capstan::kQ8MaxBlock];
+  alignas(64) float rb[capstan::kQ8MaxBlock];
+  const AdamArgs& a = q->a;
+  int s = 0;
+  while (q->seg_first_block[s + 1] <= begin) ++s;
+  for (int64_t b = begin; b < end; ++b) {
+    while (q->seg_first_block[s + 1] <= b) ++s;
+    const int64_t within = (b - q->seg_first_block[s]) * q->block;
+    const int64_t lo = q->seg_offset[s] + within;
+    const int64_t left = q->seg_numel[s] - within;
+    const int64_t n = left < q->block ? left : q->block;
+    KV max_m = KV::set1(0.0f), max_r = KV::set1(0.0f);
+    SVec tmax_m = SVec::set1(0.0f), tmax_r = SVec::set1(0.0f);
+    int64_t j = 0;
+    for (; j + KV::W <= n; j += KV::W) {
+      if (CAPSTAN_ADAM_PREFETCH) {
+        // As adam_range_t: the read streams a fixed distance ahead (the codes' lines hold 64 elements).
+        constexpr int64_t d = CAPSTAN_ADAM_PREFETCH / 4;
+        __builtin_prefetch(a.p + lo + j + d);
+        __builtin_prefetch((const char*)a.g + (lo + j + d) * (GD == CAPSTAN_F32 ? 4 : 2));
+        if (((lo + j) & 63) < KV::W) {
+          __builtin_prefetch((const uint8_t*)a.m + lo + j + d);
+          __builtin_prefetch((const uint8_t*)a.v + lo + j + d);
+        }
+      }
+      adam_q8_one<KV, GD, OD>(a, lo + j, q->scale_m[b], q->scale_v[b], mb, rb, j, max_m, max_r);
+    }
+    for (; j < n; ++j)
+      adam_q8_one<SVec, GD, OD>(a, lo + j, q->scale_m[b], q->scale_v[b], mb, rb, j, tmax_m, tmax_r);
+    const float am = capstan::q8_scale(SVec::max(SVec::set1(KV::hmax(max_m)), tmax_m).v);
+    const float ar = capstan::q8_scale(SVec::max(SVec::set1(KV::hmax(max_r)), tmax_r).v);
+    q->scale_m[b] = am;
+    q->scale_v[b] = ar;
+    const float im = capstan::q8_inverse(am), ir = capstan::q8_inverse(ar);
+    const uint32_t key = a.key_m + (uint32_t)(q->seg_index[s] + within);
+    uint8_t* cm = (uint8_t*)a.m + lo;
+    uint8_t* cv = (uint8_t*)a.v + lo;
+    j = 0;
+    for (; j + KV::W <= n; j += KV::W) {
+      const typename KV::Bits r = KV::hash_lanes(key, j);
+      KV::template store_q8_sr<capstan::Q8M, 3, true>(cm + j, KV::load(mb + j) * KV::set1(im), KV::hi16(r));
+      KV::template store_q8_sr<capstan::Q8V, 4, false>(cv + j, KV::load(rb + j) * KV::set1(ir), KV::lo16(r));
+    }
+    for (; j < n; ++j) {
+      const uint32_t r = SVec::hash_lanes(key, j);
+      SVec::store_q8_sr<capstan::Q8M, 3, true>(cm + j, SVec::load(mb + j) * SVec::set1(im), SVec::hi16(r));
+      SVec::store_q8_sr<capstan::Q8V, 4, false>(cv + j, SVec::load(rb + j) * SVec::set1(ir), SVec::lo16(r));
+    }
+  }
+}
+
+template <int GD>
+static void adam_q8_g(const AdamQ8Args* q, int64_t begin, int64_t end) {
+  switch (q->a.odt) {
+    case CAPSTAN_NONE: return adam_q8_t<GD, CAPSTAN_NONE>(q, begin, end);
+    case CAPSTAN_BF16: return adam_q8_t<GD, CAPSTAN_BF16>(q, begin, end);
+    case CAPSTAN_F16: return adam_q8_t<GD, CAPSTAN_F16>(q, begin, end);
+    default: return adam_q8_t<GD, CAPSTAN_F32>(q, begin, end);
+  }
+}
+
+static void adam_q8_range(const AdamQ8Args* q, int64_t begin, int64_t end) {
+  switch (q->a.gdt) {
+    case CAPSTAN_BF16: return adam_q8_g<CAPSTAN_BF16>(q, begin, end);
+    case CAPSTAN_F16: return adam_q8_g<CAPSTAN_F16>(q, begin, end);
+    default: return adam_q8_g<CAPSTAN_F32>(q, begin, end);
+  }
 }
 
 // Non-temporal store of 2*W elements (a, then b) at i; dst + i 64-byte aligned.
@@ -218,5 +321,5 @@ static int nonfinite_range(const void* src, int dt, float scale, int64_t begin, 
 }
 
 static const capstan::KernelTable kTable = {
-    KERNEL_TABLE_NAME, adam_range, cast_range, sum_range, sumsq_range, nonfinite_range,
+    KERNEL_TABLE_NAME, adam_range, cast_range, sum_range, sumsq_range, nonfinite_range, adam_q8_range,
 };

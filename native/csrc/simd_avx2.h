@@ -33,14 +33,18 @@ struct VVec {
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     return _mm256_castsi256_si128(packed);
   }
-  // Stochastic rounding of elements i..i+7: the lane-wise form of capstan::f32_to_bf16_sr.
-  static void store_bf16_sr(uint16_t* p, VVec a, uint32_t key, int64_t i) {
+  // sr_hash(key + i + lane) for lanes 0..7: the random words of elements i..i+7.
+  static __m256i hash_lanes(uint32_t key, int64_t i) {
     __m256i x = _mm256_add_epi32(_mm256_set1_epi32((int)(key + (uint32_t)i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  // Stochastic rounding of elements i..i+7: the lane-wise form of capstan::f32_to_bf16_sr.
+  static void store_bf16_sr(uint16_t* p, VVec a, uint32_t key, int64_t i) {
+    __m256i x = hash_lanes(key, i);
     __m256i u = _mm256_castps_si256(a.v);
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(x, 16)), 16);
     __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
@@ -48,6 +52,36 @@ struct VVec {
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), isnan);
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+  }
+  // 8-bit moment codes: the lane-wise forms of SVec::load_q8 / store_q8_sr.
+  template <class F, int M, bool S>
+  static VVec load_q8(const uint8_t* p) {
+    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    __m256i mag = S ? _mm256_and_si256(c, _mm256_set1_epi32(0x7f)) : c;
+    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(F::sub_unit()));
+    __m256i nb = _mm256_add_epi32(_mm256_slli_epi32(mag, 23 - M), _mm256_set1_epi32((int)(F::bias << 23)));
+    __m256i isn = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32((1 << M) - 1));
+    __m256 r = _mm256_blendv_ps(sub, _mm256_castsi256_ps(nb), _mm256_castsi256_ps(isn));
+    if (S) r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24)));
+    return {r};
+  }
+  using Bits = __m256i;
+  static Bits hi16(Bits r) { return _mm256_srli_epi32(r, 16); }
+  static Bits lo16(Bits r) { return _mm256_and_si256(r, _mm256_set1_epi32(0xffff)); }
+  template <class F, int M, bool S>
+  static void store_q8_sr(uint8_t* p, VVec y, Bits r16) {
+    __m256i raw = _mm256_castps_si256(y.v);
+    __m256i u = _mm256_and_si256(raw, _mm256_set1_epi32(0x7fffffff));
+    __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)F::min_normal_bits), u);
+    __m256 z = _mm256_add_ps(_mm256_castsi256_ps(u), _mm256_and_ps(_mm256_castsi256_ps(small),
+                                                                   _mm256_set1_ps(F::min_normal())));
+    __m256i c = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(z), _mm256_slli_epi32(r16, 7 - M)), 23 - M);
+    c = _mm256_sub_epi32(c, _mm256_set1_epi32((int)(F::bias << M)));
+    c = _mm256_sub_epi32(c, _mm256_and_si256(small, _mm256_set1_epi32(1 << M)));
+    c = _mm256_min_epu32(c, _mm256_set1_epi32((int)F::mag_max));
+    if (S) c = _mm256_or_si256(c, _mm256_and_si256(_mm256_srli_epi32(raw, 24), _mm256_set1_epi32(0x80)));
+    __m256i w16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(c, c), 0xD8);
+    _mm_storel_epi64((__m128i*)p, _mm_packus_epi16(_mm256_castsi256_si128(w16), _mm256_castsi256_si128(w16)));
   }
   static void store_f16(uint16_t* p, VVec a) { _mm_storeu_si128((__m128i*)p, to_f16(a)); }
   static __m128i to_f16(VVec a) {
@@ -67,6 +101,14 @@ struct VVec {
   static void fence() { _mm_sfence(); }
   static VVec fma(VVec a, VVec b, VVec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   static VVec sqrt(VVec a) { return {_mm256_sqrt_ps(a.v)}; }
+  static VVec max(VVec a, VVec b) { return {_mm256_max_ps(a.v, b.v)}; }
+  static VVec abs(VVec a) { return {_mm256_and_ps(a.v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)))}; }
+  static float hmax(VVec a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
   static float hsum(VVec a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -49,19 +49,52 @@ struct VVec {
     __mmask16 isnan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
     return _mm512_mask_mov_epi32(r, isnan, _mm512_set1_epi32(-1));
   }
-  // Stochastic rounding of elements i..i+15: the lane-wise form of capstan::f32_to_bf16_sr.
-  static void store_bf16_sr(uint16_t* p, VVec a, uint32_t key, int64_t i) {
+  // sr_hash(key + i + lane) for lanes 0..15: the random words of elements i..i+15.
+  static __m512i hash_lanes(uint32_t key, int64_t i) {
     __m512i x = _mm512_add_epi32(_mm512_set1_epi32((int)(key + (uint32_t)i)),
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+  // Stochastic rounding of elements i..i+15: the lane-wise form of capstan::f32_to_bf16_sr.
+  static void store_bf16_sr(uint16_t* p, VVec a, uint32_t key, int64_t i) {
+    __m512i x = hash_lanes(key, i);
     __m512i r = _mm512_add_epi32(_mm512_castps_si512(a.v), _mm512_srli_epi32(x, 16));
     __mmask16 isnan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, isnan, _mm512_set1_epi32(-1));
     _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+  // 8-bit moment codes: the lane-wise forms of SVec::load_q8 / store_q8_sr.
+  template <class F, int M, bool S>
+  static VVec load_q8(const uint8_t* p) {
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    __m512i mag = S ? _mm512_and_si512(c, _mm512_set1_epi32(0x7f)) : c;
+    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(F::sub_unit()));
+    __m512i nb = _mm512_add_epi32(_mm512_slli_epi32(mag, 23 - M), _mm512_set1_epi32((int)(F::bias << 23)));
+    __mmask16 isn = _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32((1 << M) - 1));
+    __m512i r = _mm512_mask_blend_epi32(isn, _mm512_castps_si512(sub), nb);
+    if (S) r = _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24));
+    return {_mm512_castsi512_ps(r)};
+  }
+  using Bits = __m512i;
+  static Bits hi16(Bits r) { return _mm512_srli_epi32(r, 16); }
+  static Bits lo16(Bits r) { return _mm512_and_si512(r, _mm512_set1_epi32(0xffff)); }
+  template <class F, int M, bool S>
+  static void store_q8_sr(uint8_t* p, VVec y, Bits r16) {
+    __m512i raw = _mm512_castps_si512(y.v);
+    __m512i u = _mm512_and_si512(raw, _mm512_set1_epi32(0x7fffffff));
+    __mmask16 small = _mm512_cmplt_epi32_mask(u, _mm512_set1_epi32((int)F::min_normal_bits));
+    __m512 au = _mm512_castsi512_ps(u);
+    __m512 z = _mm512_mask_add_ps(au, small, au, _mm512_set1_ps(F::min_normal()));
+    __m512i c = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(z), _mm512_slli_epi32(r16, 7 - M)), 23 - M);
+    c = _mm512_sub_epi32(c, _mm512_set1_epi32((int)(F::bias << M)));
+    c = _mm512_mask_sub_epi32(c, small, c, _mm512_set1_epi32(1 << M));
+    c = _mm512_min_epu32(c, _mm512_set1_epi32((int)F::mag_max));
+    if (S) c = _mm512_or_si512(c, _mm512_and_si512(_mm512_srli_epi32(raw, 24), _mm512_set1_epi32(0x80)));
+    _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(c));
   }
   static void store_f16(uint16_t* p, VVec a) {
     _mm256_storeu_si256((__m256i*)p, to_f16(a));
@@ -96,6 +129,16 @@ struct VVec {
   }
   static VVec fma(VVec a, VVec b, VVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static VVec sqrt(VVec a) { return {_mm512_sqrt_ps(a.v)}; }
+  static VVec max(VVec a, VVec b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static VVec abs(VVec a) { return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(0x7fffffff)))}; }
+  static float hmax(VVec a) {
+    __m256 s8 = _mm256_max_ps(_mm512_castps512_ps256(a.v),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
   static float hsum(VVec a) {
     // Fixed pairwise order (not _mm512_reduce_add_ps, whose order is unspecified).
     __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v),

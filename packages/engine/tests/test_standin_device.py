@@ -106,8 +106,9 @@ def _single(tmp: str) -> dict:
     for offload in ("none", "cpu"):  # autocast: CUDA's policy on the stand-in, the CPU's on the CPU
         out[f"bf16-{offload}"] = tuple(_run(_config(d, {"offload": offload}, dtype="bf16")) for d in ("cpu", "standin"))
         # bf16 moments: on the device through torch's ops (kernels' fallback), in chunks through the native kernel
-        out[f"bf16-states-{offload}"] = tuple(_run(_config(d, {"offload": offload}, states="bf16"))
-                                              for d in ("cpu", "standin"))
+        for states in ("bf16", "int8"):
+            out[f"{states}-states-{offload}"] = tuple(_run(_config(d, {"offload": offload}, states=states))
+                                                      for d in ("cpu", "standin"))
     hf = {"model": {"seq_len": 16}, "data": {"max_bytes": 100_000},
           "train": {"steps": STEPS, "micro_batch_size": 2, "lr": 3e-3, "lr_schedule": "constant",
                     "warmup_steps": 0, "grad_clip": 1.0}}
@@ -183,16 +184,17 @@ def test_bf16_autocast_on_the_standin_follows_the_cpu_trajectory(single, case: s
     assert dev["losses"] != cpu["losses"]  # the two policies differ: the stand-in really took CUDA's
 
 
-@pytest.mark.parametrize("case", ["bf16-states-none", "bf16-states-cpu"])
-def test_bf16_optimizer_states_on_the_standin_follow_the_cpu(single, case: str) -> None:
-    """precision.optimizer_states = "bf16" on a device: the flat buffer's moments live there and step through
-    torch's ops, whose stochastic rounding draws the native kernel's bits; chunked, they step in RAM. Within
-    1e-5: the device's AdamW rounds its fp32 arithmetic differently in the last bit (see TOL), and a
-    stochastic rounding can carry such a bit further (test_optimizer_states.py)."""
+@pytest.mark.parametrize("case", ["bf16-states-none", "bf16-states-cpu", "int8-states-none", "int8-states-cpu"])
+def test_low_bit_optimizer_states_on_the_standin_follow_the_cpu(single, case: str) -> None:
+    """precision.optimizer_states = "bf16" or "int8" on a device: the flat buffer's moments live there and
+    step through torch's ops (fallback.adam_step / adam_step_q8), whose stochastic rounding draws the native
+    kernel's bits and codes; chunked, they step in RAM. Within 1e-5: the device's AdamW rounds its fp32
+    arithmetic differently in the last bit (see TOL), and a stochastic rounding can carry such a bit further
+    (test_optimizer_states.py)."""
     cpu, dev = single[case]
     assert dev["losses"] == pytest.approx(cpu["losses"], rel=1e-5)
     fp32_states = single["none" if case.endswith("none") else "cpu-measured"][1]
-    assert dev["losses"] != fp32_states["losses"]  # the moments really were bf16
+    assert dev["losses"] != fp32_states["losses"]  # the moments really were bf16 / 8-bit
 
 
 @pytest.mark.parametrize("case", ["llama-none", "llama-cpu", "gpt2-none", "gpt2-cpu"])

@@ -30,7 +30,7 @@ from pathlib import Path
 __all__ = ["ABI_VERSION", "DTYPE_CODES", "ISA_NAMES", "NativeError", "get", "load_error",
            "library_path", "check"]
 
-ABI_VERSION = 3  # must equal CAPSTAN_ABI_VERSION in csrc/capstan.h
+ABI_VERSION = 4  # must equal CAPSTAN_ABI_VERSION in csrc/capstan.h
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 # native/ of a source checkout (this file is native/src/capstan/native/_lib.py there);
 # an installed wheel has no build_native.py at this place.
@@ -54,6 +54,10 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "capstan_adam_step": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_uint64,
                                   c_int64, c_int64, c_int64, c_double, c_double, c_double, c_double, c_double,
                                   c_int, c_double, c_int, c_void_p, c_int, POINTER(c_int)]),
+    "capstan_adam_step_q8": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
+                                     c_int, c_void_p, c_void_p, c_void_p, c_uint64, c_int64, c_double, c_double,
+                                     c_double, c_double, c_double, c_int, c_double, c_int, c_void_p, c_int,
+                                     POINTER(c_int)]),
     "capstan_cast": (c_int, [c_void_p, c_int, c_void_p, c_int, c_int64]),
     "capstan_copy": (c_int, [c_void_p, c_void_p, c_int64]),
     "capstan_sum": (c_int, [c_void_p, c_int, POINTER(c_void_p), c_int, c_int, c_int64]),

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["adam_step", "cast_", "copy_", "sum_", "sumsq", "has_nonfinite", "sr_keys", "to_bf16_sr"]
+from .q8 import Q8_EXP_AVG, Q8_EXP_AVG_SQ, per_element, q8_decode, q8_encode, q8_inverse, q8_scale
+
+__all__ = ["adam_step", "adam_step_q8", "cast_", "copy_", "sum_", "sumsq", "has_nonfinite", "sr_keys", "to_bf16_sr"]
 
 _M32 = 0xFFFFFFFF
 
@@ -90,6 +92,45 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         exp_avg_sq.copy_(to_bf16_sr(v, key_v, index_base))
     if out is not None:
         out.copy_(param)
+    return False
+
+
+@torch.no_grad()
+def adam_step_q8(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 scale_m: torch.Tensor, scale_v: torch.Tensor, *, block: int,
+                 segments: list[tuple[int, int, int]], step: int, lr: float, beta1: float, beta2: float,
+                 eps: float, weight_decay: float, adamw: bool, grad_scale: float = 1.0,
+                 check_overflow: bool = False, out: torch.Tensor | None = None, seed: int = 0) -> bool:
+    """Same contract as capstan_adam_step_q8, in torch ops on any device: each segment's blocks
+    decoded, stepped as `adam_step` steps fp32 moments, then re-encoded against new scales."""
+    if check_overflow and any(has_nonfinite(grad[o:o + n], grad_scale) for o, n, _ in segments):
+        return True
+    key, _ = sr_keys(seed)
+    first = 0
+    for off, n, index in segments:
+        nb = -(-n // block)
+        if nb == 0:
+            continue
+        sl, sc = slice(off, off + n), slice(first, first + nb)
+        first += nb
+        m = (q8_decode(exp_avg[sl], Q8_EXP_AVG).view(-1)
+             * per_element(scale_m[sc], block, n))
+        r = q8_decode(exp_avg_sq[sl], Q8_EXP_AVG_SQ) * per_element(scale_v[sc], block, n)
+        v = r * r
+        p = param[sl]
+        adam_step(p, grad[sl], m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                  weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale)
+        r = v.sqrt()
+        pad = nb * block - n
+        new_m = q8_scale(torch.nn.functional.pad(m.abs(), (0, pad)).view(nb, block).amax(1))
+        new_r = q8_scale(torch.nn.functional.pad(r, (0, pad)).view(nb, block).amax(1))
+        scale_m[sc] = new_m
+        scale_v[sc] = new_r
+        rnd = _hash32((torch.arange(n, dtype=torch.int64, device=param.device) + index + key) & _M32)
+        exp_avg[sl] = q8_encode(m * per_element(q8_inverse(new_m), block, n), Q8_EXP_AVG, rnd >> 16)
+        exp_avg_sq[sl] = q8_encode(r * per_element(q8_inverse(new_r), block, n), Q8_EXP_AVG_SQ, rnd & 0xFFFF)
+        if out is not None:
+            out[sl] = p
     return False
 
 

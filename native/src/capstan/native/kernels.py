@@ -30,7 +30,7 @@ import torch
 
 from . import _lib, device_ops, fallback
 
-__all__ = ["adam_update", "adam_update_and_cast", "cast_", "copy_", "sum_", "sumsq",
+__all__ = ["adam_update", "adam_update_and_cast", "adam_update_q8", "q8_blocks", "cast_", "copy_", "sum_", "sumsq",
            "has_nonfinite", "set_isa", "get_isa", "set_num_threads", "get_num_threads"]
 
 FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -172,6 +172,93 @@ def adam_update_and_cast(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     return _adam(param, grad, exp_avg, exp_avg_sq, out, step=step, lr=lr, beta1=beta1,
                  beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
                  grad_scale=grad_scale, check_overflow=check_overflow, seed=seed, index_base=index_base)
+
+
+Q8_BLOCKS = tuple(1 << k for k in range(4, 13))  # the block sizes capstan_adam_step_q8 takes: 16..4096
+
+
+def q8_blocks(numels: Sequence[int], block: int) -> int:
+    """How many blocks (and scales per moment) segments of these sizes take at `block` elements."""
+    return sum(-(-int(n) // block) for n in numels)
+
+
+def _segments(segments: object, n: int) -> list[tuple[int, int, int]]:
+    """Validate `segments` ((offset, numel, index) triples, in order, not overlapping, within n)."""
+    if segments is None:
+        return [(0, n, 0)]
+    if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
+        raise TypeError(f"segments must be a sequence of (offset, numel, index), got {type(segments).__name__}")
+    out, end = [], 0
+    for k, seg in enumerate(segments):
+        if not isinstance(seg, Sequence) or len(seg) != 3 or any(
+                isinstance(x, bool) or not isinstance(x, int) for x in seg):
+            raise TypeError(f"segments[{k}] must be three ints (offset, numel, index), got {seg!r}")
+        off, num, index = seg
+        if off < end or num < 0 or index < 0 or off + num > n:
+            raise ValueError(f"segments[{k}] = {tuple(seg)}: segments must be in order, not overlap, have "
+                             f"numel >= 0 and index >= 0, and end within the {n} elements of param")
+        out.append((off, num, index))
+        end = off + num
+    return out
+
+
+def adam_update_q8(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   scale_m: torch.Tensor, scale_v: torch.Tensor, *, step: int, block: int = 256,
+                   segments: Sequence[tuple[int, int, int]] | None = None, lr: float = 1e-3,
+                   beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                   adamw: bool = True, grad_scale: float = 1.0, check_overflow: bool = False, seed: int = 0,
+                   out: torch.Tensor | None = None) -> bool:
+    """One Adam/AdamW step with 8-bit moments, in place (block-wise quantization, Dettmers et al. 2022).
+
+    param: fp32 [n]; grad: fp32/bf16/fp16 [n]; exp_avg, exp_avg_sq: uint8 codes [n] (exp_avg's signed,
+    with an exponent; exp_avg_sq's hold sqrt(exp_avg_sq), fallback.Q8_EXP_AVG_SQ); scale_m, scale_v: fp32,
+    one per block. `segments` ((offset, numel, index) per parameter, default the whole buffer as one)
+    cut the buffer into parameters, each into blocks of `block` elements (a power of two in 16..4096),
+    so every layout that keeps a parameter whole quantizes it alike; `index` is the parameter's first
+    element's canonical number, from which (with `seed`) the stochastic rounding draws its bits. The
+    scales are the segments' blocks in order: q8_blocks([numel, ...], block) of them. Elements outside
+    the segments are not touched. A fresh state is all zeros (codes and scales). The parameter is
+    updated from the decoded-then-updated fp32 moments, exactly as `adam_update` would from those; the
+    moments are then stored against each block's new absmax. check_overflow, grad_scale and out as in
+    `adam_update_and_cast`; returns True (nothing changed) on overflow."""
+    dev = _where("param", param)
+    check_tensor("param", param, (torch.float32,), device=dev)
+    n = param.numel()
+    check_tensor("grad", grad, FLOAT_TYPES, n, "param", dev)
+    check_tensor("exp_avg", exp_avg, (torch.uint8,), n, "param", dev)
+    check_tensor("exp_avg_sq", exp_avg_sq, (torch.uint8,), n, "param", dev)
+    if isinstance(block, bool) or block not in Q8_BLOCKS:
+        raise ValueError(f"block must be a power of two in 16..4096, got {block!r}")
+    segs = _segments(segments, n)
+    nb = q8_blocks([s[1] for s in segs], block)
+    check_tensor("scale_m", scale_m, (torch.float32,), nb, f"{len(segs)} segment(s) of blocks of {block}", dev)
+    check_tensor("scale_v", scale_v, (torch.float32,), nb, "scale_m", dev)
+    if out is not None:
+        check_tensor("out", out, HALF_TYPES + (torch.float32,), n, "param", dev)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1, got {step!r}")
+    args = dict(step=step, lr=_check_scalar("lr", lr, 0.0), beta1=_check_scalar("beta1", beta1, 0.0, 1.0),
+                beta2=_check_scalar("beta2", beta2, 0.0, 1.0), eps=_check_scalar("eps", eps, 0.0),
+                weight_decay=_check_scalar("weight_decay", weight_decay, 0.0), adamw=bool(adamw),
+                grad_scale=_check_scalar("grad_scale", grad_scale, 0.0, low_open=True),
+                check_overflow=bool(check_overflow))
+    lib = _lib.get()
+    if lib is None or dev is not None:
+        return fallback.adam_step_q8(param, grad, exp_avg, exp_avg_sq, scale_m, scale_v, block=block,
+                                     segments=segs, out=out, seed=seed, **args)
+    table = torch.tensor(segs, dtype=torch.int64).reshape(-1, 3).t().contiguous()
+    overflow = ctypes.c_int(0)
+    code = lib.capstan_adam_step_q8(
+        param.data_ptr(), grad.data_ptr(), _code(grad.dtype), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        scale_m.data_ptr(), scale_v.data_ptr(), block, len(segs), table[0].data_ptr(), table[1].data_ptr(),
+        table[2].data_ptr(), seed, step, args["lr"], args["beta1"], args["beta2"], args["eps"],
+        args["weight_decay"], int(args["adamw"]), args["grad_scale"], int(args["check_overflow"]),
+        out.data_ptr() if out is not None else None, _code(out.dtype) if out is not None else _lib.NONE,
+        ctypes.byref(overflow))
+    _lib.check(lib, code, "capstan_adam_step_q8")
+    return bool(overflow.value)
 
 
 def cast_(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:

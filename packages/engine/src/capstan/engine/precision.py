@@ -29,8 +29,10 @@ def autocast(p: PrecisionConfig, device: str = "cpu") -> contextlib.AbstractCont
 
 
 def moment_dtype(config: object) -> torch.dtype:
-    """The dtype of Adam's moments (`precision.optimizer_states`) for the flat buffers and the chunks."""
-    return torch.bfloat16 if config.precision.optimizer_states == "bf16" else torch.float32  # type: ignore[attr-defined]
+    """The dtype of Adam's moments (`precision.optimizer_states`) for the flat buffers and the chunks:
+    torch.uint8 stands for 8-bit block-wise codes (capstan.native.q8)."""
+    states = config.precision.optimizer_states  # type: ignore[attr-defined]
+    return {"bf16": torch.bfloat16, "int8": torch.uint8}.get(states, torch.float32)
 
 
 def loss_scaler(p: PrecisionConfig) -> DynamicLossScaler:

@@ -34,6 +34,7 @@ from torch import nn
 
 from capstan import comm
 from capstan.comm import Group
+from capstan.native import kernels, q8
 
 from ..memory.manager import BudgetError, ChunkManager
 from .chunk import Chunk, TensorSlot
@@ -43,7 +44,30 @@ from .order import module_order
 from .saved import ChunkViewSaver
 from .states import ChunkKind, TensorState
 
-__all__ = ["ChunkedModel", "ParamHome"]
+__all__ = ["ChunkedModel", "ParamHome", "Q8Layout", "MOMENT_KINDS", "Q8_BLOCK"]
+
+MOMENT_KINDS = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
+Q8_BLOCK = q8.BLOCK  # values per scale of 8-bit moments
+
+
+def q8_scale_offset(size: int) -> int:
+    """Byte offset of the block scales in an 8-bit moment chunk beside `size`-element chunks."""
+    return -(-size // 64) * 64
+
+
+@dataclass(frozen=True)
+class Q8Layout:
+    """One chunk group's 8-bit moments: `segments` (offset, numel, canonical index) per parameter in slot
+    order (kernels.adam_update_q8), the scales' byte offset and count, and each parameter's first block."""
+
+    segments: list[tuple[int, int, int]]
+    scale_offset: int
+    blocks: int
+    first_block: dict[str, int]
+
+    def scales(self, payload: torch.Tensor) -> torch.Tensor:
+        """The fp32 scales inside a moment chunk's (uint8) payload."""
+        return payload[self.scale_offset : self.scale_offset + 4 * self.blocks].view(torch.float32)
 
 _EMPTY = torch.empty(0)
 
@@ -101,10 +125,14 @@ class ChunkedModel(nn.Module):
         self.dtype = dtype
         self.mixed = dtype != torch.float32
         # Adam's moments: fp32, or bf16 chunks (half the bytes in every tier) that `ChunkAdam` updates in
-        # fp32 and stores with stochastic rounding (capstan.native.kernels.adam_update).
-        if moment_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"moment dtype must be float32 or bfloat16, got {moment_dtype}")
+        # fp32 and stores with stochastic rounding (capstan.native.kernels.adam_update), or 8-bit ones
+        # (torch.uint8: a quarter, block-wise quantized; each moment chunk holds its codes at the
+        # parameters' offsets, then one fp32 scale per block: `q8_layout`, kernels.adam_update_q8).
+        if moment_dtype not in (torch.float32, torch.bfloat16, torch.uint8):
+            raise ValueError(f"moment dtype must be float32, bfloat16 or uint8 (8-bit), got {moment_dtype}")
         self.moment_dtype = moment_dtype
+        self.q8 = moment_dtype == torch.uint8
+        self._q8: dict[tuple[int, int], Q8Layout] = {}
         # Gradients get chunks of their own (fp32) in pure-fp32 mode (the PARAM chunk is the master
         # and must survive backward) and under gradient accumulation (several backwards add up).
         # Otherwise a 16-bit gradient reuses its parameter's slot once that parameter's backward
@@ -271,7 +299,7 @@ class ChunkedModel(nn.Module):
                         self.chunks[kind][g].append(Chunk(next_id, kind, torch.float32, stateful[kind]))
                         next_id += 1
                         continue
-                    chunk = Chunk(next_id, kind, self._chunk_dtype(kind), size)
+                    chunk = Chunk(next_id, kind, self._chunk_dtype(kind), self._kind_capacity(kind, size, members))
                     next_id += 1
                     for spec, offset in members:
                         p = named[spec.name]
@@ -361,6 +389,39 @@ class ChunkedModel(nn.Module):
                     spans.append((lo, hi, base))
             self._spans[key] = spans
         return self._spans[key]
+
+    def _kind_capacity(self, kind: ChunkKind, size: int, members: list) -> int:
+        """Elements of a chunk of `kind` beside a list of `size`-element chunks: `size`, but an 8-bit
+        moment chunk also holds its parameters' block scales (fp32, after the codes, 64-byte aligned), and
+        is a whole number of 4 KiB pages (the disk tier's direct I/O moves whole pages)."""
+        if not (self.q8 and kind in MOMENT_KINDS):
+            return size
+        nbytes = q8_scale_offset(size) + 4 * kernels.q8_blocks([spec.numel for spec, _ in members], Q8_BLOCK)
+        return -(-nbytes // 4096) * 4096
+
+    def q8_layout(self, g: int, i: int) -> Q8Layout:
+        """Chunk `i` of group `g` as 8-bit moments see it: one segment per parameter (slot offset, numel,
+        canonical index of its first element), in slot order, and where the block scales start."""
+        key = (g, i)
+        if key not in self._q8:
+            p_chunk = self.chunks[ChunkKind.PARAM][g][i]
+            homes = sorted(self._homes_in(p_chunk), key=lambda h: h.slot.offset)
+            segments = [(h.slot.offset, h.slot.numel, h.canonical) for h in homes]
+            firsts, nb = {}, 0
+            for h in homes:
+                firsts[h.name] = nb
+                nb += kernels.q8_blocks([h.slot.numel], Q8_BLOCK)
+            self._q8[key] = Q8Layout(segments, q8_scale_offset(p_chunk.capacity), nb, firsts)
+        return self._q8[key]
+
+    def moment_layout(self, g: int, i: int) -> list[tuple[int, int, int]] | Q8Layout:
+        """What optim/moments.py step_chunk needs of chunk group (g, i): its 8-bit layout, or its rounding spans."""
+        return self.q8_layout(g, i) if self.q8 else self.rounding_spans(g, i)
+
+    def step_view(self, kind: ChunkKind, payload: torch.Tensor, n: int) -> torch.Tensor:
+        """What the optimizer's kernels get of a chunk's payload: its first `n` elements, but the whole
+        payload of an 8-bit moment chunk (codes and scales: optim/moments.py step_chunk)."""
+        return payload if self.q8 and kind in MOMENT_KINDS else payload[:n]
 
     def _chunk_dtype(self, kind: ChunkKind) -> torch.dtype:
         if kind is ChunkKind.PARAM:

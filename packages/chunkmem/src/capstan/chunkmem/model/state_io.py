@@ -2,7 +2,9 @@
 
 A checkpoint wants, per parameter, three tensors: the parameter (fp32: the
 master copy in mixed precision), and Adam's ``exp_avg`` and ``exp_avg_sq`` (fp32,
-or bf16 where the model keeps them so: `ChunkedModel.moment_dtype`).
+or bf16 where the model keeps them so: `ChunkedModel.moment_dtype`; 8-bit ones
+are read as their exact fp32 values and written back by rounding to nearest,
+which gives back the very codes and scales they were read from: capstan.native.q8).
 These live at the parameter's slot in sibling chunks, which may be on disk;
 each call brings the chunk in through the manager (so the RAM budget holds)
 and releases it. Only chunks this rank owns have optimizer state
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .chunked import ChunkedModel, ParamHome
+from capstan.native import q8
+
+from .chunked import MOMENT_KINDS, Q8_BLOCK, ChunkedModel, ParamHome
 from .states import ChunkKind
 
 __all__ = ["FIELDS", "owned_homes", "read_state", "write_state"]
@@ -44,13 +48,25 @@ def _kind(model: ChunkedModel, field: str) -> ChunkKind:
 
 def read_state(model: ChunkedModel, home: ParamHome, field: str) -> torch.Tensor:
     """A copy of `field` of the parameter at `home` (an owned one): fp32, the moments in the model's
-    moment dtype (bf16 ones are saved as they are)."""
-    chunk = model.chunk_of(home, _kind(model, field))
+    moment dtype (bf16 ones are saved as they are), 8-bit ones as their exact fp32 values."""
+    kind = _kind(model, field)
+    chunk = model.chunk_of(home, kind)
     model.manager.access(chunk.chunk_id)
     try:
+        if model.q8 and kind in MOMENT_KINDS:
+            codes, scales = _q8_parts(model, home, chunk)
+            return q8.dequantize(codes, scales, field, Q8_BLOCK).view(home.slot.shape)
         return chunk.view(home.slot).clone()  # (the master / fp32 PARAM chunk, or the moments' own dtype)
     finally:
         model.manager.release(chunk.chunk_id)
+
+
+def _q8_parts(model: ChunkedModel, home: ParamHome, chunk) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """The codes and the block scales of `home`'s parameter in 8-bit moment `chunk` (resident): views."""
+    layout = model.q8_layout(home.group, home.index)
+    first = layout.first_block[home.name]
+    nb = -(-home.slot.numel // Q8_BLOCK)
+    return chunk.payload.narrow(0, home.slot.offset, home.slot.numel), layout.scales(chunk.payload)[first : first + nb]
 
 
 def write_state(model: ChunkedModel, home: ParamHome, field: str, value: torch.Tensor) -> None:
@@ -64,6 +80,12 @@ def write_state(model: ChunkedModel, home: ParamHome, field: str, value: torch.T
         chunk = model.chunk_of(home, kind)
         model.manager.access(chunk.chunk_id, write=True)
         try:
+            if model.q8 and kind in MOMENT_KINDS:
+                codes, scales = _q8_parts(model, home, chunk)
+                new_codes, new_scales = q8.quantize(value, field, Q8_BLOCK)
+                codes.copy_(new_codes)
+                scales.copy_(new_scales)
+                continue
             chunk.view(home.slot).copy_(value)
         finally:
             model.manager.release(chunk.chunk_id)

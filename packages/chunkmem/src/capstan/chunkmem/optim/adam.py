@@ -214,10 +214,11 @@ class ChunkAdam:
             beta1, beta2 = hp.betas
             kinds = (master_kind, self._grad_kind(), ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
             ids = [chunks[k][g][i].chunk_id for k in kinds]
-            master, grad, m, v = (mgr.access(cid, write=True).payload[:n] for cid in ids)  # type: ignore[index]
+            master, grad, m, v = (self.model.step_view(k, mgr.access(cid, write=True).payload, n)  # type: ignore[arg-type]
+                                  for k, cid in zip(kinds, ids, strict=True))
             args = dict(step=hp.step, lr=hp.lr, beta1=beta1, beta2=beta2, eps=hp.eps,
                         weight_decay=hp.weight_decay, adamw=True, grad_scale=unscale)
-            spans = self.model.rounding_spans(g, i)  # (cached per chunk)
+            spans = self.model.moment_layout(g, i)  # (cached per chunk)
             if mixed:  # update fp32 master, write the 16-bit parameter in the same pass
                 out = mgr.access(p_chunk.chunk_id, write=True).payload[:n]  # type: ignore[index]
                 step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, spans)

@@ -36,7 +36,8 @@ so after backward the norm needs no pass over the gradients and no wait for
 all of them to come off the device, only the one Adam pass (the H200's 1B
 offload step spent 68 ms of 335 in that norm pass, 49 of them waiting for
 copies). Both paths give the same step, bit for bit. The copies cost RAM: 12 bytes
-per parameter (14 where the gradient shares the 16-bit slot) while a step is
+per parameter with fp32 moments (14 where the gradient shares the 16-bit slot; 8 and 6 with bf16 and
+8-bit moments, and the 8-bit ones' scales) while a step is
 in flight, counted in the cpu tier; with grad_clip 0 and no loss scaling no
 guess can be wrong and nothing is copied.
 
@@ -64,6 +65,7 @@ import torch
 
 from capstan.native import kernels
 
+from ..model.chunked import Q8Layout
 from ..model.states import ChunkKind
 from .moments import step_chunk
 
@@ -94,13 +96,13 @@ class _Job:
     n: int
     ids: list[int]  # pinned chunk ids (released by `_settle`)
     landing: list = field(default_factory=list)  # copies from the device into these chunks still in flight
-    backup: torch.Tensor | None = None  # [master | exp_avg | exp_avg_sq | 16-bit gradient slot]
+    backup: list[torch.Tensor] | None = None  # master, exp_avg, exp_avg_sq[, the 16-bit gradient slot]
     backup_bytes: int = 0
     future: Future | None = None
     sumsq: float = 0.0
     nonfinite: bool = False
     stepped: bool = False
-    spans: list = field(default_factory=list)  # bf16 moments: the chunk's rounding spans (moments.py)
+    spans: list | Q8Layout = field(default_factory=list)  # the chunk's moment_layout (moments.py)
 
 
 @dataclass
@@ -191,19 +193,21 @@ class Speculation:
             kinds.append(ChunkKind.PARAM)  # the 16-bit output, where it is not the gradient's slot
         ids = [chunks[k][g][i].chunk_id for k in kinds]
         # Chunks coming off a GPU land in RAM while backward goes on: the worker waits for the copies.
-        views = [mgr.access(cid, write=True, wait=False).payload[:n] for cid in ids]  # type: ignore[index]
+        views = [model.step_view(k, mgr.access(cid, write=True, wait=False).payload, n)  # type: ignore[arg-type]
+                 for k, cid in zip(kinds, ids, strict=True)]
         job = _Job(g, i, n, ids, landing=[ev for ev in map(mgr.device_tier.landing, ids) if ev is not None])
         slot_reuse = model.mixed and not model.grad_chunks
         if self._may_roll_back():
-            # master, exp_avg, exp_avg_sq, and the 16-bit slot the kernel overwrites with the parameter
-            # when it holds the gradient: all fp32 here, the 16-bit one widened exactly.
-            job.backup_bytes = (4 if slot_reuse else 3) * n * 4
+            # master, exp_avg, exp_avg_sq (8-bit ones with their scales), and the 16-bit slot the kernel
+            # overwrites with the parameter when it holds the gradient, each in its own dtype.
+            saved = [views[0], views[2], views[3]] + ([views[1]] if slot_reuse else [])
+            job.backup_bytes = sum(t.numel() * t.element_size() for t in saved)
             mgr.reserve_transient(job.backup_bytes, f"rollback copy of chunk group ({g}, {i})")
-            job.backup = torch.empty((4 if slot_reuse else 3) * n)
+            job.backup = [torch.empty_like(t) for t in saved]
         hp = opt.groups[g]
         args = dict(step=hp.step + 1, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], eps=hp.eps,
                     weight_decay=hp.weight_decay, adamw=True, grad_scale=1.0 / self.loss_scale)
-        job.spans = model.rounding_spans(g, i)  # (main thread: the model's bookkeeping stays here)
+        job.spans = model.moment_layout(g, i)  # (main thread: the model's bookkeeping stays here)
         job.future = self._pool.submit(self._work, job, views, args, model.mixed)
         self.jobs[(g, i)] = job
 
@@ -220,9 +224,8 @@ class Speculation:
         if self._overflowed:
             return
         if job.backup is not None:
-            n = job.n
-            for k, t in enumerate((master, m, v, grad) if job.backup.numel() == 4 * n else (master, m, v)):
-                job.backup[k * n : (k + 1) * n].copy_(t)
+            for copy, t in zip(job.backup, (master, m, v, grad)):
+                copy.copy_(t)
         if mixed:
             step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, job.spans)
         else:
@@ -291,10 +294,10 @@ class Speculation:
         master_kind = ChunkKind.MASTER if model.mixed else ChunkKind.PARAM
         kinds = [master_kind, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ]
         assert job.backup is not None
-        for k, kind in enumerate(kinds):
-            chunks[kind][g][i].payload[:n].copy_(job.backup[k * n : (k + 1) * n])  # type: ignore[index]
-        if job.backup.numel() == 4 * n:  # the slot held the gradient: put it back (exact: 16-bit -> fp32 -> 16-bit)
-            chunks[ChunkKind.PARAM][g][i].payload[:n].copy_(job.backup[3 * n :])  # type: ignore[index]
+        for copy, kind in zip(job.backup, kinds):
+            model.step_view(kind, chunks[kind][g][i].payload, n).copy_(copy)  # type: ignore[arg-type]
+        if len(job.backup) == 4:  # the slot held the gradient: put it back
+            chunks[ChunkKind.PARAM][g][i].payload[:n].copy_(job.backup[3])  # type: ignore[index]
         elif model.mixed:  # the 16-bit parameter was written from the new master: write it from the old
             kernels.cast_(chunks[ChunkKind.MASTER][g][i].payload[:n], chunks[ChunkKind.PARAM][g][i].payload[:n])  # type: ignore[index]
 

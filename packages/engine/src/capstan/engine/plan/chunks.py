@@ -64,7 +64,7 @@ class ChunkLists:
     grad_chunks: bool  # gradients in chunks of their own (else in the 16-bit parameter's slot)
     # 1-bit Adam's replicas (chunkmem/parallel/replicated.py: two residual lists beside the others); 0: none
     onebit: int = 0
-    moment_bytes: int = 4  # bytes per element of exp_avg and exp_avg_sq (precision.optimizer_states)
+    moment_bytes: float = 4  # bytes per element of exp_avg and exp_avg_sq (precision.optimizer_states)
 
     @property
     def elements(self) -> int:
@@ -101,6 +101,8 @@ class ChunkLists:
         if kind in ("onebit_worker", "onebit_server"):
             worker, server = onebit_residual_sizes(capacity, self.onebit)
             return 4 * (worker if kind == "onebit_worker" else server)
+        if kind in ("exp_avg", "exp_avg_sq") and self.moment_bytes == Q8_MOMENT_BYTES:
+            return q8_chunk_bytes(capacity)
         return int(dict(self.kinds())[kind] * capacity)
 
     def _group_bytes(self, capacity: int) -> int:
@@ -184,6 +186,17 @@ def _stage_modules(shape: ModelShape, tp: int, kinds: tuple[str, ...]) -> tuple[
     return tuple(m for kind in kinds for m in by_kind[kind])
 
 
+Q8_MOMENT_BYTES = 1 + 4 / 256  # int8 moments: a code per element, an fp32 scale per block of 256
+
+
+def q8_chunk_bytes(capacity: int, params: int = 16) -> int:
+    """Bytes of an 8-bit moment chunk beside `capacity`-element chunks (ChunkedModel._kind_capacity): the codes
+    (64-byte aligned), a scale per block of each parameter (here: up to `params` parameters' last blocks
+    short), in whole 4 KiB pages; exact but for a chunk holding more short-ended parameters."""
+    codes = -(-capacity // 64) * 64
+    return -(-(codes + 4 * (capacity // 256 + params)) // 4096) * 4096
+
+
 def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int, ...]) -> ChunkLists:
     """The chunk lists of a stage holding `layers` (indices into [embedding, blocks, norm, head])."""
     # Chunks are sharded over dp x cp whenever it is > 1 (engine: ShardedChunkedModel), but for 1-bit Adam,
@@ -194,7 +207,9 @@ def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int
     grad_chunks = not mixed or layout.accum > 1 or shard > 1 or onebit > 0
     # packed once per distinct stage (the search asks for the same one for every micro-batch, ZeRO stage, ...)
     lists = _packed(shape, _kinds(shape, layers), layout.tp, layout.chunk_size, shard, onebit, mixed, grad_chunks)
-    return lists if layout.optimizer_states == "fp32" else dataclasses.replace(lists, moment_bytes=2)
+    if layout.optimizer_states == "fp32":
+        return lists
+    return dataclasses.replace(lists, moment_bytes=2 if layout.optimizer_states == "bf16" else Q8_MOMENT_BYTES)
 
 
 @lru_cache(maxsize=1024)

@@ -267,8 +267,9 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
     pbytes = 2 if e16 else 4
     chunked = layout.zero_stage == 3 or layout.offload != "none"
     if not chunked:  # the flat fp32 buffer of ZeroOptimizer (ZeRO 0-2)
-        moment_bytes = 4 if layout.optimizer_states == "bf16" else 8  # exp_avg + exp_avg_sq per parameter
-        moments = moment_bytes * params // (dp if layout.zero_stage >= 1 else 1)
+        # exp_avg + exp_avg_sq per parameter (int8: a code each, and two fp32 scales per block of 256)
+        moment_bytes = {"bf16": 4, "int8": 2 + 8 / 256}.get(layout.optimizer_states, 8)
+        moments = int(moment_bytes * params) // (dp if layout.zero_stage >= 1 else 1)
         # ZeRO 2 keeps a shard accumulator only where gradients outlive a backward (accumulation over
         # several backwards; one pipeline schedule is one): zero/optimizer.py; all-reduce buckets are
         # views of the flat gradient (buckets.py)

@@ -137,7 +137,7 @@ class Layout:
     accum: int = 1
     recompute: bool = False
     precision: str = "fp32"
-    optimizer_states: str = "fp32"  # precision.optimizer_states: Adam's moments in "fp32" or "bf16"
+    optimizer_states: str = "fp32"  # precision.optimizer_states: Adam's moments in "fp32", "bf16" or "int8"
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -171,7 +171,7 @@ class Layout:
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"layout.zero_stage = {self.zero_stage}: expected 0, 1, 2 or 3")
         for key, allowed in (("offload", ("none", "cpu", "disk")), ("precision", ("fp32", "bf16", "fp16")),
-                             ("optimizer_states", ("fp32", "bf16")),
+                             ("optimizer_states", ("fp32", "bf16", "int8")),
                              ("schedule", ("gpipe", "1f1b", "interleaved")),
                              ("compression", ("none", "onebit", "int8")), ("cp_mode", ("ulysses", "ring"))):
             if getattr(self, key) not in allowed:

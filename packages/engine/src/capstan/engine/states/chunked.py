@@ -291,7 +291,8 @@ class ChunkView(StateView):
         return read_state(self.model, home, field).reshape(-1)[lp.own[0] : lp.own[1]]
 
     def dtype(self, field: str) -> torch.dtype:
-        return torch.float32 if field == "param" else self.model.moment_dtype
+        # 8-bit moments are saved as their exact fp32 values (chunkmem's state_io)
+        return torch.float32 if field == "param" or self.model.q8 else self.model.moment_dtype
 
     def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
         from capstan.chunkmem.model.state_io import write_state

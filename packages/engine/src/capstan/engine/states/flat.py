@@ -14,6 +14,7 @@ from torch import nn
 
 from capstan import comm
 from capstan.comm.procmem import peak_rss_bytes
+from capstan.native import q8
 
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
 from ..config.schema import Config
@@ -141,10 +142,17 @@ class FlatView(StateView):
         # A copy in RAM (the buffers are on the GPU when the model trains there).
         if field == "param":  # (int8 compression: the exact master shard, not the quantized gather)
             return self.opt.exact_param(pos + a, pos + b).to("cpu", copy=True)
+        if self.opt.q8:  # 8-bit moments: their exact values (lp.own is this shard's part of the parameter)
+            parts = self.opt.q8_moment(field, pos) if a < b else None
+            if parts is None:
+                return torch.zeros(0)
+            return q8.dequantize(parts[0].cpu(), parts[1].cpu(), field, q8.BLOCK)
         return self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo].to("cpu", copy=True)
 
     def dtype(self, field: str) -> torch.dtype:
-        return torch.float32 if field == "param" else self.opt.exp_avg.dtype
+        if field == "param" or self.opt.q8:  # 8-bit moments are saved as their fp32 values
+            return torch.float32
+        return self.opt.exp_avg.dtype
 
     def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
         pos, p = self._offset[lp.name]
@@ -153,7 +161,12 @@ class FlatView(StateView):
             self.opt.flat_param[pos : pos + flat.numel()].copy_(flat)
             return
         lo, hi = max(pos, self.opt.lo), min(pos + flat.numel(), self.opt.hi)
-        if lo < hi:
+        if lo < hi and self.opt.q8:  # rounded to nearest: the codes and scales the values came from
+            codes, scales = self.opt.q8_moment(field, pos)  # type: ignore[misc]
+            new_codes, new_scales = q8.quantize(flat[lo - pos : hi - pos], field, q8.BLOCK)
+            codes.copy_(new_codes)
+            scales.copy_(new_scales)
+        elif lo < hi:
             self._moment(field)[lo - self.opt.lo : hi - self.opt.lo].copy_(flat[lo - pos : hi - pos])
 
     def finish_load(self) -> None:

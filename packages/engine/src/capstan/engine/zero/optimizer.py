@@ -72,6 +72,7 @@ from torch import nn
 from capstan import comm
 from capstan.comm.device import is_accelerator
 from capstan.native import device_ops, kernels
+from capstan.native.q8 import BLOCK as Q8_BLOCK
 
 from ..config.schema import TrainConfig
 from .buckets import OverlappedBuckets, plan_all_reduce, plan_reduce_scatter
@@ -178,6 +179,19 @@ class ZeroOptimizer:
         # optim/moments.py numbers elements in this buffer's order).
         self.exp_avg = torch.zeros(self.hi - self.lo, device=dev, dtype=moment_dtype)
         self.exp_avg_sq = torch.zeros(self.hi - self.lo, device=dev, dtype=moment_dtype)
+        # 8-bit moments (torch.uint8): blocks start at each parameter's first element in this shard, so at
+        # stage 0 (and wherever no shard boundary cuts a parameter) they are the chunks' blocks too.
+        self.q8 = moment_dtype == torch.uint8
+        self._q8_of: dict[int, tuple[int, int, int, int]] = {}  # flat start -> (a, b, first block, blocks)
+        blocks = 0
+        for p, start in zip(self.params, _offsets(self.params)):
+            a, b = max(start, self.lo), min(start + p.numel(), self.hi)
+            if self.q8 and a < b:
+                nb = kernels.q8_blocks([b - a], Q8_BLOCK)
+                self._q8_of[start] = (a, b, blocks, nb)
+                blocks += nb
+        self.scale_m = torch.zeros(blocks, device=dev) if self.q8 else None
+        self.scale_v = torch.zeros(blocks, device=dev) if self.q8 else None
         self.step_count = 0
         self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
         # Backward passes per optimizer step: the accumulation's micro-batches, or one pipeline schedule.
@@ -360,10 +374,18 @@ class ZeroOptimizer:
         param = self.master if self.master is not None else self.flat_param[self.lo : self.hi]
         for seg, a, b in self._pieces():
             sl = slice(a - self.lo, b - self.lo)
-            kernels.adam_update(param[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
-                                step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
-                                weight_decay=t.weight_decay if seg.decay else 0.0, adamw=True,
-                                grad_scale=grad_scale, seed=self.step_count, index_base=a)
+            args = dict(step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
+                        weight_decay=t.weight_decay if seg.decay else 0.0, adamw=True, grad_scale=grad_scale,
+                        seed=self.step_count)
+            if self.q8:
+                pieces = [q for q in self._q8_of.values() if a <= q[0] < b]
+                first, last = pieces[0][2], pieces[-1][2] + pieces[-1][3]
+                kernels.adam_update_q8(param[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
+                                       self.scale_m[first:last], self.scale_v[first:last],  # type: ignore[index]
+                                       segments=[(pa - a, pb - pa, pa) for pa, pb, _, _ in pieces], block=Q8_BLOCK,
+                                       **args)
+            else:
+                kernels.adam_update(param[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl], index_base=a, **args)
         if self.prefetch is not None:
             self.prefetch.start()  # waited for by the next forward's pre-hooks (gather.py; int8 too)
         elif self.master is not None:
@@ -389,6 +411,15 @@ class ZeroOptimizer:
             elif self.step_count > 0:
                 int8_all_gather(self.flat_param, self.master, self.groups.replicas, self.cuts)
 
+    def q8_moment(self, field: str, start: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """8-bit moments: the codes and block scales of `field` of the parameter at flat offset `start`
+        (its part in this shard), or None where this shard holds none of it."""
+        if start not in self._q8_of:
+            return None
+        a, b, first, nb = self._q8_of[start]
+        codes, scales = ((self.exp_avg, self.scale_m) if field == "exp_avg" else (self.exp_avg_sq, self.scale_v))
+        return codes[a - self.lo : b - self.lo], scales[first : first + nb]  # type: ignore[index]
+
     def wait_params(self) -> None:
         """Finish the overlapped parameter all-gather: every rank's parameters are current afterwards."""
         if self.prefetch is not None:
@@ -397,6 +428,8 @@ class ZeroOptimizer:
     def state_bytes(self) -> int:
         """Bytes of model and optimizer state this rank holds (params, grads, shard grads, moments)."""
         tensors = [self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq]
+        if self.q8:
+            tensors += [self.scale_m, self.scale_v]
         if self.shard_grad is not None:
             tensors.append(self.shard_grad)
         if self.master is not None:
