@@ -1,7 +1,7 @@
-"""A model larger than RAM, stepped through the disk tier, with fp32 and with bf16 Adam moments (not a test).
+"""A model larger than RAM, stepped through the disk tier, with fp32, bf16 or 8-bit Adam moments (not a test).
 
     hatch run python tools/bench_disk_states.py [--layers 36 --d-model 2048] [--budget 2GiB] [--steps 4]
-        [--states fp32,bf16] [--dir /tmp] [--rounds 1]
+        [--states fp32,bf16,int8] [--dir /tmp] [--rounds 1]
 
 Each run is a fresh process (`--one STATES` runs one and prints a JSON line): the reference GPT with
 `memory.offload = "disk"` under a chunk budget, fp32 compute, micro-batch 2 x seq 128. The first step
@@ -9,7 +9,8 @@ is the warm-up that records the trace; the table gives the median of the rest: s
 chunk manager moved between RAM and disk per step, seconds stalled on I/O (both counters are cumulative:
 differences of consecutive steps), peak RSS, and the bytes of
 the chunks (model states). `capstan bench-disk` on the same directory bounds what the disk allows.
-With --rounds > 1 the formats alternate (fp32, bf16, fp32, ...), each round a new process.
+With --rounds > 1 the formats alternate (fp32, bf16, fp32, ...), each round a new process. Warm-up is a
+tenth of the steps (at least one), then cosine decay; every step's loss is printed after the table.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 import time
 
 
-def one(states: str, layers: int, d_model: int, budget: str, steps: int, directory: str) -> dict:
+def one(states: str, layers: int, d_model: int, budget: str, steps: int, directory: str, lr: float = 1e-4) -> dict:
     import torch
 
     from capstan import comm
@@ -34,7 +35,8 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
     torch.manual_seed(0)
     cfg = {"model": {"n_layers": layers, "n_heads": max(1, d_model // 128), "d_model": d_model, "seq_len": 128},
            "data": {"max_bytes": 2_000_000},
-           "train": {"steps": steps, "micro_batch_size": 2, "lr": 1e-4, "warmup_steps": 1},
+           "train": {"steps": steps, "micro_batch_size": 2, "lr": lr, "warmup_steps": max(1, steps // 10),
+                     "grad_clip": 1.0},
            "memory": {"offload": "disk", "cpu_budget": budget, "disk_dir": directory},
            "precision": {"optimizer_states": states}}
     t0 = time.perf_counter()
@@ -65,10 +67,12 @@ def main() -> None:
     ap.add_argument("--states", default="fp32,bf16")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (1e-4 steps a 1.8B model into a "
+                                                             "loss spike; 1e-5 lets a 4B one's loss fall)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.layers, args.d_model, args.budget, args.steps, args.dir)))
+        print(json.dumps(one(args.one, args.layers, args.d_model, args.budget, args.steps, args.dir, args.lr)))
         return
     results: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
@@ -77,7 +81,7 @@ def main() -> None:
             try:
                 out = subprocess.run([sys.executable, __file__, "--one", states, "--layers", str(args.layers),
                                       "--d-model", str(args.d_model), "--budget", args.budget,
-                                      "--steps", str(args.steps), "--dir", chunks],
+                                      "--steps", str(args.steps), "--dir", chunks, "--lr", str(args.lr)],
                                      check=True, capture_output=True, text=True).stdout
             finally:
                 shutil.rmtree(chunks, ignore_errors=True)
@@ -99,6 +103,10 @@ def main() -> None:
         print(f"| {states} | {r['chunk_bytes'] / 2**30:.1f} GiB | {r['chunk_bytes'] / r['params']:.1f} | {step:.1f} | "
               f"{base / step:.2f}x | {moved / 2**30:.1f} GiB | {stall:.1f} s | {r['peak_rss'] / 2**30:.2f} GiB | "
               f"{r['steps'][-1]['loss']:.4f} |")
+    for states, runs in results.items():
+        for k, r in enumerate(runs):
+            print(f"\n{states}, round {k + 1}: built in {r['build_s']:.0f} s; loss by step: "
+                  + ", ".join(f"{s['loss']:.3f}" for s in r["steps"]))
 
 
 if __name__ == "__main__":

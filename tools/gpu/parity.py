@@ -9,7 +9,8 @@ relative and every gradient norm within `NORM_TOL`:
 
 * one rank: offload none, offload cpu (chunks audited at every move), offload disk (a device budget of
   3 chunks and a RAM budget of 8: chunks move device <-> RAM <-> disk every step, and the device tier's
-  counted bytes must be real allocations within the budget);
+  counted bytes must be real allocations within the budget), and 8-bit Adam moments
+  (precision.optimizer_states = "int8") with offload none (stepped on the device by torch's ops) and cpu;
 * two ranks sharing the one device (`SHARED`: dp 2 ZeRO-1, tp 2, pp 2, pp 2 with offload, dp 2 ZeRO-3
   chunks, and ZeRO-3 under a device budget). NCCL refuses two ranks on one GPU, so their device tensors
   travel through host memory (docs/gpu.md, communication). On the stand-in the ranks share
@@ -111,13 +112,17 @@ def trajectory(cfg: dict, steps: int | None = None, audit: bool = False, save_at
 
 
 def single_layouts(device: str, disk_dir: str) -> dict[str, dict]:
-    """One rank: name -> the [memory] section on the device (the CPU reference drops gpu_budget)."""
+    """One rank: name -> the config sections on the device (the CPU reference drops gpu_budget)."""
     del device  # the same layouts on every device
-    return {"offload none": {},
-            "offload cpu": {"offload": "cpu", "chunk_size": CHUNK},
+    int8 = {"precision": {"optimizer_states": "int8"}}
+    return {"offload none": {"memory": {}},
+            "offload cpu": {"memory": {"offload": "cpu", "chunk_size": CHUNK}},
             # 3 chunks on the device and 8 in RAM: chunks move device <-> RAM <-> disk every step
-            "offload disk": {"offload": "disk", "chunk_size": CHUNK, "cpu_budget": 8 * CHUNK * 4,
-                             "gpu_budget": 3 * CHUNK * 4, "disk_dir": disk_dir}}
+            "offload disk": {"memory": {"offload": "disk", "chunk_size": CHUNK, "cpu_budget": 8 * CHUNK * 4,
+                                        "gpu_budget": 3 * CHUNK * 4, "disk_dir": disk_dir}},
+            # 8-bit moments: on the device through torch's ops (offload none), in RAM through the native kernel
+            "int8 offload none": {"memory": {}, **int8},
+            "int8 offload cpu": {"memory": {"offload": "cpu", "chunk_size": CHUNK}, **int8}}
 
 
 # Two ranks on the one device: name -> sections of the config (the same on the CPU, less gpu_budget).
@@ -143,11 +148,11 @@ def _single_ranks(device: str, steps: int, disk_dir: str, names: list[str]) -> d
     """In a rank of its own: each one-rank layout on the CPU, then on `device`."""
     load_device(device)
     out = {}
-    for name, memory in single_layouts(device, disk_dir).items():
+    for name, sections in single_layouts(device, disk_dir).items():
         if name not in names:
             continue
-        cpu = trajectory(config("cpu", memory=_on_cpu({"memory": memory})["memory"]), steps)
-        dev = trajectory(config(device, memory=memory), steps, audit=bool(memory))
+        cpu = trajectory(config("cpu", **_on_cpu(sections)), steps)
+        dev = trajectory(config(device, **sections), steps, audit=bool(sections["memory"]))
         out[name] = (cpu, dev)
     return out
 
@@ -244,7 +249,7 @@ def run_parity(device: str, steps: int = STEPS, single: list[str] | None = None,
                 else:
                     report["errors"][label] = error
                 continue
-            budgets = {n: m.get("gpu_budget") for n, m in single_layouts(device, "").items()}
+            budgets = {n: m["memory"].get("gpu_budget") for n, m in single_layouts(device, "").items()}
             for rank, result in enumerate(results):
                 transport = result.pop("transport", None)
                 if device == "cuda" and world > 1:  # (the stand-in stages its tensors whatever comm says)
