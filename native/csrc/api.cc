@@ -96,15 +96,13 @@ void fill_adam_args(AdamArgs* a, int64_t step, double lr, double beta1, double b
   a->neg_step = (float)(-(lr / (1.0 - pow(beta1, (double)step))));
 }
 
+// 8-bit moments: the same pattern over block ids (AdamQ8Args).
 struct AdamQ8Ctx {
   const KernelTable* k;
   AdamQ8Args q;
 };
 
-void adam_q8_chunk(void* p, int64_t b, int64_t e, int) {
-  auto* c = (AdamQ8Ctx*)p;
-  c->k->adam_q8(&c->q, b, e);
-}
+void adam_q8_chunk(void* p, int64_t b, int64_t e, int) { ((AdamQ8Ctx*)p)->k->adam_q8(&((AdamQ8Ctx*)p)->q, b, e); }
 
 struct CastCtx {
   const KernelTable* k;

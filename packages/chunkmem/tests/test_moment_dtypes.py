@@ -79,28 +79,29 @@ def _flat_reference() -> list[float]:
     return out
 
 
-def _chunked(budget: int | None = None, disk: object = None, order: str = "modules",
-             overlap: bool = False) -> tuple[list[float], ChunkedModel]:
+def _chunked(budget: int | None = None, disk: object = None, order: str = "modules", overlap: bool = False,
+             clip: float | None = None,
+             moments: torch.dtype = torch.bfloat16) -> tuple[list[float], ChunkedModel, ChunkAdam]:
     manager = ChunkManager(budget, DiskStore(disk) if disk is not None else None, audit=True)
     example = (_batch(0)[0],) if order == "trace" else None
-    model = ChunkedModel(_net(), manager, CHUNK, moment_dtype=torch.bfloat16, order=order, example_inputs=example,
+    model = ChunkedModel(_net(), manager, CHUNK, moment_dtype=moments, order=order, example_inputs=example,
                          report_grads=overlap)
     opt = ChunkAdam(model, overlap=overlap, **HP)
     out = []
     for step in range(1, STEPS + 1):
         manager.begin_step()
         if overlap:
-            opt.arm()
+            opt.arm(grad_clip=clip)
         loss = _loss(model, step)
         model.backward(loss)
-        opt.step()
+        opt.step(grad_clip=clip)
         manager.end_step()
         out.append(loss.item())
-    return out, model
+    return out, model, opt
 
 
 def test_moment_chunks_are_bf16_and_half_the_bytes() -> None:
-    _, model = _chunked()
+    _, model, _ = _chunked()
     for kind in ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ:
         for chunk in model.chunks[kind][0]:
             assert chunk.dtype == torch.bfloat16
@@ -115,7 +116,7 @@ def test_canonical_numbering_does_not_depend_on_the_packing() -> None:
     order, and the spans of all chunks cover [0, parameters) once."""
     numbering, spans = {}, {}
     for order in ("modules", "trace"):
-        _, model = _chunked(order=order)
+        _, model, _ = _chunked(order=order)
         numbering[order] = {h.name: h.canonical for h in model.homes.values()}
         spans[order] = sum(len(model.rounding_spans(0, i)) for i in range(len(model.chunks[ChunkKind.PARAM][0])))
         covered = []
@@ -134,7 +135,7 @@ def test_chunks_train_as_one_flat_buffer_bit_for_bit(tmp_path, case: str) -> Non
     want = _flat_reference()
     kwargs = {"ram": {}, "disk": {"budget": 6 * CHUNK * 4, "disk": tmp_path}, "trace-order": {"order": "trace"},
               "overlapped": {"overlap": True}}[case]
-    got, _ = _chunked(**kwargs)
+    got, _, _ = _chunked(**kwargs)
     assert got == want
 
 
@@ -166,24 +167,8 @@ def _flat_reference_q8() -> list[float]:
     return out
 
 
-def _chunked_q8(budget: int | None = None, disk: object = None, order: str = "modules", overlap: bool = False,
-             clip: float | None = None) -> tuple[list[float], ChunkedModel, ChunkAdam]:
-    manager = ChunkManager(budget, DiskStore(disk) if disk is not None else None, audit=True)
-    example = (_batch(0)[0],) if order == "trace" else None
-    model = ChunkedModel(_net(), manager, CHUNK, moment_dtype=torch.uint8, order=order, example_inputs=example,
-                         report_grads=overlap)
-    opt = ChunkAdam(model, overlap=overlap, **HP)
-    out = []
-    for step in range(1, STEPS + 1):
-        manager.begin_step()
-        if overlap:
-            opt.arm(grad_clip=clip)
-        loss = _loss(model, step)
-        model.backward(loss)
-        opt.step(grad_clip=clip)
-        manager.end_step()
-        out.append(loss.item())
-    return out, model, opt
+def _chunked_q8(**kwargs: object) -> tuple[list[float], ChunkedModel, ChunkAdam]:
+    return _chunked(moments=torch.uint8, **kwargs)  # type: ignore[arg-type]
 
 
 def test_moment_chunks_hold_a_quarter_of_the_bytes_and_their_scales() -> None:
