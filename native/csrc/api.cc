@@ -68,10 +68,20 @@ void adam_chunk(void* p, int64_t b, int64_t e, int) {
   c->k->adam(&c->a, b, e);
 }
 
-// The scalars of one Adam step, rounded where torch.optim's single-tensor AdamW rounds them, and the
-// stochastic rounding's two hash streams.
-void fill_adam_args(AdamArgs* a, int64_t step, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, int adamw, double grad_scale, uint64_t seed, int64_t index_base) {
+// One Adam step's buffers and scalars, the scalars rounded where torch.optim's single-tensor AdamW rounds
+// them, and the stochastic rounding's two hash streams.
+void fill_adam_args(AdamArgs* a, float* param, const void* grad, int grad_dtype, void* exp_avg,
+                    void* exp_avg_sq, int moment_dtype, void* out, int out_dtype, int64_t step, double lr,
+                    double beta1, double beta2, double eps, double weight_decay, int adamw, double grad_scale,
+                    uint64_t seed, int64_t index_base) {
+  a->p = param;
+  a->g = grad;
+  a->m = exp_avg;
+  a->v = exp_avg_sq;
+  a->out = out;
+  a->gdt = grad_dtype;
+  a->mdt = moment_dtype;
+  a->odt = out ? out_dtype : CAPSTAN_NONE;
   // Two streams from the 64-bit seed: each key hashes one half mixed with the other.
   a->key_m = sr_hash((uint32_t)seed ^ sr_hash((uint32_t)(seed >> 32)));
   a->key_v = sr_hash(a->key_m ^ 0x9e3779b9u);
@@ -178,16 +188,8 @@ int capstan_adam_step(float* param, const void* grad, int grad_dtype, void* exp_
   }
   AdamCtx c;
   c.k = k;
-  fill_adam_args(&c.a, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, index_base);
-  AdamArgs& a = c.a;
-  a.p = param;
-  a.g = grad;
-  a.m = exp_avg;
-  a.v = exp_avg_sq;
-  a.out = out;
-  a.gdt = grad_dtype;
-  a.mdt = moment_dtype;
-  a.odt = out ? out_dtype : CAPSTAN_NONE;
+  fill_adam_args(&c.a, param, grad, grad_dtype, exp_avg, exp_avg_sq, moment_dtype, out, out_dtype, step, lr,
+                 beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, index_base);
   parallel_for(n, kGrain, adam_chunk, &c);
   return CAPSTAN_OK;
 }
@@ -228,16 +230,8 @@ int capstan_adam_step_q8(float* param, const void* grad, int grad_dtype, uint8_t
   if (first[nseg] == 0) return CAPSTAN_OK;
   AdamQ8Ctx c;
   c.k = k;
-  AdamArgs& a = c.q.a;
-  fill_adam_args(&a, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, 0);
-  a.p = param;
-  a.g = grad;
-  a.m = exp_avg;
-  a.v = exp_avg_sq;
-  a.out = out;
-  a.gdt = grad_dtype;
-  a.mdt = CAPSTAN_NONE;
-  a.odt = out ? out_dtype : CAPSTAN_NONE;
+  fill_adam_args(&c.q.a, param, grad, grad_dtype, exp_avg, exp_avg_sq, CAPSTAN_NONE, out, out_dtype, step, lr,
+                 beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, 0);
   c.q.scale_m = scale_m;
   c.q.scale_v = scale_v;
   c.q.block = block;
