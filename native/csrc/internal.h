@@ -64,8 +64,10 @@ constexpr int64_t kQ8MaxBlock = 4096;
 // A code with an exponent keeps small moments from flushing to zero, as the dynamic quantization of
 // Dettmers et al. 2022 ("8-bit optimizers via block-wise quantization") does with a lookup table;
 // here encoding and decoding are a few integer operations per lane.
-template <int E, int M>
+template <int E, int M, bool S>
 struct Q8Format {
+  static constexpr int mbits = M;
+  static constexpr bool is_signed = S;  // a sign bit above the E + M magnitude bits
   static constexpr int emin = (1 << E) - 2;                    // smallest normal: 2^-emin
   static constexpr uint32_t min_normal_bits = (uint32_t)(127 - emin) << 23;
   static constexpr uint32_t bias = (uint32_t)(127 - ((1 << E) - 1));  // fp32 exponent - code exponent
@@ -73,8 +75,8 @@ struct Q8Format {
   static constexpr float sub_unit() { return 1.0f / (float)(1u << (emin + M)); }
   static constexpr float min_normal() { return 1.0f / (float)(1u << emin); }
 };
-using Q8M = Q8Format<4, 3>;
-using Q8V = Q8Format<4, 4>;
+using Q8M = Q8Format<4, 3, true>;
+using Q8V = Q8Format<4, 4, false>;
 
 // One instruction set's kernels, each over the element range [begin, end).
 // The thread pool (threadpool.cc) splits a call into ranges; api.cc validates.
@@ -184,8 +186,9 @@ static inline uint16_t f32_to_f16(float f) {
 }
 
 // Decode a magnitude code to fp32 (exact).
-template <class F, int M>
+template <class F>
 static inline float q8_decode_mag(uint32_t mag) {
+  constexpr int M = F::mbits;
   if ((mag >> M) == 0) return (float)(int32_t)mag * F::sub_unit();
   uint32_t bits = (mag << (23 - M)) + (F::bias << 23);
   float f;
@@ -198,8 +201,9 @@ static inline float q8_decode_mag(uint32_t mag) {
 // should. A subnormal y (below 2^-emin) is first offset by 2^-emin into the smallest normal binade,
 // whose grid spacing is the subnormals', rounded there, and the offset's code (1 << M) taken off again.
 // min(., mag_max) keeps a NaN's code in range.
-template <class F, int M>
+template <class F>
 static inline uint32_t q8_encode_mag(float y, uint32_t r16) {
+  constexpr int M = F::mbits;
   uint32_t off = 0;
   if (f32_bits(y) < F::min_normal_bits) {
     y = y + F::min_normal();

@@ -126,8 +126,8 @@ template <class V, int GD, int OD>
 static inline void adam_q8_one(const AdamArgs& a, int64_t i, float sm, float sv, float* mb, float* rb,
                                int64_t j, V& max_m, V& max_r) {
   V p = V::load(a.p + i);
-  V m = V::template load_q8<capstan::Q8M, 3, true>((const uint8_t*)a.m + i) * V::set1(sm);
-  V r = V::template load_q8<capstan::Q8V, 4, false>((const uint8_t*)a.v + i) * V::set1(sv);
+  V m = V::template load_q8<capstan::Q8M>((const uint8_t*)a.m + i) * V::set1(sm);
+  V r = V::template load_q8<capstan::Q8V>((const uint8_t*)a.v + i) * V::set1(sv);
   V v = r * r;
   r = adam_math<V>(a, p, load_as_f32<V>(a.g, GD, i), m, v);
   V::store(a.p + i, p);
@@ -184,13 +184,13 @@ static void adam_q8_t(const AdamQ8Args* q, int64_t begin, int64_t end) {
     j = 0;
     for (; j + KV::W <= n; j += KV::W) {
       const typename KV::Bits r = KV::hash_lanes(key, j);
-      KV::template store_q8_sr<capstan::Q8M, 3, true>(cm + j, KV::load(mb + j) * KV::set1(im), KV::hi16(r));
-      KV::template store_q8_sr<capstan::Q8V, 4, false>(cv + j, KV::load(rb + j) * KV::set1(ir), KV::lo16(r));
+      KV::template store_q8_sr<capstan::Q8M>(cm + j, KV::load(mb + j) * KV::set1(im), KV::hi16(r));
+      KV::template store_q8_sr<capstan::Q8V>(cv + j, KV::load(rb + j) * KV::set1(ir), KV::lo16(r));
     }
     for (; j < n; ++j) {
       const uint32_t r = SVec::hash_lanes(key, j);
-      SVec::store_q8_sr<capstan::Q8M, 3, true>(cm + j, SVec::load(mb + j) * SVec::set1(im), SVec::hi16(r));
-      SVec::store_q8_sr<capstan::Q8V, 4, false>(cv + j, SVec::load(rb + j) * SVec::set1(ir), SVec::lo16(r));
+      SVec::store_q8_sr<capstan::Q8M>(cm + j, SVec::load(mb + j) * SVec::set1(im), SVec::hi16(r));
+      SVec::store_q8_sr<capstan::Q8V>(cv + j, SVec::load(rb + j) * SVec::set1(ir), SVec::lo16(r));
     }
   }
 }

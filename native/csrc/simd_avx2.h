@@ -54,8 +54,10 @@ struct VVec {
     _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
   }
   // 8-bit moment codes: the lane-wise forms of SVec::load_q8 / store_q8_sr.
-  template <class F, int M, bool S>
+  template <class F>
   static VVec load_q8(const uint8_t* p) {
+    constexpr int M = F::mbits;
+    constexpr bool S = F::is_signed;
     __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
     __m256i mag = S ? _mm256_and_si256(c, _mm256_set1_epi32(0x7f)) : c;
     __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(F::sub_unit()));
@@ -68,8 +70,10 @@ struct VVec {
   using Bits = __m256i;
   static Bits hi16(Bits r) { return _mm256_srli_epi32(r, 16); }
   static Bits lo16(Bits r) { return _mm256_and_si256(r, _mm256_set1_epi32(0xffff)); }
-  template <class F, int M, bool S>
+  template <class F>
   static void store_q8_sr(uint8_t* p, VVec y, Bits r16) {
+    constexpr int M = F::mbits;
+    constexpr bool S = F::is_signed;
     __m256i raw = _mm256_castps_si256(y.v);
     __m256i u = _mm256_and_si256(raw, _mm256_set1_epi32(0x7fffffff));
     __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)F::min_normal_bits), u);

@@ -68,8 +68,10 @@ struct VVec {
     _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
   }
   // 8-bit moment codes: the lane-wise forms of SVec::load_q8 / store_q8_sr.
-  template <class F, int M, bool S>
+  template <class F>
   static VVec load_q8(const uint8_t* p) {
+    constexpr int M = F::mbits;
+    constexpr bool S = F::is_signed;
     __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
     __m512i mag = S ? _mm512_and_si512(c, _mm512_set1_epi32(0x7f)) : c;
     __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(F::sub_unit()));
@@ -82,8 +84,10 @@ struct VVec {
   using Bits = __m512i;
   static Bits hi16(Bits r) { return _mm512_srli_epi32(r, 16); }
   static Bits lo16(Bits r) { return _mm512_and_si512(r, _mm512_set1_epi32(0xffff)); }
-  template <class F, int M, bool S>
+  template <class F>
   static void store_q8_sr(uint8_t* p, VVec y, Bits r16) {
+    constexpr int M = F::mbits;
+    constexpr bool S = F::is_signed;
     __m512i raw = _mm512_castps_si512(y.v);
     __m512i u = _mm512_and_si512(raw, _mm512_set1_epi32(0x7fffffff));
     __mmask16 small = _mm512_cmplt_epi32_mask(u, _mm512_set1_epi32((int)F::min_normal_bits));

@@ -30,11 +30,12 @@ struct SVec {
   static SVec max(SVec a, SVec b) { return {a.v > b.v ? a.v : b.v}; }  // maxps's operand order
   static SVec abs(SVec a) { return {capstan::bits_f32(capstan::f32_bits(a.v) & 0x7fffffffu)}; }
   static float hmax(SVec a) { return a.v; }
-  // 8-bit moment codes (capstan::Q8Format): S = with a sign bit.
-  template <class F, int M, bool S>
+  // 8-bit moment codes in format F (capstan::Q8Format: its mantissa bits and sign).
+  template <class F>
   static SVec load_q8(const uint8_t* p) {
+    constexpr bool S = F::is_signed;
     const uint32_t c = *p;
-    const float f = capstan::q8_decode_mag<F, M>(S ? c & 0x7fu : c);
+    const float f = capstan::q8_decode_mag<F>(S ? c & 0x7fu : c);
     return {capstan::bits_f32(capstan::f32_bits(f) | (S ? (c & 0x80u) << 24 : 0u))};
   }
   // Random words: sr_hash(key + i); the two moments take one each half (hi16, lo16).
@@ -43,10 +44,11 @@ struct SVec {
   static Bits hi16(Bits r) { return r >> 16; }
   static Bits lo16(Bits r) { return r & 0xffffu; }
   // y in [-1, 1] (signed) or [0, 1], rounded with the 16 random bits r16 (capstan::q8_encode_mag).
-  template <class F, int M, bool S>
+  template <class F>
   static void store_q8_sr(uint8_t* p, SVec y, Bits r16) {
+    constexpr bool S = F::is_signed;
     const uint32_t u = capstan::f32_bits(y.v);
-    uint32_t c = capstan::q8_encode_mag<F, M>(capstan::bits_f32(u & 0x7fffffffu), r16);
+    uint32_t c = capstan::q8_encode_mag<F>(capstan::bits_f32(u & 0x7fffffffu), r16);
     if (S) c |= (u >> 24) & 0x80u;
     *p = (uint8_t)c;
   }

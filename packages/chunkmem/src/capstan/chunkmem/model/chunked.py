@@ -34,40 +34,22 @@ from torch import nn
 
 from capstan import comm
 from capstan.comm import Group
-from capstan.native import kernels, q8
 
 from ..memory.manager import BudgetError, ChunkManager
+from . import moment_layout
 from .chunk import Chunk, TensorSlot
 from .hooks import install_hooks
 from .layout import ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, plan_layout
+from .moment_layout import BLOCK as Q8_BLOCK
+from .moment_layout import Q8Layout
 from .order import module_order
 from .saved import ChunkViewSaver
 from .states import ChunkKind, TensorState
 
-__all__ = ["ChunkedModel", "ParamHome", "Q8Layout", "MOMENT_KINDS", "Q8_BLOCK"]
+__all__ = ["ChunkedModel", "ParamHome", "MOMENT_KINDS", "Q8_BLOCK"]
 
 MOMENT_KINDS = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
-Q8_BLOCK = q8.BLOCK  # values per scale of 8-bit moments
 
-
-def q8_scale_offset(size: int) -> int:
-    """Byte offset of the block scales in an 8-bit moment chunk beside `size`-element chunks."""
-    return -(-size // 64) * 64
-
-
-@dataclass(frozen=True)
-class Q8Layout:
-    """One chunk group's 8-bit moments: `segments` (offset, numel, canonical index) per parameter in slot
-    order (kernels.adam_update_q8), the scales' byte offset and count, and each parameter's first block."""
-
-    segments: list[tuple[int, int, int]]
-    scale_offset: int
-    blocks: int
-    first_block: dict[str, int]
-
-    def scales(self, payload: torch.Tensor) -> torch.Tensor:
-        """The fp32 scales inside a moment chunk's (uint8) payload."""
-        return payload[self.scale_offset : self.scale_offset + 4 * self.blocks].view(torch.float32)
 
 _EMPTY = torch.empty(0)
 
@@ -374,21 +356,17 @@ class ChunkedModel(nn.Module):
             pos += home.slot.numel
 
     def rounding_spans(self, g: int, i: int) -> list[tuple[int, int, int]]:
-        """Chunk `i` of group `g` as runs of slots consecutive in the canonical order: (start, end, canonical
-        index of start), in chunk order; the stochastic rounding of bf16 moments draws from the canonical
-        index (optim/moments.py)."""
+        """Chunk `i` of group `g` as runs of slots consecutive in the canonical order (moment_layout.py);
+        the stochastic rounding of bf16 moments draws from the canonical index (optim/moments.py)."""
         key = (g, i)
         if key not in self._spans:
-            spans: list[tuple[int, int, int]] = []
-            homes = sorted(self._homes_in(self.chunks[ChunkKind.PARAM][g][i]), key=lambda h: h.slot.offset)
-            for home in homes:
-                lo, hi, base = home.slot.offset, home.slot.offset + home.slot.numel, home.canonical
-                if spans and spans[-1][1] == lo and spans[-1][2] + (lo - spans[-1][0]) == base:
-                    spans[-1] = (spans[-1][0], hi, spans[-1][2])
-                else:
-                    spans.append((lo, hi, base))
-            self._spans[key] = spans
+            self._spans[key] = moment_layout.rounding_spans(self._slots(g, i))
         return self._spans[key]
+
+    def _slots(self, g: int, i: int) -> list[tuple[str, int, int, int]]:
+        """(name, slot offset, numel, canonical index) of each parameter in chunk `i` of group `g`."""
+        return [(h.name, h.slot.offset, h.slot.numel, h.canonical)
+                for h in self._homes_in(self.chunks[ChunkKind.PARAM][g][i])]
 
     def _kind_capacity(self, kind: ChunkKind, size: int, members: list) -> int:
         """Elements of a chunk of `kind` beside a list of `size`-element chunks: `size`, but an 8-bit
@@ -396,22 +374,14 @@ class ChunkedModel(nn.Module):
         is a whole number of 4 KiB pages (the disk tier's direct I/O moves whole pages)."""
         if not (self.q8 and kind in MOMENT_KINDS):
             return size
-        nbytes = q8_scale_offset(size) + 4 * kernels.q8_blocks([spec.numel for spec, _ in members], Q8_BLOCK)
-        return -(-nbytes // 4096) * 4096
+        return moment_layout.chunk_bytes(size, sum(-(-spec.numel // Q8_BLOCK) for spec, _ in members))
 
     def q8_layout(self, g: int, i: int) -> Q8Layout:
         """Chunk `i` of group `g` as 8-bit moments see it: one segment per parameter (slot offset, numel,
         canonical index of its first element), in slot order, and where the block scales start."""
         key = (g, i)
         if key not in self._q8:
-            p_chunk = self.chunks[ChunkKind.PARAM][g][i]
-            homes = sorted(self._homes_in(p_chunk), key=lambda h: h.slot.offset)
-            segments = [(h.slot.offset, h.slot.numel, h.canonical) for h in homes]
-            firsts, nb = {}, 0
-            for h in homes:
-                firsts[h.name] = nb
-                nb += kernels.q8_blocks([h.slot.numel], Q8_BLOCK)
-            self._q8[key] = Q8Layout(segments, q8_scale_offset(p_chunk.capacity), nb, firsts)
+            self._q8[key] = moment_layout.q8_layout(self._slots(g, i), self.chunks[ChunkKind.PARAM][g][i].capacity)
         return self._q8[key]
 
     def moment_layout(self, g: int, i: int) -> list[tuple[int, int, int]] | Q8Layout:

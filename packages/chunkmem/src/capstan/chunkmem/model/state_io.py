@@ -63,10 +63,7 @@ def read_state(model: ChunkedModel, home: ParamHome, field: str) -> torch.Tensor
 
 def _q8_parts(model: ChunkedModel, home: ParamHome, chunk) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
     """The codes and the block scales of `home`'s parameter in 8-bit moment `chunk` (resident): views."""
-    layout = model.q8_layout(home.group, home.index)
-    first = layout.first_block[home.name]
-    nb = -(-home.slot.numel // Q8_BLOCK)
-    return chunk.payload.narrow(0, home.slot.offset, home.slot.numel), layout.scales(chunk.payload)[first : first + nb]
+    return model.q8_layout(home.group, home.index).parts(chunk.payload, home.name, home.slot.offset, home.slot.numel)
 
 
 def write_state(model: ChunkedModel, home: ParamHome, field: str, value: torch.Tensor) -> None:

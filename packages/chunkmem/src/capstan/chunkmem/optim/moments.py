@@ -19,7 +19,8 @@ import torch
 
 from capstan.native import kernels
 
-from ..model.chunked import Q8_BLOCK, Q8Layout
+from ..model.moment_layout import BLOCK as Q8_BLOCK
+from ..model.moment_layout import Q8Layout
 
 __all__ = ["step_chunk"]
 

@@ -65,7 +65,7 @@ import torch
 
 from capstan.native import kernels
 
-from ..model.chunked import Q8Layout
+from ..model.moment_layout import Q8Layout
 from ..model.states import ChunkKind
 from .moments import step_chunk
 

@@ -190,11 +190,12 @@ Q8_MOMENT_BYTES = 1 + 4 / 256  # int8 moments: a code per element, an fp32 scale
 
 
 def q8_chunk_bytes(capacity: int, params: int = 16) -> int:
-    """Bytes of an 8-bit moment chunk beside `capacity`-element chunks (ChunkedModel._kind_capacity): the codes
-    (64-byte aligned), a scale per block of each parameter (here: up to `params` parameters' last blocks
-    short), in whole 4 KiB pages; exact but for a chunk holding more short-ended parameters."""
-    codes = -(-capacity // 64) * 64
-    return -(-(codes + 4 * (capacity // 256 + params)) // 4096) * 4096
+    """Bytes of an 8-bit moment chunk beside `capacity`-element chunks (chunkmem's model/moment_layout.py chunk_bytes)
+    with the scales of `capacity` / 256 blocks and up to `params` parameters' short last blocks: exact but
+    for a chunk holding more parameters."""
+    from capstan.chunkmem.model.moment_layout import BLOCK, chunk_bytes
+
+    return chunk_bytes(capacity, capacity // BLOCK + params)
 
 
 def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int, ...]) -> ChunkLists:

@@ -192,6 +192,12 @@ class ZeroOptimizer:
                 blocks += nb
         self.scale_m = torch.zeros(blocks, device=dev) if self.q8 else None
         self.scale_v = torch.zeros(blocks, device=dev) if self.q8 else None
+        # per update piece (a, b): its parameters' segments relative to a, and its range of scales
+        self._q8_calls: dict[tuple[int, int], tuple[list[tuple[int, int, int]], int, int]] = {}
+        for _, a, b in self._pieces() if self.q8 else ():
+            parts = [q for q in self._q8_of.values() if a <= q[0] < b]
+            self._q8_calls[(a, b)] = ([(pa - a, pb - pa, pa) for pa, pb, _, _ in parts], parts[0][2],
+                                      parts[-1][2] + parts[-1][3])
         self.step_count = 0
         self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
         # Backward passes per optimizer step: the accumulation's micro-batches, or one pipeline schedule.
@@ -378,12 +384,10 @@ class ZeroOptimizer:
                         weight_decay=t.weight_decay if seg.decay else 0.0, adamw=True, grad_scale=grad_scale,
                         seed=self.step_count)
             if self.q8:
-                pieces = [q for q in self._q8_of.values() if a <= q[0] < b]
-                first, last = pieces[0][2], pieces[-1][2] + pieces[-1][3]
+                segments, first, last = self._q8_calls[(a, b)]
                 kernels.adam_update_q8(param[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
                                        self.scale_m[first:last], self.scale_v[first:last],  # type: ignore[index]
-                                       segments=[(pa - a, pb - pa, pa) for pa, pb, _, _ in pieces], block=Q8_BLOCK,
-                                       **args)
+                                       segments=segments, block=Q8_BLOCK, **args)
             else:
                 kernels.adam_update(param[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl], index_base=a, **args)
         if self.prefetch is not None:
