@@ -128,6 +128,8 @@ def single_layouts(device: str, disk_dir: str) -> dict[str, dict]:
 # Two ranks on the one device: name -> sections of the config (the same on the CPU, less gpu_budget).
 SHARED = {
     "dp2-zero1": {"train": {"grad_accum_steps": 1}, "parallel": {"dp": 2, "zero_stage": 1}},
+    # ZeRO-2 without a flat gradient: 4 KiB buckets packed on the device, two micro-batches into the shard
+    "dp2-zero2": {"train": {"grad_accum_steps": 2}, "parallel": {"dp": 2, "zero_stage": 2, "bucket_mb": 1 / 256}},
     "tp2": {"parallel": {"dp": 1, "tp": 2}},
     "pp2": {"parallel": {"dp": 1, "pp": 2}},
     "pp2-offload": {"parallel": {"dp": 1, "pp": 2}, "memory": {"offload": "cpu", "chunk_size": CHUNK}},

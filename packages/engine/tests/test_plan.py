@@ -20,6 +20,7 @@ from capstan.engine.plan import (
     memory_plan,
     min_devices_for_states,
 )
+from capstan.engine.zero.buckets import IN_FLIGHT
 from capstan.native import standin
 
 
@@ -68,8 +69,10 @@ def test_13b_on_one_v100_fits_only_with_the_optimizer_on_the_host() -> None:
 
 
 def test_model_states_follow_the_zero_formulas_of_docs_parallelism() -> None:
-    """Flat ZeRO 0-2 buffers: 16, 8 + 8/dp and 8 + 12/dp bytes per parameter (8 + 8/dp where one backward
-    makes the step: no shard accumulator); ZeRO-3 chunks 16/dp in fp32, plus their padding."""
+    """Flat ZeRO 0-2 buffers: 16, 8 + 8/dp and, at ZeRO 2 over overlapped buckets, 4 + 12/dp bytes per
+    parameter plus IN_FLIGHT + 2 buckets (no flat gradient; the buckets together at most a quarter of it);
+    8 + 12/dp without buckets (flat gradient and shard accumulator), 8 + 8/dp under a pipeline (the shard
+    in place); ZeRO-3 chunks 16/dp in fp32, plus their padding."""
     model = ModelShape(layers=4, hidden=64, heads=4, vocab=256, seq=32)
     machine = machine_preset("local", ranks_per_node=4)
     psi = model.params
@@ -81,8 +84,13 @@ def test_model_states_follow_the_zero_formulas_of_docs_parallelism() -> None:
 
     assert states(zero_stage=0) == 16 * psi
     assert states(zero_stage=1) == 8 * psi + 8 * psi // 4
-    assert states(zero_stage=2, accum=2) == 8 * psi + 12 * psi // 4
-    assert states(zero_stage=2) == 8 * psi + 8 * psi // 4
+    bucket = 4000  # bytes, well under the model's gradient
+    lean = 4 * psi + 4 * psi // 4 + (IN_FLIGHT + 2) * bucket + 8 * psi // 4
+    assert states(zero_stage=2, bucket_bytes=bucket) == states(zero_stage=2, accum=2, bucket_bytes=bucket) == lean
+    # buckets of 25 MB, more than this model's gradient: capped so the four alive at once hold a quarter of it
+    assert states(zero_stage=2) == 4 * psi + 12 * psi // 4 + (IN_FLIGHT + 2) * 4 * (psi // (4 * (IN_FLIGHT + 2)))
+    assert states(zero_stage=2, bucket_bytes=0) == 8 * psi + 12 * psi // 4
+    assert states(zero_stage=2, compression="int8") == 8 * psi + 12 * psi // 4  # reduced after backward
     # ZeRO-3: 16/dp of the chunk elements, lists padded to whole chunks and to a multiple of dp chunks
     # (what a real engine allocates: test_plan_time.py's test_sharded_chunks_are_what_each_rank_allocates)
     from capstan.engine.plan.chunks import chunk_lists

@@ -131,6 +131,7 @@ def _pair(device: str, tmp: str) -> dict:
     if device == "standin":
         standin.load()
     return {"z3": _run(_config(device, {}, dp=2, zero_stage=3)),
+            "z2": _run(_config(device, {}, dp=2, zero_stage=2, bucket_mb=1 / 64)),  # packed buckets on the device
             "pp2": _run(_config(device, {}, pp=2))}
 
 
@@ -210,11 +211,18 @@ def test_transformers_models_with_buffers_on_the_standin(single, case: str) -> N
 
 @pytest.mark.mpirun
 def test_zero3_and_pipeline_on_two_standin_devices(tmp_path) -> None:
-    """dp 2 ZeRO-3 and pp 2, each rank on its own stand-in device (standin:0, standin:1; collectives staged
-    through RAM), against the same layouts on the CPU."""
+    """dp 2 ZeRO-3, ZeRO-2 (its gradients packed into buckets on the device, no flat gradient) and pp 2,
+    each rank on its own stand-in device (standin:0, standin:1; collectives staged through RAM), against the
+    same layouts on the CPU."""
     dev = run_ranks(_pair, 2, "standin", str(tmp_path), timeout=280)
     cpu = run_ranks(_pair, 2, "cpu", str(tmp_path), timeout=280)
     for rank in range(2):
         _close(dev[rank]["z3"]["losses"], cpu[rank]["z3"]["losses"])
+        _close(dev[rank]["z2"]["losses"], cpu[rank]["z2"]["losses"])
+        z2 = dev[rank]["z2"]["mem"]
+        assert z2["mem.standin.grad_peak_bytes"] == cpu[rank]["z2"]["mem"]["mem.cpu.grad_peak_bytes"]
+        # resident: fp32 parameters (4 B each), the shard gradient (4/2) and the moments (8/2): 10 B per
+        # parameter, of which a flat gradient would be 4
+        assert z2["mem.standin.grad_peak_bytes"] < z2["mem.standin.resident_bytes"] * 4 / 10
         assert dev[rank]["z3"]["devices"] in ([], [f"standin:{rank}"])  # chunked: buffers only (none here)
     _close(dev[1]["pp2"]["losses"], cpu[1]["pp2"]["losses"])

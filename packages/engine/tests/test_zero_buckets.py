@@ -11,10 +11,16 @@ parameter all-gather after the ZeRO 1/2 step, overlapped with the next
 forward in buckets (zero/gather.py), gives exactly the losses, norms and
 parameters of one blocking all-gather.
 
+All-reduce buckets fill in the order backward completes gradients, so the
+first one starts while most of backward is still to run (with buckets in the
+flat buffer's order, every bucket waited for the first layer's norm
+weights). ZeRO 2 over them packs gradients and holds no flat gradient: its
+peak gradient bytes are the shard plus the buckets in flight, checked here
+against the plan; test_zero2_memory.py checks the RSS.
+
 Under mpirun (capstan's MPI backend) the all-reduce buckets are blocking
-calls made by the hooks, and with one backward per step ZeRO 2 keeps its
-shard gradient in place in the flat buffer; both are checked against one
-process the same way.
+calls made by the hooks, and ZeRO 2 reduces each packed bucket as it
+completes; both are checked against one process the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from capstan.comm.testing import requires_mpirun, run_mpirun, run_ranks
 from capstan.engine import initialize, open_data, train_batches
 from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config
-from capstan.engine.zero.buckets import plan_all_reduce, plan_reduce_scatter
+from capstan.engine.zero.buckets import IN_FLIGHT, plan_all_reduce, plan_reduce_scatter
 
 STEPS = 8
 
@@ -35,6 +41,16 @@ def test_all_reduce_plan_is_contiguous_from_the_end() -> None:
     assert [b.ranges for b in plan] == [((30, 42),), ((10, 30),), ((0, 10),)]
     assert [b.params for b in plan] == [(3, 2), (1,), (0,)]
     assert plan_all_reduce(offsets, sizes, 10**9)[0].ranges == ((0, 42),)  # one bucket holds everything
+
+
+def test_all_reduce_plan_fills_in_backward_order_with_the_runs_of_whole_parameters() -> None:
+    # the flat buffer of two layers: [w0 w1 | b0 b1] (matrices, then vectors); backward completes w1 b1 w0 b0
+    offsets, sizes = [0, 10, 20, 22], [10, 10, 2, 2]
+    plan = plan_all_reduce(offsets, sizes, 12, order=[1, 3, 0, 2])
+    assert [b.params for b in plan] == [(1, 3), (0, 2)]
+    assert [b.ranges for b in plan] == [((10, 20), (22, 24)), ((0, 10), (20, 22))]
+    assert [b.numel for b in plan] == [12, 12]
+    assert plan_all_reduce(offsets, sizes, 100, order=[1, 3, 0, 2])[0].ranges == ((0, 24),)  # one run
 
 
 def test_reduce_scatter_plan_covers_every_shard_once() -> None:
@@ -62,8 +78,7 @@ def _run(config: dict, probe: dict | None = None) -> dict:
     engine = initialize(config=config)
     if probe is not None:  # how this engine communicates (read before training)
         overlap = getattr(engine.optimizer, "overlap", None)
-        probe.update(blocking=overlap is not None and overlap.blocking,
-                     shard_in_place=engine.optimizer.stage == 2 and engine.optimizer.shard_grad is None)
+        probe.update(blocking=overlap is not None and overlap.blocking, lean=engine.optimizer.lean)
     it = train_batches(open_data(engine.config), engine.config, engine.groups.dp.size, engine.groups.dp.rank)
     infos = [engine.train_batch(it) for _ in range(STEPS)]
     overlap = getattr(engine.optimizer, "overlap", None)
@@ -71,11 +86,18 @@ def _run(config: dict, probe: dict | None = None) -> dict:
     # Read right after the last step, while its overlapped parameter all-gather may still be in flight:
     # state_dict() must wait for it, so both ranks see the same (complete) parameters.
     params = torch.cat([t.reshape(-1) for t in engine.module.state_dict().values()])
+    opt = engine.optimizer
+    # when each bucket started (gradients complete by then, of all), and the gradient bytes held at most
+    probe = {} if overlap is None else {"started": [n / len(opt.params) for n in overlap.last_started_after],
+                                        "grad_peak": opt.grad_bytes_peak(), "flat_bytes": opt.padded * 4,
+                                        "shard_bytes": (opt.hi - opt.lo) * 4,
+                                        "bucket_bytes": max(b.numel for b in overlap.buckets) * 4}
     engine.close()
     return {"loss": [i.loss for i in infos], "norm": [i.grad_norm for i in infos],
             "skipped": [i.skipped for i in infos], "scale": [i.loss_scale for i in infos],
             "buckets": len(overlap.buckets) if overlap is not None else 0,
-            "gathers": len(prefetch.bounds) if prefetch is not None else 0, "params": params.tolist()}
+            "gathers": len(prefetch.bounds) if prefetch is not None else 0, "params": params.tolist(),
+            "probe": probe}
 
 
 # 16 KiB buckets: the 2-layer model's ~110 KB of fp32 gradients make 7+ buckets (checked below).
@@ -114,7 +136,8 @@ def test_bucketed_overlap_equals_one_process_for_zero_0_1_2() -> None:
             assert_trajectories_close(fp32["norm"], ref["norm"], 1e-5)
             assert fp32["loss"] == after["loss"]  # the same sums, only earlier
             # fp16: the overlap sums exactly what the post-backward path sums, overflow skips included.
-            assert fp16 == {**got[f"zero{stage}-fp16-after"], "buckets": fp16["buckets"], "gathers": fp16["gathers"]}
+            assert fp16 == {**got[f"zero{stage}-fp16-after"], "buckets": fp16["buckets"], "gathers": fp16["gathers"],
+                            "probe": fp16["probe"]}
             assert fp16["skipped"][1] and not all(fp16["skipped"])
             # Against one process: the same per-micro-batch autocast math, so step 1 agrees to the sum
             # order; later steps are not compared because the first scale that does not overflow sits
@@ -122,6 +145,15 @@ def test_bucketed_overlap_equals_one_process_for_zero_0_1_2() -> None:
             # step overflows at it (the post-backward path shows the same).
             assert_trajectories_close(fp16["loss"][:1], ref16["loss"][:1], 1e-5)
         assert got["zero2-ar"]["loss"] == got["zero2"]["loss"] and got["zero2-ar"]["buckets"] >= 7
+        for name in ("zero0", "zero1", "zero2-ar"):  # all-reduce buckets start while backward runs
+            started = got[name]["probe"]["started"]
+            assert started[0] < 0.1 and started[len(started) // 2] < 0.7, (name, started)
+        lean, full = got["zero2-ar"]["probe"], got["zero1"]["probe"]
+        assert full["grad_peak"] == full["flat_bytes"]  # ZeRO 1: the whole flat gradient
+        # packed ZeRO 2: the shard and at most IN_FLIGHT buckets in flight, one filling, one more complete
+        # but waiting for an earlier one to start
+        assert lean["shard_bytes"] < lean["grad_peak"] <= lean["shard_bytes"] + (IN_FLIGHT + 2) * lean["bucket_bytes"]
+        assert lean["grad_peak"] < full["grad_peak"]
         for stage in (1, 2):  # the overlapped parameter all-gather changes when values arrive, not which
             on, off = got[f"zero{stage}"], got[f"zero{stage}-gather-off"]
             assert on["gathers"] >= 7 and off["gathers"] == 0 and got[f"zero{stage}-after"]["gathers"] == 0
@@ -139,16 +171,18 @@ def _mpi_layouts() -> dict:
 
 
 @requires_mpirun()
-def test_blocking_mpi_buckets_and_in_place_shard_gradient_equal_one_process() -> None:
+def test_blocking_mpi_buckets_and_packed_zero2_equal_one_process() -> None:
     ref = _run(_cfg(0, 1, 2, SMALL))  # dp=2 with one micro-batch each == one process accumulating two
     results = run_mpirun(_mpi_layouts, 2, timeout=300)
     for got in results:
         for stage in (0, 1, 2):
             small, default, after = (got[f"zero{stage}-{n}"] for n in ("small", "default", "after"))
-            assert small["buckets"] >= 7 and default["buckets"] == 1 and after["buckets"] == 0
+            assert small["buckets"] >= 7 and after["buckets"] == 0
+            # 25 MiB hold the whole gradient, but ZeRO 2's packed buckets are capped at 1/16 of it
+            assert default["buckets"] == 1 if stage < 2 else default["buckets"] >= 7
             assert small["blocking"] and default["blocking"]  # MPI: the hooks all-reduce in place, blocking
-            assert small["shard_in_place"] == default["shard_in_place"] == (stage == 2)
-            assert not after["shard_in_place"]  # the post-backward reduce-scatter accumulates into the shard
+            assert small["lean"] == default["lean"] == (stage == 2)  # packed buckets, no flat gradient
+            assert not after["lean"]  # the post-backward reduce-scatter needs the whole flat gradient
             for run in (small, default, after):
                 assert_trajectories_close(run["loss"], ref["loss"], 1e-5)
                 assert_trajectories_close(run["norm"], ref["norm"], 1e-5)

@@ -7,7 +7,8 @@
 What it counts, for the pipeline stage whose compute tier holds the most (a rank's worst case):
 
 * **Model states** as the engine keeps them (docs/parallelism.md, "Model-state memory per rank"):
-  the flat ZeRO 0-2 buffer (16, 8 + 8/dp or 8 + 12/dp bytes per parameter), or chunks
+  the flat ZeRO 0-2 buffer (16, 8 + 8/dp or, at ZeRO 2, 4 + 12/dp bytes per parameter plus the
+  gradient buckets in flight: 8 + 12/dp without overlapped buckets, 8 + 8/dp under a pipeline), or chunks
   (chunkmem: 16 bytes per parameter in fp32; 14 in bf16/fp16 where the gradient reuses the
   parameter's slot (dp = 1, no accumulation), else 18), sharded over dp at ZeRO-3. Where they live:
   on the compute tier (the GPU, or RAM on a CPU machine) without offload; with offload "cpu" all
@@ -24,9 +25,8 @@ What it counts, for the pipeline stage whose compute tier holds the most (a rank
   min(pp - stage, accum) with 1F1B, times 1 + (pp - 1) / (pp v) interleaved (Narayanan et al. 2021).
 * **Transients**: the last stage's logits and their softmax in fp32 (with the tiled loss, the engine's
   default, one tile of them plus the head's unit gradients: its input's size and its weight's, fp32);
-  with activation offload the recomputed blocks' inputs on disk (host RAM from a GPU) but two; ZeRO 0-2
-  gradient buckets (two in flight); ZeRO-3's gathered communication unit (dp chunks of parameters and of
-  gradients).
+  with activation offload the recomputed blocks' inputs on disk (host RAM from a GPU) but two; ZeRO-3's
+  gathered communication unit (dp chunks of parameters and of gradients).
 * **Overhead** per rank: the CUDA context and allocator reserve on a device, the interpreter and
   torch in RAM (`Machine.device_overhead`, `host_overhead`).
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..zero.buckets import IN_FLIGHT, packed_bucket_elems
 from .chunks import chunk_lists, disk_traffic, transient_bytes
 from .spec import Device, Layout, Machine, ModelShape, virtual_parts
 
@@ -270,16 +271,19 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         # exp_avg + exp_avg_sq per parameter (int8: a code each, and two fp32 scales per block of 256)
         moment_bytes = {"bf16": 4, "int8": 2 + 8 / 256}.get(layout.optimizer_states, 8)
         moments = int(moment_bytes * params) // (dp if layout.zero_stage >= 1 else 1)
-        # ZeRO 2 keeps a shard accumulator only where gradients outlive a backward (accumulation over
-        # several backwards; one pipeline schedule is one): zero/optimizer.py; all-reduce buckets are
-        # views of the flat gradient (buckets.py)
-        backwards = 1 if layout.pp > 1 else layout.accum
-        accumulator = layout.zero_stage == 2 and not (dp > 1 and layout.bucket_bytes > 0 and backwards == 1
-                                                      and layout.compression == "none")  # int8 reduces after backward
-        grads = 4 * params + (4 * params // dp if accumulator else 0)
-        items += [Item("parameters (fp32 flat buffer)", compute, 4 * params),
-                  Item("gradients (fp32 flat buffer" + (" + shard accumulator)" if accumulator else ")"),
-                       compute, grads),
+        # ZeRO 2 over overlapped all-reduce buckets (zero/optimizer.py, buckets.py): no flat gradient, the
+        # shard and at most IN_FLIGHT buckets in flight, one filling and one waiting; under a pipeline the
+        # flat gradient with its shard range in place; else (int8 reduces after backward, no buckets) the
+        # flat gradient and a shard accumulator
+        overlapped = layout.zero_stage == 2 and dp > 1 and layout.bucket_bytes > 0 and layout.compression == "none"
+        if overlapped and layout.pp == 1:
+            what = "gradients (fp32 shard + buckets in flight)"
+            grads = 4 * params // dp + (IN_FLIGHT + 2) * 4 * packed_bucket_elems(layout.bucket_bytes // 4, params)
+        elif layout.zero_stage == 2 and not overlapped:
+            what, grads = "gradients (fp32 flat buffer + shard accumulator)", 4 * params + 4 * params // dp
+        else:
+            what, grads = "gradients (fp32 flat buffer)", 4 * params
+        items += [Item("parameters (fp32 flat buffer)", compute, 4 * params), Item(what, compute, grads),
                   Item(f"Adam moments ({layout.optimizer_states}"
                        f"{', sharded over dp' if layout.zero_stage >= 1 else ''})", compute, moments)]
         if dp > 1 and layout.compression == "int8":  # zero/optimizer.py: Adam steps it, the buffer holds the gather

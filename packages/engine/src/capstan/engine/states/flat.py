@@ -94,10 +94,13 @@ class FlatStates(ModelStates):
         return nullcontext()
 
     def stats(self, device: torch.device) -> dict[str, float]:
-        held = self.optimizer.state_bytes()  # fixed-size buffers: held is also the peak
+        opt = self.optimizer
+        held = opt.state_bytes()  # fixed-size buffers: held is also the peak
         tier = device.type  # the model states live where the model computes
-        return {f"mem.{tier}.peak_bytes": held, f"mem.{tier}.resident_bytes": held, "mem.moved_bytes": 0,
-                "mem.process.rss_peak_bytes": peak_rss_bytes()}
+        # (ZeRO 2's packed buckets come and go: the peak counts the most of them alive at once)
+        peak = held + (opt.overlap.held_peak if opt.overlap is not None else 0)
+        return {f"mem.{tier}.peak_bytes": peak, f"mem.{tier}.resident_bytes": held, "mem.moved_bytes": 0,
+                f"mem.{tier}.grad_peak_bytes": opt.grad_bytes_peak(), "mem.process.rss_peak_bytes": peak_rss_bytes()}
 
     def parameters_snapshot(self) -> dict[str, torch.Tensor]:
         self.optimizer.wait_params()

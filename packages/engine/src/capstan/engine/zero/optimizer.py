@@ -17,12 +17,15 @@ and padded to a multiple of the dp size so every rank's shard has the same lengt
   (with ``gather_bytes > 0`` in buckets that the next forward waits for:
   gather.py).
 * stage 2: after each micro-batch the gradient is reduced over dp into this
-  rank's shard accumulator (a reduce-scatter, or all-reduced buckets of which
-  each rank keeps its shard's part) and the flat gradient cleared, so the gradient kept
-  across micro-batches is 1/dp too (the full flat gradient still exists during
-  backward). With one backward per step and all-reduced buckets there is
-  nothing to keep across micro-batches: the shard's range of the flat
-  gradient is used in place, with no accumulator.
+  rank's shard accumulator. With overlapped all-reduce buckets (the default)
+  there is no flat gradient at all: each parameter's gradient is copied into
+  its bucket as backward completes it and dropped, and a rank holds its 1/dp
+  shard plus at most a few buckets (buckets.py; `grad_bytes_peak`). Under
+  a pipeline (whose schedule holds every gradient until its last backward)
+  they all-reduce the flat gradient in place, and the shard's range of it
+  is the shard gradient. With reduce-scatter buckets or none
+  (``bucket_bytes = 0``) the whole flat gradient exists during backward and
+  is cleared after each reduction.
 
 With ``bucket_bytes > 0`` (``parallel.bucket_mb``, the engine's default) the
 communication overlaps backward: gradient hooks start each bucket's
@@ -75,7 +78,7 @@ from capstan.native import device_ops, kernels
 from capstan.native.q8 import BLOCK as Q8_BLOCK
 
 from ..config.schema import TrainConfig
-from .buckets import OverlappedBuckets, plan_all_reduce, plan_reduce_scatter
+from .buckets import OverlappedBuckets, packed_bucket_elems, plan_all_reduce, plan_reduce_scatter
 from .compression import OneBitAdam, int8_all_gather, int8_reduce_scatter
 from .gather import ParamPrefetch
 
@@ -150,8 +153,16 @@ class ZeroOptimizer:
         self.numel = numel
         self.padded = -(-numel // dp) * dp
         dev = self.device = params[0].device if params else torch.device("cpu")  # where the model is (a GPU)
+        overlap = bucket_bytes > 0 and dp > 1 and compression != "int8"  # int8 reduces after backward
+        # ZeRO 2 over all-reduce buckets: packed (no flat gradient; each rank holds its shard and a few
+        # buckets), except under a pipeline, whose schedule accumulates every micro-batch's gradient in the
+        # parameters anyway: there the buckets all-reduce the flat gradient in place and the shard's range
+        # of it is the shard gradient (one schedule per step: nothing to accumulate across).
+        all_reduce = overlap and stage == 2 and zero2_collective == "all_reduce" and compression == "none"
+        self.lean = all_reduce and not pipeline_microbatches
+        in_place = all_reduce and bool(pipeline_microbatches)
         self.flat_param = torch.zeros(self.padded, device=dev)
-        self.flat_grad = torch.zeros(self.padded, device=dev)
+        self.flat_grad = None if self.lean else torch.zeros(self.padded, device=dev)
         self.segments: list[Segment] = []
         pos = 0
         for i in order:
@@ -167,9 +178,9 @@ class ZeroOptimizer:
             else:
                 self.segments.append(seg)
             pos += n
-        self._grad_views = [self.flat_grad[s : s + p.numel()].view_as(p)
-                            for p, s in zip(self.params, _offsets(self.params))]
-        for p, g in zip(self.params, self._grad_views):
+        self._grad_views = None if self.flat_grad is None else [
+            self.flat_grad[s : s + p.numel()].view_as(p) for p, s in zip(self.params, _offsets(self.params))]
+        for p, g in zip(self.params, self._grad_views or [None] * len(self.params)):
             p.grad = g
         # Replicas must start equal: a user module may have been initialized differently per rank.
         comm.broadcast(self.flat_param, src=0, group=groups.replicas)
@@ -206,21 +217,22 @@ class ZeroOptimizer:
         # apart (a scale over replicated values alone is the same on every tp rank), else all in one.
         self.regions = _regions(self.segments, groups.tp.size)
         self.onebit = OneBitAdam(self.regions, groups.replicas, freeze_steps, dev) if compression == "onebit" else None
-        overlap = bucket_bytes > 0 and dp > 1 and compression != "int8"  # int8 reduces after backward
-        # One backward per step with all-reduced buckets: the flat gradient's own shard range already
-        # holds the averaged shard gradient, and nothing accumulates across micro-batches, so stage 2
-        # uses it in place (no shard accumulator, no copy into it, no clearing the flat gradient twice).
-        in_place = overlap and self.passes == 1 and zero2_collective == "all_reduce" and compression == "none"
         self.shard_grad = torch.zeros(self.hi - self.lo, device=dev) if stage == 2 and not in_place else None
         self.overlap: OverlappedBuckets | None = None
         if overlap:
             offsets, sizes = _offsets(self.params), [p.numel() for p in self.params]
             elems = max(1, bucket_bytes // 4)
+            # Buckets fill in the order backward completes gradients: the module's parameters backwards,
+            # the pipeline's tied weights (sent after the schedule) last (buckets.py).
+            late = [k for k in range(len(order)) if id(self.params[k]) in late_ids]
+            ready = sorted((k for k in range(len(order)) if id(self.params[k]) not in late_ids),
+                           key=lambda k: -order[k]) + late
             plan = (plan_reduce_scatter(offsets, sizes, self.padded, dp, elems)
-                    if stage == 2 and zero2_collective == "reduce_scatter" else plan_all_reduce(offsets, sizes, elems))
+                    if stage == 2 and zero2_collective == "reduce_scatter" else
+                    plan_all_reduce(offsets, sizes, packed_bucket_elems(elems, numel) if self.lean else elems, ready))
             self.overlap = OverlappedBuckets(self.params, self._grad_views, self.flat_grad, plan, groups.replicas,
                                              self.shard_grad, (self.lo, self.hi), max(1, pipeline_microbatches),
-                                             frozenset(i for i, q in enumerate(self.params) if id(q) in late_ids))
+                                             frozenset(late), offsets)
             self._arm()
         # int8: this rank's exact fp32 master shard; flat_param holds what the quantized gather delivered.
         self.master = self.flat_param[self.lo : self.hi].clone() if compression == "int8" else None
@@ -245,6 +257,8 @@ class ZeroOptimizer:
     # ---- gradients ------------------------------------------------------------------------------
     def _repoint_grads(self) -> None:
         """Autograd accumulates into the existing `.grad` in place; if anything replaced it, fold it back."""
+        if self._grad_views is None:  # packed ZeRO 2 buckets took every gradient
+            return
         for p, g in zip(self.params, self._grad_views):
             if p.grad is not g:
                 if p.grad is not None:
@@ -257,7 +271,7 @@ class ZeroOptimizer:
         self.micro += 1
         if self.overlap is not None:
             ran = self.overlap.finish()
-            if self.shard_grad is not None and ran:  # stage 2, kept in the accumulator
+            if self.flat_grad is not None and self.shard_grad is not None and ran:  # stage 2, kept in the shard
                 self.flat_grad.zero_()
             self._arm()
             if ran or self.stage < 2:
@@ -358,7 +372,11 @@ class ZeroOptimizer:
         self.micro = 0
         self._local_nonfinite = False
         self._arm()
-        self.flat_grad.zero_()
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+        else:  # (packed buckets: gradients of an unarmed pass would sit in the parameters)
+            for p in self.params:
+                p.grad = None
         if self.shard_grad is not None:
             self.shard_grad.zero_()
 
@@ -429,9 +447,16 @@ class ZeroOptimizer:
         if self.prefetch is not None:
             self.prefetch.wait_all()
 
+    def grad_bytes_peak(self) -> int:
+        """Most bytes of gradient this rank held at once: the flat gradient and the shard accumulator, or
+        (packed ZeRO 2 buckets) the shard and the most bucket buffers alive together (autograd's own
+        transient gradients, before a hook copies them, are not counted)."""
+        held = sum(t.numel() * t.element_size() for t in (self.flat_grad, self.shard_grad) if t is not None)
+        return held + (self.overlap.held_peak if self.overlap is not None else 0)
+
     def state_bytes(self) -> int:
         """Bytes of model and optimizer state this rank holds (params, grads, shard grads, moments)."""
-        tensors = [self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq]
+        tensors = [t for t in (self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq) if t is not None]
         if self.q8:
             tensors += [self.scale_m, self.scale_v]
         if self.shard_grad is not None:
