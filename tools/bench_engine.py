@@ -121,10 +121,12 @@ def make_system(system: str, a: dict, world: int, rank: int):
 
         # capstan-after: bucket_mb = 0, every collective after backward (the engine before the overlap);
         # capstan-rs / capstan-ar: ZeRO 2's buckets reduce-scattered / all-reduced;
-        # capstan-gather-off: the parameter all-gather after the step in one blocking call.
+        # capstan-gather-off: the parameter all-gather after the step in one blocking call;
+        # capstan-z1: ZeRO 1 (what ZeRO 2's packed buckets save against).
         chunk = max(CHUNK, a.get("vocab", VOCAB) * a["d_model"])  # at least the embedding matrix
         variant = {"capstan-after": {"bucket_mb": 0.0}, "capstan-rs": {"zero2_collective": "reduce_scatter"},
                    "capstan-ar": {"zero2_collective": "all_reduce"},
+                   "capstan-z1": {"zero_stage": 1},  # the whole flat gradient on every rank, moments sharded
                    "capstan-gather-off": {"overlap_param_gather": False},
                    # ZeRO-3 through chunks (chunkmem): all states in RAM, or a RAM budget with the rest on disk.
                    "capstan-z3-cpu": {"zero_stage": 3, "memory": {"offload": "cpu", "chunk_size": chunk}},

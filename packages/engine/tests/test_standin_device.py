@@ -103,6 +103,13 @@ def _single(tmp: str) -> dict:
     for name, (memory, extra) in cases.items():
         cpu_memory = {k: v for k, v in memory.items() if k != "gpu_budget"}
         out[name] = (_run(_config("cpu", cpu_memory), **extra), _run(_config("standin", memory), **extra))
+    # Past RAM on the device, the step streamed (chunkmem overlap.py): without clipping each chunk group is
+    # updated during backward, in autograd's device thread; against the CPU's plain step after backward.
+    noclip = {**cases["disk"][0], "overlap_optimizer": True}
+    cpu_cfg, dev_cfg = _config("cpu", {**cases["disk"][0], "gpu_budget": None}), _config("standin", noclip)
+    for cfg in (cpu_cfg, dev_cfg):
+        cfg["train"]["grad_clip"] = 0.0
+    out["disk-fused"] = (_run(cpu_cfg), _run(dev_cfg))
     for offload in ("none", "cpu"):  # autocast: CUDA's policy on the stand-in, the CPU's on the CPU
         out[f"bf16-{offload}"] = tuple(_run(_config(d, {"offload": offload}, dtype="bf16")) for d in ("cpu", "standin"))
         # bf16 moments: on the device through torch's ops (kernels' fallback), in chunks through the native kernel
@@ -146,7 +153,7 @@ def _close(got: list[float], want: list[float]) -> None:
         assert abs(g - w) <= TOL * abs(w), (got, want)
 
 
-@pytest.mark.parametrize("case", [*SINGLE, "disk"])
+@pytest.mark.parametrize("case", [*SINGLE, "disk", "disk-fused"])
 def test_reference_gpt_on_the_standin_matches_the_cpu(single, case: str) -> None:
     cpu, dev = single[case]
     _close(dev["losses"], cpu["losses"])

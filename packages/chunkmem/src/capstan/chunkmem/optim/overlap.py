@@ -52,6 +52,23 @@ pinned in RAM, so a chunk the worker reads is never moved under it. Speculation
 needs chunks that never move while pinned RAM is full of them: the manager
 must have no RAM budget and no disk tier (a device tier is fine: chunks come
 off the GPU when their gradients are complete).
+
+Past RAM (a cpu budget or a disk tier) the chunk groups cannot stay pinned
+until the step's end, nor can their copies stay in RAM: the step *streams*
+instead (`streams`). A chunk group's work runs as soon as its gradients are
+complete, in the thread that runs backward's hooks (every manager call
+stays there), and its chunks are released at once, so the manager evicts
+and reads ahead around them; their accesses are part of the warm-up trace,
+so the moments are read ahead of backward like any other chunk. It never
+guesses:
+
+* with neither clipping nor loss scaling (no step can be redone) the group
+  is updated then and there, bit for bit as after backward, and its
+  gradient chunk dropped: it is never written to disk or read back, and
+  the norm is taken from it first;
+* else its norm term and inf/NaN check only ("measure only"), so the step
+  after backward needs no pass over the gradients for the norm: one read
+  of every gradient chunk less per step.
 """
 
 from __future__ import annotations
@@ -72,19 +89,23 @@ from .moments import step_chunk
 if TYPE_CHECKING:
     from .adam import ChunkAdam
 
-__all__ = ["Speculation", "can_overlap"]
+__all__ = ["Speculation", "can_overlap", "streams"]
 
 
 def can_overlap(model: object) -> str | None:
     """None if `model`'s optimizer step can overlap its backward, else why not."""
     from ..parallel.sharding import ShardedChunkedModel
 
-    mgr = model.manager  # type: ignore[attr-defined]
     if isinstance(model, ShardedChunkedModel):
         return "sharded chunks (ZeRO-3) reduce their gradients to their owners at the end of each unit"
-    if mgr.cpu.capacity is not None or mgr.disk is not None:
-        return "chunks may move between RAM and disk (a cpu budget or a disk tier)"
     return None
+
+
+def streams(model: object) -> bool:
+    """Whether chunks may move between RAM and disk (a cpu budget or a disk tier): the step then streams
+    (module docstring, "Past RAM")."""
+    mgr = model.manager  # type: ignore[attr-defined]
+    return mgr.cpu.capacity is not None or mgr.disk is not None
 
 
 @dataclass
@@ -126,15 +147,18 @@ class Speculation:
     measuring: bool = False  # armed to measure only: this step does not guess (`expect_wrong`)
     last_wrong: bool = False  # the last step clipped or overflowed: a guess now would likely be wrong too
 
+    streamed: int = 0  # chunk groups updated during backward past RAM (streaming: never guesses)
+
     def __post_init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capstan-adam")
         self._overflowed = False
+        self.streaming = streams(self.opt.model)
 
     # ---- whether to guess --------------------------------------------------------------------------
     def expect_wrong(self, grad_clip: float | None, check_overflow: bool) -> bool:
         """True (and counted) when this step should not guess: the last one clipped or overflowed, and this
         one can roll back (with neither clipping nor loss scaling no guess is ever wrong)."""
-        if self.last_wrong and (grad_clip is not None or check_overflow):
+        if self.last_wrong and (grad_clip is not None or check_overflow) and not self.streaming:  # (never guesses)
             self.declined += 1
             return True
         return False
@@ -153,6 +177,8 @@ class Speculation:
             raise RuntimeError("speculative step armed twice without finish()")
         self.grad_clip, self.loss_scale, self.check_overflow = grad_clip, loss_scale, check_overflow
         self.arrivals, self.armed, self.measuring = arrivals, True, not update
+        if self.streaming:  # past RAM it never guesses: it updates only where no step can be redone
+            self.measuring = self._may_roll_back()
         self._overflowed = False  # set by the worker at the first inf/NaN gradient it meets
         model = self.opt.model
         self.missing = {}
@@ -180,6 +206,9 @@ class Speculation:
         n = p_chunk.used
         if n == 0:
             return
+        if self.streaming:
+            self._stream(g, i, n)
+            return
         if self.measuring:  # the gradient only, read: its norm term and inf/NaN check
             cid = chunks[opt._grad_kind()][g][i].chunk_id
             view = mgr.access(cid, wait=False).payload[:n]  # type: ignore[index]
@@ -187,10 +216,7 @@ class Speculation:
             job.future = self._pool.submit(self._measure, job, view)
             self.jobs[(g, i)] = job
             return
-        master_kind = ChunkKind.MASTER if model.mixed else ChunkKind.PARAM
-        kinds = [master_kind, opt._grad_kind(), ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ]
-        if model.mixed and p_chunk.chunk_id not in [chunks[k][g][i].chunk_id for k in kinds]:
-            kinds.append(ChunkKind.PARAM)  # the 16-bit output, where it is not the gradient's slot
+        kinds = self._kinds(g, i)
         ids = [chunks[k][g][i].chunk_id for k in kinds]
         # Chunks coming off a GPU land in RAM while backward goes on: the worker waits for the copies.
         views = [model.step_view(k, mgr.access(cid, write=True, wait=False).payload, n)  # type: ignore[arg-type]
@@ -204,11 +230,64 @@ class Speculation:
             job.backup_bytes = sum(t.numel() * t.element_size() for t in saved)
             mgr.reserve_transient(job.backup_bytes, f"rollback copy of chunk group ({g}, {i})")
             job.backup = [torch.empty_like(t) for t in saved]
-        hp = opt.groups[g]
-        args = dict(step=hp.step + 1, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], eps=hp.eps,
-                    weight_decay=hp.weight_decay, adamw=True, grad_scale=1.0 / self.loss_scale)
         job.spans = model.moment_layout(g, i)  # (main thread: the model's bookkeeping stays here)
-        job.future = self._pool.submit(self._work, job, views, args, model.mixed)
+        job.future = self._pool.submit(self._work, job, views, self._args(g), model.mixed)
+        self.jobs[(g, i)] = job
+
+    def _kinds(self, g: int, i: int) -> list[ChunkKind]:
+        """The chunks a group's update reads and writes: master, gradient, both moments, and the 16-bit
+        output where it is not the gradient's slot."""
+        model = self.opt.model
+        master_kind = ChunkKind.MASTER if model.mixed else ChunkKind.PARAM
+        kinds = [master_kind, self.opt._grad_kind(), ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ]
+        ids = [model.chunks[k][g][i].chunk_id for k in kinds]
+        if model.mixed and model.chunks[ChunkKind.PARAM][g][i].chunk_id not in ids:
+            kinds.append(ChunkKind.PARAM)
+        return kinds
+
+    def _args(self, g: int) -> dict:
+        hp = self.opt.groups[g]
+        return dict(step=hp.step + 1, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], eps=hp.eps,
+                    weight_decay=hp.weight_decay, adamw=True, grad_scale=1.0 / self.loss_scale)
+
+    def _stream(self, g: int, i: int, n: int) -> None:
+        """Past RAM: the group's work now, in this (the hooks') thread, its chunks released when done
+        (module docstring). Its `_Job` carries the norm term, as a worker's would."""
+        opt, model = self.opt, self.opt.model
+        chunks, mgr = model.chunks, model.manager
+        job = _Job(g, i, n, [])
+        grad_id = chunks[opt._grad_kind()][g][i].chunk_id
+        if self.measuring:
+            grad = mgr.access(grad_id).payload[:n]  # type: ignore[index]
+            try:
+                job.sumsq = kernels.sumsq(grad)
+                job.nonfinite = self.check_overflow and kernels.has_nonfinite(grad)
+            finally:
+                mgr.release(grad_id)
+        else:
+            kinds = self._kinds(g, i)
+            ids = [chunks[k][g][i].chunk_id for k in kinds]
+            views: list[torch.Tensor] = []
+            try:
+                for k, cid in zip(kinds, ids, strict=True):  # pinned one by one: none evicts another
+                    views.append(model.step_view(k, mgr.access(cid, write=True).payload, n))  # type: ignore[arg-type]
+                job.sumsq = kernels.sumsq(views[1])
+                master, grad, m, v = views[:4]
+                if model.mixed:
+                    out = views[4] if len(views) > 4 else grad
+                    step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), self._args(g),
+                               model.moment_layout(g, i))
+                else:
+                    step_chunk(kernels.adam_update, (master, grad, m, v), self._args(g), model.moment_layout(g, i))
+                job.stepped = True
+            finally:
+                for cid in ids[: len(views)]:
+                    mgr.release(cid)
+            if model.grad_chunks:  # consumed: dropped now, never written back
+                mgr.free(grad_id, lazy=not model.resident_grads)
+            self.streamed += 1
+        job.future = Future()
+        job.future.set_result(None)
         self.jobs[(g, i)] = job
 
     def _work(self, job: _Job, views: list[torch.Tensor], args: dict, mixed: bool) -> None:

@@ -305,10 +305,9 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
         raise ConfigError(f"memory.gpu_budget = {mem.gpu_budget} needs chunked memory (memory.offload = \"cpu\" or "
                           f"\"disk\", or parallel.zero_stage = 3) on a GPU (train.device = \"cuda\" or \"auto\"); "
                           f"got offload = {mem.offload!r}, zero_stage = {p.zero_stage}, device = {t.device!r}")
-    if mem.overlap_optimizer and (not uses_chunks(cfg) or mem.cpu_budget is not None or mem.offload == "disk"):
-        raise ConfigError("memory.overlap_optimizer = true needs chunked memory whose chunks stay in RAM "
-                          "(memory.offload = \"cpu\" or ZeRO-3, without memory.cpu_budget or a disk tier); got "
-                          f"offload = {mem.offload!r}, cpu_budget = {mem.cpu_budget}")
+    if mem.overlap_optimizer and not uses_chunks(cfg):
+        raise ConfigError("memory.overlap_optimizer = true needs chunked memory (memory.offload = \"cpu\" or "
+                          f"\"disk\"); got offload = {mem.offload!r}, zero_stage = {p.zero_stage}")
     if mem.activation_offload and not (mem.activation_checkpointing and reference_model):
         raise ConfigError("memory.activation_offload moves the inputs of recomputed blocks: it needs "
                           "memory.activation_checkpointing = true and the reference GPT (a module of your own "

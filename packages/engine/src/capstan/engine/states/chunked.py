@@ -148,8 +148,6 @@ class ChunkedStates(ModelStates):
             why = "1-bit Adam averages the momentum after backward"
         elif replicas.size > 1:
             why = f"dp = {replicas.size} shards the chunks (ZeRO-3), and sharded gradients reach their owners late"
-        elif mem.cpu_budget is not None or mem.offload == "disk":
-            why = "chunks move between RAM and disk (memory.cpu_budget or offload = \"disk\")"
         elif self.pipeline is not None and self.pipeline.executor.tied_params:  # type: ignore[attr-defined]
             why = "weights tied across pipeline stages get their gradients summed after backward"
         if mem.overlap_optimizer and why is not None:
