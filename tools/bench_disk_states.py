@@ -2,6 +2,8 @@
 
     hatch run python tools/bench_disk_states.py [--layers 36 --d-model 2048] [--budget 2GiB] [--steps 4]
         [--states fp32,bf16,int8] [--dir /tmp] [--rounds 1]
+    # the step fused into backward (no clipping) against the plain step without clipping:
+    hatch run python tools/bench_disk_states.py --states fp32/noclip,fp32/fused,int8/noclip,int8/fused
 
 Each run is a fresh process (`--one STATES` runs one and prints a JSON line): the reference GPT with
 `memory.offload = "disk"` under a chunk budget, fp32 compute, micro-batch 2 x seq 128. The first step
@@ -24,6 +26,12 @@ import sys
 import tempfile
 import time
 
+# A variant after the moments' format ("fp32/fused"): how the step runs (docs/chunkmem.md, "Past RAM").
+VARIANTS = {"": ({}, 1.0),  # the plain step after backward, clipping at 1.0
+            "noclip": ({}, 0.0),  # the same without clipping
+            "fused": ({"overlap_optimizer": True}, 0.0),  # each chunk group updated during backward
+            "measure": ({"overlap_optimizer": True}, 1.0)}  # clipping: the norm taken during backward
+
 
 def one(states: str, layers: int, d_model: int, budget: str, steps: int, directory: str, lr: float = 1e-4) -> dict:
     import torch
@@ -33,12 +41,14 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
     from capstan.engine import initialize, open_data, train_batches
 
     torch.manual_seed(0)
+    moments, _, variant = states.partition("/")
+    memory, clip = VARIANTS[variant]
     cfg = {"model": {"n_layers": layers, "n_heads": max(1, d_model // 128), "d_model": d_model, "seq_len": 128},
            "data": {"max_bytes": 2_000_000},
            "train": {"steps": steps, "micro_batch_size": 2, "lr": lr, "warmup_steps": max(1, steps // 10),
-                     "grad_clip": 1.0},
-           "memory": {"offload": "disk", "cpu_budget": budget, "disk_dir": directory},
-           "precision": {"optimizer_states": states}}
+                     "grad_clip": clip},
+           "memory": {"offload": "disk", "cpu_budget": budget, "disk_dir": directory, **memory},
+           "precision": {"optimizer_states": moments}}
     t0 = time.perf_counter()
     engine = initialize(config=cfg, groups=comm.single_process_groups())
     built = time.perf_counter() - t0
