@@ -53,8 +53,8 @@ def test_the_battery_parity_part_on_the_standin(tmp_path: Path) -> None:
     assert step["status"] == "ok" and step["rc"] == 0 and step["seconds"] < 120, step
     report = step["result"]
     assert report["ok"] and report["steps"] == 6 and report["tol_loss"] == 1e-6 and not report["errors"]
-    expected = {"offload none", "offload cpu", "offload disk", "int8 offload none", "int8 offload cpu",
-                "dp2-zero3 rank 0", "dp2-zero3 rank 1"}
+    expected = {"offload none", "offload cpu", "offload disk", "offload disk fused", "int8 offload none",
+                "int8 offload cpu", "dp2-zero3 rank 0", "dp2-zero3 rank 1"}
     assert set(report["layouts"]) == expected
     for name, layout in report["layouts"].items():
         assert layout["ok"] and layout["max_rel_loss"] <= 1e-6, (name, layout)

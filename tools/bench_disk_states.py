@@ -33,7 +33,8 @@ VARIANTS = {"": ({}, 1.0),  # the plain step after backward, clipping at 1.0
             "measure": ({"overlap_optimizer": True}, 1.0)}  # clipping: the norm taken during backward
 
 
-def one(states: str, layers: int, d_model: int, budget: str, steps: int, directory: str, lr: float = 1e-4) -> dict:
+def one(states: str, layers: int, d_model: int, budget: str, steps: int, directory: str, lr: float = 1e-4,
+        prefetch: int | None = None) -> dict:
     import torch
 
     from capstan import comm
@@ -51,6 +52,8 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
            "precision": {"optimizer_states": moments}}
     t0 = time.perf_counter()
     engine = initialize(config=cfg, groups=comm.single_process_groups())
+    if prefetch is not None:  # reads the manager issues per access, looking 4x as many moments ahead
+        engine.manager.prefetch_depth = prefetch
     built = time.perf_counter() - t0
     it = train_batches(open_data(engine.config), engine.config, 1, 0)
     rows = []
@@ -79,10 +82,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (1e-4 steps a 1.8B model into a "
                                                              "loss spike; 1e-5 lets a 4B one's loss fall)")
+    ap.add_argument("--prefetch", type=int, default=None, help="the chunk manager's prefetch depth (default 2)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.layers, args.d_model, args.budget, args.steps, args.dir, args.lr)))
+        print(json.dumps(one(args.one, args.layers, args.d_model, args.budget, args.steps, args.dir, args.lr,
+                             args.prefetch)))
         return
     results: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
@@ -91,7 +96,8 @@ def main() -> None:
             try:
                 out = subprocess.run([sys.executable, __file__, "--one", states, "--layers", str(args.layers),
                                       "--d-model", str(args.d_model), "--budget", args.budget,
-                                      "--steps", str(args.steps), "--dir", chunks, "--lr", str(args.lr)],
+                                      "--steps", str(args.steps), "--dir", chunks, "--lr", str(args.lr)]
+                                     + ([] if args.prefetch is None else ["--prefetch", str(args.prefetch)]),
                                      check=True, capture_output=True, text=True).stdout
             finally:
                 shutil.rmtree(chunks, ignore_errors=True)

@@ -120,6 +120,11 @@ def single_layouts(device: str, disk_dir: str) -> dict[str, dict]:
             # 3 chunks on the device and 8 in RAM: chunks move device <-> RAM <-> disk every step
             "offload disk": {"memory": {"offload": "disk", "chunk_size": CHUNK, "cpu_budget": 8 * CHUNK * 4,
                                         "gpu_budget": 3 * CHUNK * 4, "disk_dir": disk_dir}},
+            # the step streamed past RAM: each chunk group updated during backward, in autograd's device thread
+            # (no clipping: chunkmem overlap.py, "Past RAM")
+            "offload disk fused": {"memory": {"offload": "disk", "chunk_size": CHUNK, "cpu_budget": 12 * CHUNK * 4,
+                                              "gpu_budget": 3 * CHUNK * 4, "disk_dir": disk_dir + "-fused",
+                                              "overlap_optimizer": True}, "train": {"grad_clip": 0.0}},
             # 8-bit moments: on the device through torch's ops (offload none), in RAM through the native kernel
             "int8 offload none": {"memory": {}, **int8},
             "int8 offload cpu": {"memory": {"offload": "cpu", "chunk_size": CHUNK}, **int8}}

@@ -179,6 +179,17 @@ class ChunkManager:
         self._after_move()
         return chunk
 
+    def could_pin(self, chunk_ids: list[int]) -> bool:
+        """Whether the chunks could all be made resident in RAM and pinned now, beside every chunk pinned
+        there already and the transient bytes (what is not pinned can be evicted, writes finish): a
+        caller that can do its work later asks before accessing them together."""
+        if self.cpu.capacity is None:
+            return True
+        wanted = set(chunk_ids)
+        held = self.transient + sum(e.chunk.nbytes for cid, e in self.entries.items()
+                                    if cid not in wanted and e.pins > 0 and e.where == "cpu")
+        return held + sum(self.entries[cid].chunk.nbytes for cid in wanted) <= self.cpu.capacity
+
     def release(self, chunk_id: int) -> None:
         entry = self.entries[chunk_id]
         if entry.pins <= 0:

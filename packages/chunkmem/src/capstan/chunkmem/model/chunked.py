@@ -144,15 +144,11 @@ class ChunkedModel(nn.Module):
         """Bytes of chunks that must fit in RAM at once, and what needs them (known before training).
 
         The larger of what forward/backward holds at once (`_hooks_need`) and what the optimizer
-        holds (one sibling group of every kind); both at once where the step streams during backward
-        (`report_grads` past RAM: optim/overlap.py), as a chunk group is stepped while a module's
-        parameters may be pinned.
+        holds (one sibling group of every kind). (A step streamed during backward past RAM steps a
+        group there only where it fits beside what backward holds, else after backward: overlap.py.)
         """
         need, what = self._hooks_need()
         opt_need, opt_what = self._optimizer_need()
-        mgr = self.manager
-        if self.report_grads and (mgr.cpu.capacity is not None or mgr.disk is not None):
-            return need + opt_need, f"{what} while {opt_what} runs in backward"
         return (opt_need, opt_what) if opt_need > need else (need, what)
 
     def _optimizer_need(self) -> tuple[int, str]:

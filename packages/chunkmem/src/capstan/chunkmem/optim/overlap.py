@@ -65,7 +65,10 @@ guesses:
 * with neither clipping nor loss scaling (no step can be redone) the group
   is updated then and there, bit for bit as after backward, and its
   gradient chunk dropped: it is never written to disk or read back, and
-  the norm is taken from it first;
+  the norm is taken from it first. Where its chunks do not fit in the
+  budget beside those backward has pinned (`ChunkManager.could_pin`), the
+  group is left to the step after backward, as without streaming: the
+  minimum budget stays what either needs alone;
 * else its norm term and inf/NaN check only ("measure only"), so the step
   after backward needs no pass over the gradients for the norm: one read
   of every gradient chunk less per step.
@@ -148,6 +151,7 @@ class Speculation:
     last_wrong: bool = False  # the last step clipped or overflowed: a guess now would likely be wrong too
 
     streamed: int = 0  # chunk groups updated during backward past RAM (streaming: never guesses)
+    deferred: int = 0  # ... and left to the step after backward: they did not fit beside backward's chunks
 
     def __post_init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capstan-adam")
@@ -267,6 +271,9 @@ class Speculation:
         else:
             kinds = self._kinds(g, i)
             ids = [chunks[k][g][i].chunk_id for k in kinds]
+            if not mgr.could_pin(ids):  # not beside what backward holds now: the step after backward does it
+                self.deferred += 1
+                return
             views: list[torch.Tensor] = []
             try:
                 for k, cid in zip(kinds, ids, strict=True):  # pinned one by one: none evicts another

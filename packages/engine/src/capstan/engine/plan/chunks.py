@@ -45,7 +45,7 @@ from capstan.comm import onebit_residual_sizes
 from .spec import Layout, ModelShape
 
 __all__ = ["ChunkLists", "Traffic", "chunk_lists", "disk_traffic", "disk_traffic_floor", "stage_modules",
-           "transient_bytes"]
+           "streamed_step", "transient_bytes"]
 
 
 @dataclass(frozen=True)
@@ -243,8 +243,13 @@ def _packed(shape: ModelShape, kinds: tuple[str, ...], tp: int, chunk_size: int 
                       mixed=mixed, grad_chunks=grad_chunks, onebit=onebit)
 
 
-def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool) -> tuple[list[tuple[str, int, int, bool]], int]:
-    """One step's chunk accesses on rank 0: (kind, group, index, write), and where the optimizer's begin.
+def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool,
+           stream: str = "") -> tuple[list[tuple[str, int, int, bool]], int, list[bool]]:
+    """One step's chunk accesses on rank 0: (kind, group, index, write), where the optimizer's begin, and
+    which accesses a chunk group's update pins together.
+    stream: the step streamed past RAM (chunkmem's overlap.py) in the last micro-batch's backward, as each
+    chunk group's gradients complete: "fused" updates the group there and frees its gradient, "measure"
+    reads its gradient for the norm there instead of after backward.
     Sharded (ZeRO-3), a module touches
     the units of its chunks: rank 0 reads its own chunk of each unit to send in the unit's all-gather
     (again in backward: under a budget units are dropped and gathered again), and its GRAD chunk takes
@@ -256,30 +261,51 @@ def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool) -> tuple[
     def own(chunks: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
         return list(dict.fromkeys((g, i // n * n) for g, i in chunks)) if n > 1 else list(chunks)
 
-    for _ in range(micro):
+    master = "master" if lists.mixed else "param"
+    grouped: list[bool] = []
+
+    def step_group(g: int, i: int) -> None:
+        # (1-bit Adam past its freeze: the variance only read, the residuals beside the others: onebit.py)
+        group = [(master, g, i, True), (grad, g, i, True), ("exp_avg", g, i, True),
+                 ("exp_avg_sq", g, i, not lists.onebit)]
+        if lists.onebit:
+            group += [("onebit_worker", g, i, True), ("onebit_server", g, i, True)]
+        if lists.mixed:
+            group.append(("param", g, i, True))
+        grouped.extend([False] * (len(out) - len(grouped)) + [True] * len(group))
+        out.extend(group)
+
+    owned = [(g, i) for g, count in enumerate(lists.counts) for i in range(count) if n == 1 or i % n == 0]
+    streamed: set[tuple[int, int]] = set()
+    for m in range(micro):
         for chunks in lists.module_chunks:  # forward
             out += [("param", g, i, False) for g, i in own(chunks)]
+        left = {gi: sum(gi in set(own(c)) for c in lists.module_chunks) for gi in owned}
         for chunks in reversed(lists.module_chunks):  # backward: re-access, then the gradients arrive
             if recompute:
                 out += [("param", g, i, False) for g, i in own(chunks)]
             out += [("param", g, i, False) for g, i in own(chunks)]
-            out += [(grad, g, i, True) for g, i in own(chunks)]
-    owned = [(g, i) for g, count in enumerate(lists.counts) for i in range(count) if n == 1 or i % n == 0]
+            for gi in own(chunks):  # each gradient lands, and a group it completes is measured or stepped
+                out.append((grad, *gi, True))
+                if not stream or m < micro - 1:
+                    continue
+                left[gi] -= 1
+                if left[gi] == 0 and stream == "measure":
+                    out.append((grad, *gi, False))
+                elif left[gi] == 0:
+                    step_group(*gi)
+                    out.append(("free", *gi, False))  # dropped at once, never written back
+                    streamed.add(gi)
     update = len(out)
-    if clip:
+    if clip and stream != "measure":
         out += [(grad, g, i, False) for g, i in owned]
-    master = "master" if lists.mixed else "param"
     for g, i in owned:
-        # (1-bit Adam past its freeze: the variance only read, the residuals beside the others: onebit.py)
-        out += [(master, g, i, True), (grad, g, i, True), ("exp_avg", g, i, True),
-                ("exp_avg_sq", g, i, not lists.onebit)]
-        if lists.onebit:
-            out += [("onebit_worker", g, i, True), ("onebit_server", g, i, True)]
-        if lists.mixed:
-            out.append(("param", g, i, True))
+        if (g, i) not in streamed:
+            step_group(g, i)
     # gradients are consumed after the whole update (ChunkAdam._drop_grads): they next read as zeros
-    out += [("free", g, i, False) for g, i in owned]
-    return out, update
+    out += [("free", g, i, False) for g, i in owned if (g, i) not in streamed]
+    grouped.extend([False] * (len(out) - len(grouped)))
+    return out, update, grouped
 
 
 def transient_bytes(lists: ChunkLists) -> int:
@@ -293,14 +319,24 @@ def transient_bytes(lists: ChunkLists) -> int:
 
 
 def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: bool = False, clip: bool = True,
-                 eviction: str = "belady") -> Traffic:
+                 eviction: str = "belady", stream: str = "") -> Traffic:
     """Bytes read from and written to disk in a steady-state step with `budget` bytes of chunks in RAM,
     and the most bytes on disk at a step's end (the engine's mem.disk.peak_bytes). Replayed from the
     start as the manager runs: parameters (and masters) placed in RAM in order as far as the budget
     goes, moments and gradients without data; the first step (the warm-up, no trace yet) evicts the
     least recently used chunk, later ones by `eviction` from the trace. Replayed once per distinct
-    question (memory_plan and step_time ask the same one)."""
-    return _disk_traffic(lists, int(budget), micro, bool(recompute), bool(clip), eviction)
+    question (memory_plan and step_time ask the same one). stream: the step streamed past RAM ("fused" or
+    "measure", `_trace`; `streamed_step` says which the engine runs), or "" after backward."""
+    return _disk_traffic(lists, int(budget), micro, bool(recompute), bool(clip), eviction, stream=stream)
+
+
+def streamed_step(lists: ChunkLists, overlap_optimizer: bool | None, clip: bool, loss_scaling: bool) -> str:
+    """How the engine's step runs past RAM (chunkmem's overlap.py, "Past RAM"): "fused" into backward without
+    clipping or loss scaling, "measure" (the norm during backward) with either, "" after backward where
+    memory.overlap_optimizer is off or cannot apply (sharded or 1-bit chunks; by default it is on past RAM)."""
+    if overlap_optimizer is False or lists.shard > 1 or lists.onebit:
+        return ""
+    return "measure" if clip or loss_scaling else "fused"
 
 
 def disk_traffic_floor(lists: ChunkLists, budget: int) -> tuple[int, int]:
@@ -400,9 +436,9 @@ class _Fast:
 
 @lru_cache(maxsize=4096)
 def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, clip: bool, eviction: str,
-                  reference: bool = False) -> Traffic:
+                  reference: bool = False, stream: str = "") -> Traffic:
     grad = "grad" if lists.grad_chunks else "param"
-    trace, updating = _trace(lists, micro, recompute, clip)
+    trace, updating, grouped = _trace(lists, micro, recompute, clip, stream)
     ids: dict[tuple[str, int, int], int] = {}
     for kind, g, i, _ in trace:
         key = (grad if kind == "free" else kind, g, i)
@@ -462,11 +498,11 @@ def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, c
                 continue
             moment += 1
             policy.on_access(cid, moment)
-            if n < updating or (g, i) != group:
-                pinned, group = set(), (g, i) if n >= updating else None
+            if not grouped[n] or (g, i) != group:
+                pinned, group = set(), (g, i) if grouped[n] else None
             pinned.add(cid)
             if where != "ram":
-                cap = budget - (transient if n < updating else scratch(g))
+                cap = budget - (transient if n < updating and not grouped[n] else scratch(g))
                 make_room(nbytes[cid], pinned, policy, moment, count, cap)
                 if where == "disk":
                     moved[0] += nbytes[cid] if count else 0

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from ..zero.buckets import IN_FLIGHT, packed_bucket_elems
-from .chunks import chunk_lists, disk_traffic, transient_bytes
+from .chunks import chunk_lists, disk_traffic, streamed_step, transient_bytes
 from .spec import Device, Layout, Machine, ModelShape, virtual_parts
 
 __all__ = ["Item", "MemoryPlan", "memory_plan", "min_devices_for_states", "TIERS"]
@@ -320,8 +320,9 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
                 items.append(Item("pinned staging buffers for copies to the device (within cpu_budget)", "ram",
                                   staging))
             if traffic:
+                stream = streamed_step(lists, layout.overlap_optimizer, layout.grad_clip, layout.precision == "fp16")
                 on_disk = disk_traffic(lists, layout.cpu_budget or 0, micro=layout.accum, recompute=layout.recompute,
-                                       clip=layout.grad_clip, eviction=layout.eviction).disk_bytes
+                                       clip=layout.grad_clip, eviction=layout.eviction, stream=stream).disk_bytes
                 items.append(Item("model states on disk (current copies at a step's end)", "disk", on_disk))
             else:
                 items.append(Item("model states on disk (at most: every chunk; not replayed)", "disk", states))

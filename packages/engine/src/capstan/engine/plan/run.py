@@ -63,6 +63,7 @@ def shape_layout(cfg: object, world: int | None = None, machine: Machine | None 
                     cpu_budget=mem.cpu_budget or (MIN_BUDGET if mem.offload == "disk" else None),
                     gpu_budget=mem.gpu_budget, bucket_bytes=int(p.bucket_mb * 2**20),
                     chunk_size=mem.chunk_size, eviction=mem.eviction, grad_clip=t.grad_clip > 0,
+                    overlap_optimizer=mem.overlap_optimizer,
                     data_bytes=0 if str(cfg.data.source).endswith(".bin") else cfg.data.max_bytes,  # type: ignore[attr-defined]
                     tiled_loss=mem.tiled_loss, activation_offload=mem.activation_offload, compression=p.compression,
                     cp=p.cp, cp_mode=p.cp_mode, mlp_tile=mem.mlp_tile)

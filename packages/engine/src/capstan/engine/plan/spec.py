@@ -148,6 +148,7 @@ class Layout:
     chunk_size: int | None = None  # elements per chunk (None: chosen per model, as the engine does)
     eviction: str = "belady"
     grad_clip: bool = True
+    overlap_optimizer: bool | None = None  # memory.overlap_optimizer (None: the engine's default, on past RAM)
     data_bytes: int = 0  # training text read into RAM (capstan's data.max_bytes for a text source)
     tiled_loss: bool = True  # memory.tiled_loss: the head's logits a tile at a time
     activation_offload: bool = False  # memory.activation_offload: recomputed blocks' inputs on disk (or host RAM)

@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .chunks import chunk_lists, disk_traffic, disk_traffic_floor
+from .chunks import chunk_lists, disk_traffic, disk_traffic_floor, streamed_step
 from .costs import layer_costs
 from .rates import LayerCost, Link, Rates
 from .spec import Layout, Machine, ModelShape, PlanError, virtual_parts
@@ -399,7 +399,8 @@ def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rate
     if layout.offload == "disk" and layout.cpu_budget is not None:
         if traffic:
             moved = disk_traffic(lists, layout.cpu_budget, micro=m, recompute=layout.recompute, clip=clip,
-                                 eviction=layout.eviction)
+                                 eviction=layout.eviction, stream=streamed_step(
+                                     lists, layout.overlap_optimizer, clip, layout.precision == "fp16"))
             read, written = moved.read_bytes, moved.write_bytes
         else:  # at least (no replay)
             read, written = disk_traffic_floor(lists, layout.cpu_budget)
