@@ -2,7 +2,8 @@
 
     hatch run python tools/bench_disk_states.py [--layers 36 --d-model 2048] [--budget 2GiB] [--steps 4]
         [--states fp32,bf16,int8] [--dir /tmp] [--rounds 1]
-    # the step fused into backward (no clipping) against the plain step without clipping:
+    # the step fused into backward (no clipping) against the plain step without clipping; a bare format is
+    # the plain step with clipping, "/measure" the default past RAM with clipping (the norm during backward):
     hatch run python tools/bench_disk_states.py --states fp32/noclip,fp32/fused,int8/noclip,int8/fused
 
 Each run is a fresh process (`--one STATES` runs one and prints a JSON line): the reference GPT with
@@ -27,8 +28,8 @@ import tempfile
 import time
 
 # A variant after the moments' format ("fp32/fused"): how the step runs (docs/chunkmem.md, "Past RAM").
-VARIANTS = {"": ({}, 1.0),  # the plain step after backward, clipping at 1.0
-            "noclip": ({}, 0.0),  # the same without clipping
+VARIANTS = {"": ({"overlap_optimizer": False}, 1.0),  # the plain step after backward, clipping at 1.0
+            "noclip": ({"overlap_optimizer": False}, 0.0),  # the same without clipping (off: on by default past RAM)
             "fused": ({"overlap_optimizer": True}, 0.0),  # each chunk group updated during backward
             "measure": ({"overlap_optimizer": True}, 1.0)}  # clipping: the norm taken during backward
 
