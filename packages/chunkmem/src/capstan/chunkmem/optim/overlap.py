@@ -111,6 +111,17 @@ def streams(model: object) -> bool:
     return mgr.cpu.capacity is not None or mgr.disk is not None
 
 
+def _adam(views: list[torch.Tensor], args: dict, spans: list | Q8Layout, mixed: bool) -> None:
+    """One chunk group's update over the views `_kinds` lists (mixed: the 16-bit output is the fifth view,
+    or the gradient's slot)."""
+    master, grad, m, v = views[:4]
+    if mixed:
+        out = views[4] if len(views) > 4 else grad
+        step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, spans)
+    else:
+        step_chunk(kernels.adam_update, (master, grad, m, v), args, spans)
+
+
 @dataclass
 class _Job:
     """One speculatively stepped chunk group: its pinned chunks, the copies to roll back to, the result."""
@@ -262,10 +273,8 @@ class Speculation:
         job = _Job(g, i, n, [])
         grad_id = chunks[opt._grad_kind()][g][i].chunk_id
         if self.measuring:
-            grad = mgr.access(grad_id).payload[:n]  # type: ignore[index]
             try:
-                job.sumsq = kernels.sumsq(grad)
-                job.nonfinite = self.check_overflow and kernels.has_nonfinite(grad)
+                self._measure(job, mgr.access(grad_id).payload[:n])  # type: ignore[index]
             finally:
                 mgr.release(grad_id)
         else:
@@ -279,13 +288,7 @@ class Speculation:
                 for k, cid in zip(kinds, ids, strict=True):  # pinned one by one: none evicts another
                     views.append(model.step_view(k, mgr.access(cid, write=True).payload, n))  # type: ignore[arg-type]
                 job.sumsq = kernels.sumsq(views[1])
-                master, grad, m, v = views[:4]
-                if model.mixed:
-                    out = views[4] if len(views) > 4 else grad
-                    step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), self._args(g),
-                               model.moment_layout(g, i))
-                else:
-                    step_chunk(kernels.adam_update, (master, grad, m, v), self._args(g), model.moment_layout(g, i))
+                _adam(views, self._args(g), model.moment_layout(g, i), model.mixed)
                 job.stepped = True
             finally:
                 for cid in ids[: len(views)]:
@@ -302,7 +305,6 @@ class Speculation:
         for event in job.landing:
             event.synchronize()  # type: ignore[attr-defined]
         master, grad, m, v = views[:4]
-        out = views[4] if len(views) > 4 else (grad if mixed else None)
         job.sumsq = kernels.sumsq(grad)
         job.nonfinite = self.check_overflow and kernels.has_nonfinite(grad)
         if job.nonfinite:
@@ -312,10 +314,7 @@ class Speculation:
         if job.backup is not None:
             for copy, t in zip(job.backup, (master, m, v, grad)):
                 copy.copy_(t)
-        if mixed:
-            step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, job.spans)
-        else:
-            step_chunk(kernels.adam_update, (master, grad, m, v), args, job.spans)
+        _adam(views, args, job.spans, mixed)
         job.stepped = True
 
     def _measure(self, job: _Job, grad: torch.Tensor) -> None:

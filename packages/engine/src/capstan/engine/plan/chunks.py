@@ -26,6 +26,7 @@ import bisect
 import dataclasses
 import heapq
 import math
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -277,10 +278,11 @@ def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool,
 
     owned = [(g, i) for g, count in enumerate(lists.counts) for i in range(count) if n == 1 or i % n == 0]
     streamed: set[tuple[int, int]] = set()
+    # streaming: the modules still to bring each chunk group gradients in the last backward
+    left = Counter(gi for c in lists.module_chunks for gi in own(c)) if stream else Counter()
     for m in range(micro):
         for chunks in lists.module_chunks:  # forward
             out += [("param", g, i, False) for g, i in own(chunks)]
-        left = {gi: sum(gi in set(own(c)) for c in lists.module_chunks) for gi in owned}
         for chunks in reversed(lists.module_chunks):  # backward: re-access, then the gradients arrive
             if recompute:
                 out += [("param", g, i, False) for g, i in own(chunks)]

@@ -164,9 +164,10 @@ class _Packed:
             pos += b - a
         self.numel = pos
         self.slot: dict[int, int] = {}  # parameter index -> its first element in the buffer
+        firsts = [a for a, _ in bucket.ranges]
         for i in bucket.params:
-            k = bisect.bisect_right([a for a, _ in bucket.ranges], offsets[i]) - 1
-            self.slot[i] = self.starts[k] + offsets[i] - bucket.ranges[k][0]
+            k = bisect.bisect_right(firsts, offsets[i]) - 1
+            self.slot[i] = self.starts[k] + offsets[i] - firsts[k]
 
 
 class OverlappedBuckets:
@@ -242,10 +243,7 @@ class OverlappedBuckets:
         """Copy the parameter's complete gradient into its bucket's buffer and drop it from the parameter."""
         j, = self.of_param[i]
         if self._buffers[j] is None:
-            buf = torch.empty(self.layout[j].numel, device=self.device)
-            self._buffers[j] = buf
-            self.held += buf.numel() * buf.element_size()
-            self.held_peak = max(self.held_peak, self.held)
+            self._buffer(j)
         if param.grad is not None:
             a = self.layout[j].slot[i]
             self._buffers[j][a : a + param.numel()].copy_(param.grad.reshape(-1))  # type: ignore[index]
@@ -277,12 +275,17 @@ class OverlappedBuckets:
             handle = comm.reduce_scatter(out, packed, op="avg", group=g, async_op=True)
             self._pending.append(([handle], j, out))
 
+    def _buffer(self, j: int, make=torch.empty) -> torch.Tensor:  # noqa: ANN001 - torch.empty or torch.zeros
+        """Bucket j's buffer, made now and counted in `held`."""
+        buf = self._buffers[j] = make(self.layout[j].numel, device=self.device)
+        self.held += buf.numel() * buf.element_size()
+        self.held_peak = max(self.held_peak, self.held)
+        return buf
+
     def _launch_packed(self, j: int) -> None:
         layout, buf = self.layout[j], self._buffers[j]
         if buf is None:  # no gradient arrived (unused parameters): zeros
-            buf = self._buffers[j] = torch.zeros(layout.numel, device=self.device)
-            self.held += buf.numel() * buf.element_size()
-            self.held_peak = max(self.held_peak, self.held)
+            buf = self._buffer(j, torch.zeros)
         for i in self.buckets[j].params:
             if i in self._filled[j]:
                 continue
