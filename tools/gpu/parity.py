@@ -117,7 +117,8 @@ def single_layouts(device: str, disk_dir: str) -> dict[str, dict]:
     int8 = {"precision": {"optimizer_states": "int8"}}
     return {"offload none": {"memory": {}},
             "offload cpu": {"memory": {"offload": "cpu", "chunk_size": CHUNK}},
-            # 3 chunks on the device and 8 in RAM: chunks move device <-> RAM <-> disk every step
+            # 3 chunks on the device and 8 in RAM: chunks move device <-> RAM <-> disk every step; the step
+            # streams past RAM with clipping (it guesses, taken back from the disk where it clipped)
             "offload disk": {"memory": {"offload": "disk", "chunk_size": CHUNK, "cpu_budget": 8 * CHUNK * 4,
                                         "gpu_budget": 3 * CHUNK * 4, "disk_dir": disk_dir}},
             # the step streamed past RAM: each chunk group updated during backward, in autograd's device thread

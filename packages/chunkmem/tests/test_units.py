@@ -190,6 +190,64 @@ print("CLOSED")
     assert "INTACT True" in out.stdout and "CLOSED" in out.stdout
 
 
+def test_a_protected_slot_keeps_its_data_until_commit_or_restore(tmp_path) -> None:
+    """DiskStore.protect: writes go to a second slot while the first keeps the data; reads follow the last
+    write; commit makes the second current, restore the first; the file grows by the second slots only."""
+    store = DiskStore(tmp_path)
+    n = 4096
+
+    def put(cid: int, value: float) -> None:
+        buf = store.alloc(n, torch.float32)
+        buf.fill_(value)
+        store.write_async(cid, buf).result()
+
+    def get(cid: int) -> float:
+        buf = store.alloc(n, torch.float32)
+        store.read_async(cid, buf).result()
+        assert bool((buf == buf[0]).all())
+        return float(buf[0])
+
+    put(0, 1.0)
+    put(1, 5.0)
+    assert store.nbytes() == 2 * n * 4
+    store.protect(0)
+    assert get(0) == 1.0  # nothing written since: the kept data
+    put(0, 2.0)
+    assert get(0) == 2.0 and store.nbytes() == 3 * n * 4  # the new data, in a second slot
+    store.restore(0)
+    assert get(0) == 1.0  # taken back
+    store.protect(0)
+    put(0, 3.0)
+    store.commit(0)
+    assert get(0) == 3.0  # kept: now in the second slot
+    store.protect(0)
+    put(0, 4.0)  # into the first slot again: no slot more
+    assert store.nbytes() == 3 * n * 4 and get(0) == 4.0 and get(1) == 5.0
+    store.restore(0)
+    assert get(0) == 3.0
+    store.close()
+
+
+def test_restore_drops_what_was_written_wherever_it_is(tmp_path) -> None:
+    """ChunkManager.protect / restore: data only in RAM is written to its slot first; after restore the
+    chunk reads what it held at protect (a chunk without data then reads as zeros), the budget exact."""
+    manager = ChunkManager(2 * 4096 * 4, DiskStore(tmp_path), audit=True)
+    for cid in range(3):
+        init = None if cid == 2 else torch.full((4096,), cid + 1.0)
+        manager.add(Chunk(cid, ChunkKind.EXP_AVG, torch.float32, 4096), init)
+    empty = manager.protect([0, 1, 2])
+    assert empty == {2} and manager.counters["writes"] == 2  # both were in RAM only: written to their slots
+    for cid in (0, 1, 2):  # write new data; the small budget evicts some of it to the second slots
+        manager.access(cid, write=True).payload.fill_(9.0)
+        manager.mark_written([cid])
+        manager.release(cid)
+    manager.restore([0, 1, 2], empty)
+    manager.audit()
+    for cid, want in ((0, 1.0), (1, 2.0), (2, 0.0)):
+        assert float(manager.access(cid).payload.max()) == want
+        manager.release(cid)
+
+
 def test_manager_without_disk_refuses_to_exceed_the_budget() -> None:
     manager = ChunkManager(128, None, audit=True)
     manager.add(Chunk(0, ChunkKind.PARAM, torch.float32, 16), torch.zeros(16))

@@ -342,6 +342,10 @@ class DeviceTier:
             if self.dev.resident > cap:
                 self.make_room(0, protect=chunk_id)
 
+    def start_recording(self) -> None:
+        """A step that records a trace again (ChunkManager.use_trace; never under a device limit)."""
+        self._recording_compute = []
+
     def end_warmup(self) -> None:
         if self.dev is None:
             return

@@ -9,6 +9,12 @@ needs 4096-byte aligned buffers, offsets and sizes: the manager allocates payloa
 sizes that are multiples of 2048 elements). `direct=None` (the default) decides from the first
 chunk: direct I/O if its size allows, buffered I/O (the page cache) otherwise.
 
+A chunk can be *protected* (`protect`): until `commit` or `restore`, its writes go to a
+second slot and its slot keeps what it held, so an update the optimizer made speculatively
+past RAM can be taken back without a copy (optim/overlap.py). The second slot is allocated at
+the chunk's first protected write and reused after: the file grows by the chunks a
+speculative step wrote, at most once more the chunks' bytes (`nbytes`).
+
 Writes and reads are submitted and return handles with `done()` / `result()`, so compute
 goes on while chunks move; the manager never reads a chunk whose write is in flight. Every
 failure (no space, I/O error, short read) becomes a `DiskTierError` naming the file, the
@@ -81,6 +87,9 @@ class DiskStore:
         self.want_direct = direct
         self._file: aio.AsyncFile | None = None
         self._slots: dict[int, tuple[int, int]] = {}  # chunk id -> (offset, nbytes)
+        self._second: dict[int, int] = {}  # chunk id -> offset of its second slot (protected writes)
+        self._live: set[int] = set()  # chunks whose current data is in their second slot
+        self._protected: dict[int, bool] = {}  # chunk id -> written since `protect` (into the other slot)
         self._end = 0
         self._lock = threading.Lock()
 
@@ -109,6 +118,40 @@ class DiskStore:
             raise ValueError(f"chunk {chunk_id} changed size on disk: {size} -> {nbytes} bytes")
         return offset
 
+    def nbytes(self) -> int:
+        """Bytes of the file's slots (second slots included)."""
+        return self._end
+
+    def protect(self, chunk_id: int) -> None:
+        """Keep the slot's current data until `commit` or `restore`: writes go to the other slot."""
+        if chunk_id not in self._slots:
+            raise ValueError(f"chunk {chunk_id} has no data on disk to protect")
+        self._protected[chunk_id] = False
+
+    def commit(self, chunk_id: int) -> None:
+        """The protected data is no longer needed: the slot written since `protect` (if any) is current."""
+        if self._protected.pop(chunk_id, False):
+            self._live ^= {chunk_id}
+
+    def restore(self, chunk_id: int) -> None:
+        """Back to the data the chunk had at `protect`: what was written since is dropped."""
+        del self._protected[chunk_id]
+
+    def _offset(self, chunk_id: int, nbytes: int, write: bool) -> int:
+        """The slot a read or write of the chunk uses now: its current one, or under protection the other
+        one for writes, and for reads once written."""
+        offset = self.slot(chunk_id, nbytes)
+        written = self._protected.get(chunk_id)
+        if written is not None and write:
+            self._protected[chunk_id] = written = True
+        if (chunk_id in self._live) == bool(written):
+            return offset
+        with self._lock:
+            if chunk_id not in self._second:
+                self._second[chunk_id] = self._end
+                self._end += -(-nbytes // ALIGN) * ALIGN
+            return self._second[chunk_id]
+
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized buffer the disk tier can read into and write from directly."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -118,7 +161,7 @@ class DiskStore:
 
     def _submit(self, chunk_id: int, buf: torch.Tensor, write: bool) -> _Pending:
         data = buf.reshape(-1).view(torch.uint8)
-        offset = self.slot(chunk_id, data.numel())
+        offset = self._offset(chunk_id, data.numel(), write)
         f = self._open(data.numel())
         verb = "writing" if write else "reading"
         what = f"{verb} chunk {chunk_id} ({data.numel()} bytes at offset {offset}) {'to' if write else 'from'}"

@@ -26,8 +26,9 @@ class EvictionPolicy:
     def victim(self, candidates: Sequence[int], moment: int) -> int:
         raise NotImplementedError
 
-    def set_trace(self, trace: Sequence[int]) -> None:
-        """The access sequence of one step (chunk ids by moment); ignored by trace-free policies."""
+    def set_trace(self, trace: Sequence[int] | None) -> None:
+        """The access sequence of one step (chunk ids by moment), None while one is recorded; ignored by
+        trace-free policies."""
 
     def next_use(self, chunk_id: int, moment: int) -> float:
         """Moment of the next use after `moment` (inf when unknown or never)."""
@@ -59,7 +60,10 @@ class Belady(EvictionPolicy):
         self._uses: dict[int, list[int]] | None = None
         self._length = 0
 
-    def set_trace(self, trace: Sequence[int]) -> None:
+    def set_trace(self, trace: Sequence[int] | None) -> None:
+        if trace is None:  # a step that records a trace (manager.use_trace): LRU meanwhile
+            self._uses, self._length = None, 0
+            return
         uses: dict[int, list[int]] = {}
         for moment, chunk_id in enumerate(trace):
             uses.setdefault(chunk_id, []).append(moment)

@@ -98,6 +98,11 @@ class ChunkManager:
         self.trace: list[int] | None = None  # chunk id per moment, from the warm-up step
         self.nonmodel: list[int] = []  # warm-up: RSS beyond the chunk system's bytes, per moment
         self._recording: list[int] = []
+        # Steps that access chunks in more than one order (a step that streams its update into backward and
+        # one that measures there only: optim/overlap.py) each run on their own trace (`use_trace`).
+        self.trace_key: object = None
+        self._next_key: object = None
+        self._traces: dict[object, tuple[list[int], list[bool] | None]] = {}
         self._off_trace = 0  # > 0 inside off_trace()
         self.record_disk_timeline = False
         self.transient = 0  # bytes of buffers outside chunks (gathered remote chunks, reduction buffers)
@@ -189,6 +194,76 @@ class ChunkManager:
         held = self.transient + sum(e.chunk.nbytes for cid, e in self.entries.items()
                                     if cid not in wanted and e.pins > 0 and e.where == "cpu")
         return held + sum(self.entries[cid].chunk.nbytes for cid in wanted) <= self.cpu.capacity
+
+    # ---- taking a speculative update back (optim/overlap.py, past RAM) ---------------------------------
+    def protect(self, chunk_ids: list[int]) -> set[int]:
+        """Before a speculative write to these chunks (pinned or not): keep what they hold now until `commit`
+        or `restore`, in their disk slots (DiskStore.protect), so a write-back goes to a second slot. A chunk
+        whose current data is only in RAM is written to its slot first (and is then clean); one without
+        data is not written. Returns those without data (what `restore` makes zeros again)."""
+        disk, empty = self._disk(), set()
+        for cid in chunk_ids:
+            entry = self.entries[cid]
+            if entry.where == "device":
+                self.device_tier.off_device(entry)
+            self.device_tier.land(entry)
+            if self.reads_as_zeros(cid):
+                empty.add(cid)
+                continue
+            if not entry.disk_valid:  # the data is in RAM only: to the slot now (the update follows at once)
+                start = time.perf_counter()
+                disk.write_async(cid, entry.chunk.payload).result()  # type: ignore[arg-type]
+                self.counters["stall_s"] += time.perf_counter() - start
+                entry.disk_valid = True
+                self.counters["writes"] += 1
+                self.cpu.stats.bytes_out += entry.chunk.nbytes
+                self.disk_tier.stats.bytes_in += entry.chunk.nbytes
+            disk.protect(cid)
+        return empty
+
+    def mark_written(self, chunk_ids: list[int]) -> None:
+        """The caller writes these pinned chunks (accessed to read first): their disk copies are old."""
+        for cid in chunk_ids:
+            self.entries[cid].disk_valid = False
+
+    def commit(self, chunk_ids: list[int]) -> None:
+        """The speculative writes stand: the protected data is let go."""
+        for cid in chunk_ids:
+            self._disk().commit(cid)
+
+    def restore(self, chunk_ids: list[int], empty: set[int]) -> None:
+        """Take the speculative writes back: each chunk holds what it held at `protect` (in its disk slot;
+        zeros for those in `empty`), and what it holds in RAM or on the device now is dropped."""
+        disk = self._disk()
+        for cid in chunk_ids:
+            entry = self.entries[cid]
+            if entry.pins:
+                raise RuntimeError(f"cannot restore chunk {cid}: it is in use")
+            if entry.where == "device":
+                self.device_tier.off_device(entry)
+            if entry.read is not None:
+                self._finish_read(entry)
+            self._wait_write(entry)
+            self.device_tier.land(entry)
+            if cid not in empty:
+                disk.restore(cid)
+            if entry.where == "cpu" and self.cpu.capacity is None:  # unbounded RAM keeps its buffers
+                if cid in empty:
+                    entry.stale, entry.disk_valid = True, False
+                else:
+                    disk.read_async(cid, entry.chunk.payload).result()  # type: ignore[arg-type]
+                    entry.stale, entry.disk_valid = False, True
+                    self._count_read(entry.chunk)
+                continue
+            if entry.where == "cpu":
+                if self.dev is None:  # as an eviction: the models let go of its tensors
+                    for cb in self.on_evict:
+                        cb(entry.chunk)
+                self._drop_payload(entry)
+                self.cpu.release(entry.chunk.nbytes)
+            entry.stale = False
+            entry.where, entry.disk_valid = (None, False) if cid in empty else ("disk", True)
+        self._after_move()
 
     def release(self, chunk_id: int) -> None:
         entry = self.entries[chunk_id]
@@ -470,9 +545,27 @@ class ChunkManager:
             self.device_tier.end_warmup()
             self.trace = list(self._recording)
             self.policy.set_trace(self.trace)
+            self._traces[self.trace_key] = (self.trace, self.device_tier.trace_compute)
+        if self._next_key != self.trace_key:
+            self._switch_trace(self._next_key)
         self.step += 1
         self.moment = 0
         self.device_tier.prefetch()  # the next step's first chunks (updated by the optimizer) go up now
+
+    def use_trace(self, key: object) -> None:
+        """From the next step on, run on the trace of the steps called `key` (the first such step records
+        it, as the warm-up step records the first: LRU meanwhile, no prefetch). Where the non-model memory
+        is followed (a memory limit) there is one trace, recorded once: its measurements are per moment."""
+        if self.memory_limit is None and self.device_tier.device_limit is None:
+            self._next_key = key
+
+    def _switch_trace(self, key: object) -> None:
+        self.trace_key = key
+        recorded = self._traces.get(key)
+        self.trace, self.device_tier.trace_compute = recorded if recorded is not None else (None, None)
+        self._recording, self.nonmodel = [], []
+        self.device_tier.start_recording()
+        self.policy.set_trace(self.trace)
 
     def begin_step(self) -> None:
         self.cpu.stats.timeline = []
@@ -519,7 +612,9 @@ class ChunkManager:
                     "peak_bytes": self.cpu.stats.peak_bytes, "bytes_in": self.cpu.stats.bytes_in,
                     "bytes_out": self.cpu.stats.bytes_out, "evictions": self.cpu.stats.evictions},
             "disk": {"resident_bytes": disk_resident, "bytes_in": self.disk_tier.stats.bytes_in,
-                     "bytes_out": self.disk_tier.stats.bytes_out},
+                     "bytes_out": self.disk_tier.stats.bytes_out,
+                     # the file: every chunk's slot, and the second slots a guessed step wrote (disk.py)
+                     "file_bytes": self.disk.nbytes() if self.disk is not None else 0},
             **self.device_tier.stats(),
             "moved_bytes": self.cpu.stats.bytes_in + self.cpu.stats.bytes_out
             + (self.dev.stats.bytes_in + self.dev.stats.bytes_out if self.dev is not None else 0),

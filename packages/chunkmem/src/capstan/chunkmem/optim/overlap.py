@@ -59,19 +59,33 @@ instead (`streams`). A chunk group's work runs as soon as its gradients are
 complete, in the thread that runs backward's hooks (every manager call
 stays there), and its chunks are released at once, so the manager evicts
 and reads ahead around them; their accesses are part of the warm-up trace,
-so the moments are read ahead of backward like any other chunk. It never
-guesses:
+so the moments are read ahead of backward like any other chunk:
 
 * with neither clipping nor loss scaling (no step can be redone) the group
   is updated then and there, bit for bit as after backward, and its
   gradient chunk dropped: it is never written to disk or read back, and
-  the norm is taken from it first. Where its chunks do not fit in the
-  budget beside those backward has pinned (`ChunkManager.could_pin`), the
-  group is left to the step after backward, as without streaming: the
-  minimum budget stays what either needs alone;
-* else its norm term and inf/NaN check only ("measure only"), so the step
-  after backward needs no pass over the gradients for the norm: one read
-  of every gradient chunk less per step.
+  the norm is taken from it first;
+* with either, it guesses as above, and the copies to roll back to are the
+  disk's: the chunks are protected first (`ChunkManager.protect`: their
+  write-backs go to a second slot of the disk file while the first keeps the
+  data from before the update, and data only in RAM is written to its slot
+  first). The gradient chunk is kept until the step's end. A right guess
+  lets the first slots go (`commit`); a wrong one drops what the update
+  wrote, wherever it is, and the ordinary step runs from the kept
+  gradients and the data from before (`restore`). So a guess costs no copy
+  in RAM, only the gradients' write-back where the budget evicts them, and
+  at most once more the states' bytes of disk;
+* a step that does not guess (the one before clipped or overflowed) takes
+  each group's norm term and inf/NaN check during backward ("measure
+  only"), so the step after backward needs no pass over the gradients for
+  the norm: one read of every gradient chunk less per step.
+
+Guessing and measuring steps touch chunks in different orders, so each runs
+on its own trace (`ChunkManager.use_trace`: the first measuring step records
+its own, as the warm-up recorded the first). Where a group's chunks do not
+fit in the budget beside those backward has pinned (`ChunkManager.could_pin`),
+it is left to the step after backward, as without streaming: the minimum
+budget stays what either needs alone.
 """
 
 from __future__ import annotations
@@ -138,6 +152,8 @@ class _Job:
     nonfinite: bool = False
     stepped: bool = False
     spans: list | Q8Layout = field(default_factory=list)  # the chunk's moment_layout (moments.py)
+    protected: list[int] = field(default_factory=list)  # streamed guess: chunks whose disk slots keep the old data
+    empty: set[int] = field(default_factory=set)  # ... of those, the ones that had no data (restored as zeros)
 
 
 @dataclass
@@ -173,7 +189,7 @@ class Speculation:
     def expect_wrong(self, grad_clip: float | None, check_overflow: bool) -> bool:
         """True (and counted) when this step should not guess: the last one clipped or overflowed, and this
         one can roll back (with neither clipping nor loss scaling no guess is ever wrong)."""
-        if self.last_wrong and (grad_clip is not None or check_overflow) and not self.streaming:  # (never guesses)
+        if self.last_wrong and (grad_clip is not None or check_overflow):
             self.declined += 1
             return True
         return False
@@ -181,6 +197,8 @@ class Speculation:
     def saw(self, grad_clip: float | None, norm: float | None, overflow: bool) -> None:
         """After every step, guessed or not: did it clip or overflow (what `expect_wrong` reads next)?"""
         self.last_wrong = overflow or (grad_clip is not None and norm is not None and norm > grad_clip)
+        if self.streaming:  # the next step measures or guesses: on the trace of its kind (module docstring)
+            self.opt.model.manager.use_trace("measure" if self.last_wrong else None)
 
     # ---- arming and the gradient hook ----------------------------------------------------------------
     def arm(self, grad_clip: float | None, loss_scale: float, check_overflow: bool, arrivals: int = 1,
@@ -192,8 +210,6 @@ class Speculation:
             raise RuntimeError("speculative step armed twice without finish()")
         self.grad_clip, self.loss_scale, self.check_overflow = grad_clip, loss_scale, check_overflow
         self.arrivals, self.armed, self.measuring = arrivals, True, not update
-        if self.streaming:  # past RAM it never guesses: it updates only where no step can be redone
-            self.measuring = self._may_roll_back()
         self._overflowed = False  # set by the worker at the first inf/NaN gradient it meets
         model = self.opt.model
         self.missing = {}
@@ -283,19 +299,32 @@ class Speculation:
             if not mgr.could_pin(ids):  # not beside what backward holds now: the step after backward does it
                 self.deferred += 1
                 return
+            guess = self._may_roll_back()
+            if guess:  # the update can be taken back: its chunks' old data stays in their disk slots
+                grad_kind = opt._grad_kind()
+                job.protected = [cid for k, cid in zip(kinds, ids, strict=True)
+                                 if k != grad_kind or not model.grad_chunks]  # (a gradient chunk is kept)
             views: list[torch.Tensor] = []
             try:
                 for k, cid in zip(kinds, ids, strict=True):  # pinned one by one: none evicts another
-                    views.append(model.step_view(k, mgr.access(cid, write=True).payload, n))  # type: ignore[arg-type]
+                    views.append(model.step_view(k, mgr.access(cid, write=not guess).payload, n))  # type: ignore[arg-type]
                 job.sumsq = kernels.sumsq(views[1])
-                _adam(views, self._args(g), model.moment_layout(g, i), model.mixed)
-                job.stepped = True
+                job.nonfinite = self.check_overflow and kernels.has_nonfinite(views[1])
+                self._overflowed = self._overflowed or job.nonfinite  # the step will be skipped: no more updates
+                if not self._overflowed:
+                    if guess:
+                        job.empty = mgr.protect(job.protected)
+                        mgr.mark_written(job.protected)
+                    _adam(views, self._args(g), model.moment_layout(g, i), model.mixed)
+                    job.stepped = True
             finally:
                 for cid in ids[: len(views)]:
                     mgr.release(cid)
-            if model.grad_chunks:  # consumed: dropped now, never written back
+            if not job.stepped:
+                job.protected = []
+            elif model.grad_chunks and not guess:  # consumed: dropped now, never written back
                 mgr.free(grad_id, lazy=not model.resident_grads)
-            self.streamed += 1
+            self.streamed += job.stepped
         job.future = Future()
         job.future.set_result(None)
         self.jobs[(g, i)] = job
@@ -374,6 +403,10 @@ class Speculation:
     def _roll_back(self, job: _Job) -> None:
         """Put a speculatively stepped chunk group back as it was before its update."""
         model, n = self.opt.model, job.n
+        if job.protected:  # streamed: the data from before is in the chunks' disk slots
+            model.manager.restore(job.protected, job.empty)
+            job.protected = []
+            return
         chunks = model.chunks
         g, i = job.group, job.index
         master_kind = ChunkKind.MASTER if model.mixed else ChunkKind.PARAM
@@ -387,9 +420,12 @@ class Speculation:
             kernels.cast_(chunks[ChunkKind.MASTER][g][i].payload[:n], chunks[ChunkKind.PARAM][g][i].payload[:n])  # type: ignore[index]
 
     def _settle(self) -> None:
-        """Release every job's chunks and copies (main thread)."""
+        """Release every job's chunks and copies (main thread); a streamed guess that stands lets the data
+        from before its update go."""
         mgr = self.opt.model.manager
         for job in self.jobs.values():
+            if job.protected:
+                mgr.commit(job.protected)
             for cid in job.ids:
                 mgr.release(cid)
             if job.backup_bytes:

@@ -46,7 +46,7 @@ from capstan.comm import onebit_residual_sizes
 from .spec import Layout, ModelShape
 
 __all__ = ["ChunkLists", "Traffic", "chunk_lists", "disk_traffic", "disk_traffic_floor", "stage_modules",
-           "streamed_step", "transient_bytes"]
+           "rollback_slot_bytes", "streamed_step", "transient_bytes"]
 
 
 @dataclass(frozen=True)
@@ -296,16 +296,18 @@ def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool,
                     out.append((grad, *gi, False))
                 elif left[gi] == 0:
                     step_group(*gi)
-                    out.append(("free", *gi, False))  # dropped at once, never written back
+                    if stream == "fused":
+                        out.append(("free", *gi, False))  # dropped at once, never written back
                     streamed.add(gi)
     update = len(out)
-    if clip and stream != "measure":
+    if clip and not stream:
         out += [(grad, g, i, False) for g, i in owned]
     for g, i in owned:
         if (g, i) not in streamed:
             step_group(g, i)
-    # gradients are consumed after the whole update (ChunkAdam._drop_grads): they next read as zeros
-    out += [("free", g, i, False) for g, i in owned if (g, i) not in streamed]
+    # gradients are consumed after the whole update (ChunkAdam._drop_grads): they next read as zeros; a guess
+    # keeps them to the end, to redo the step from if it was wrong
+    out += [("free", g, i, False) for g, i in owned if stream == "guess" or (g, i) not in streamed]
     grouped.extend([False] * (len(out) - len(grouped)))
     return out, update, grouped
 
@@ -328,17 +330,28 @@ def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: b
     goes, moments and gradients without data; the first step (the warm-up, no trace yet) evicts the
     least recently used chunk, later ones by `eviction` from the trace. Replayed once per distinct
     question (memory_plan and step_time ask the same one). stream: the step streamed past RAM ("fused" or
-    "measure", `_trace`; `streamed_step` says which the engine runs), or "" after backward."""
+    "guess" or "measure", `_trace`; `streamed_step` says which the engine runs), or "" after backward."""
     return _disk_traffic(lists, int(budget), micro, bool(recompute), bool(clip), eviction, stream=stream)
 
 
 def streamed_step(lists: ChunkLists, overlap_optimizer: bool | None, clip: bool, loss_scaling: bool) -> str:
     """How the engine's step runs past RAM (chunkmem's overlap.py, "Past RAM"): "fused" into backward without
-    clipping or loss scaling, "measure" (the norm during backward) with either, "" after backward where
-    memory.overlap_optimizer is off or cannot apply (sharded or 1-bit chunks; by default it is on past RAM)."""
+    clipping or loss scaling, "guess" with either (fused too, its gradients kept to the step's end to redo it
+    from if it clipped or overflowed: the steady state where clipping is rare; where every step clips, each
+    measures its norm in backward instead, "measure"), "" after backward where memory.overlap_optimizer is
+    off or cannot apply (sharded or 1-bit chunks; by default it is on past RAM)."""
     if overlap_optimizer is False or lists.shard > 1 or lists.onebit:
         return ""
-    return "measure" if clip or loss_scaling else "fused"
+    return "guess" if clip or loss_scaling else "fused"
+
+
+def rollback_slot_bytes(lists: ChunkLists) -> int:
+    """The disk file's second slots under a guessing step (chunkmem's DiskStore.protect): at most one more
+    copy of every chunk the update writes (masters or fp32 parameters, moments, 16-bit parameters)."""
+    grad = "grad" if lists.grad_chunks else ""
+    written = [k for k, _ in lists.kinds() if k != grad]
+    return sum(n * lists.chunk_bytes(k, c) for n, c in zip(lists.counts, lists.capacities, strict=True)
+               for k in written)
 
 
 def disk_traffic_floor(lists: ChunkLists, budget: int) -> tuple[int, int]:

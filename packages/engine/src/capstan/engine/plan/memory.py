@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from ..zero.buckets import IN_FLIGHT, packed_bucket_elems
-from .chunks import chunk_lists, disk_traffic, streamed_step, transient_bytes
+from .chunks import chunk_lists, disk_traffic, rollback_slot_bytes, streamed_step, transient_bytes
 from .spec import Device, Layout, Machine, ModelShape, virtual_parts
 
 __all__ = ["Item", "MemoryPlan", "memory_plan", "min_devices_for_states", "TIERS"]
@@ -324,6 +324,9 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
                 on_disk = disk_traffic(lists, layout.cpu_budget or 0, micro=layout.accum, recompute=layout.recompute,
                                        clip=layout.grad_clip, eviction=layout.eviction, stream=stream).disk_bytes
                 items.append(Item("model states on disk (current copies at a step's end)", "disk", on_disk))
+                if stream == "guess":
+                    items.append(Item("second disk slots a guessed step can be taken back from (at most)", "disk",
+                                      rollback_slot_bytes(lists)))
             else:
                 items.append(Item("model states on disk (at most: every chunk; not replayed)", "disk", states))
             if gpu:

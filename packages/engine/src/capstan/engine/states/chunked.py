@@ -225,6 +225,7 @@ class ChunkedStates(ModelStates):
         out = {"mem.cpu.peak_bytes": s["cpu"]["peak_bytes"],  # type: ignore[index]
                "mem.cpu.resident_bytes": s["cpu"]["resident_bytes"],  # type: ignore[index]
                "mem.disk.peak_bytes": self._disk_peak, "mem.disk.resident_bytes": disk,
+               "mem.disk.file_bytes": s["disk"]["file_bytes"],  # type: ignore[index]  # with second slots
                "mem.moved_bytes": s["moved_bytes"], "mem.stall_s": s["stall_s"],  # type: ignore[dict-item]
                "mem.process.rss_peak_bytes": peak_rss_bytes()}
         if device.type in s:  # chunks on the GPU (their bytes, within memory.gpu_budget)
