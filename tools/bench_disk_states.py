@@ -6,6 +6,8 @@
     # the plain step with clipping, "/guess" the default past RAM with clipping where it does not fire (the
     # update in backward, taken back if it clipped), "/measure" where every step clips (the norm in backward):
     hatch run python tools/bench_disk_states.py --states fp32/noclip,fp32/fused,int8/noclip,int8/fused
+    # "+noevict" after the variant reads ahead into free budget only (no Belady eviction for a read ahead):
+    hatch run python tools/bench_disk_states.py --states fp32/fused,fp32/fused+noevict --rounds 2
 
 Each run is a fresh process (`--one STATES` runs one and prints a JSON line): the reference GPT with
 `memory.offload = "disk"` under a chunk budget, fp32 compute, micro-batch 2 x seq 128. The first step
@@ -49,6 +51,7 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
 
     torch.manual_seed(0)
     moments, _, variant = states.partition("/")
+    variant, _, option = variant.partition("+")  # "+noevict": reads ahead into free budget only (as before)
     memory, clip = VARIANTS[variant]
     cfg = {"model": {"n_layers": layers, "n_heads": max(1, d_model // 128), "d_model": d_model, "seq_len": 128},
            "data": {"max_bytes": 2_000_000},
@@ -60,6 +63,8 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
     engine = initialize(config=cfg, groups=comm.single_process_groups())
     if prefetch is not None:  # reads the manager issues per access, looking 4x as many moments ahead
         engine.manager.prefetch_depth = prefetch
+    if option == "noevict":
+        engine.manager.prefetch_evicts = False
     built = time.perf_counter() - t0
     it = train_batches(open_data(engine.config), engine.config, 1, 0)
     rows = []

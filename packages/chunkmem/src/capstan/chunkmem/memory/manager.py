@@ -7,7 +7,10 @@ warm-up: the manager records which chunk each moment touches (and the
 non-model memory, sampled from RSS) and evicts LRU. From then on the trace
 drives placement: the policy (Belady by default) evicts the chunk used
 furthest in the future, and the next chunks of the trace are read ahead on
-I/O threads into free budget while compute goes on.
+I/O threads while compute goes on, into room Belady would make for them
+anyway (`_room_ahead`). Steps that access chunks in another order (a
+measuring step beside guessing ones, optim/overlap.py) record and follow a
+trace of their own (`use_trace`).
 
 Exactness: a chunk's full size is reserved in the cpu tier before its
 buffer exists and released only after the buffer is gone (for an evicted
@@ -65,7 +68,7 @@ class ChunkManager:
     unbounded): chunks accessed for compute live there, the rest in RAM or on disk (device.py)."""
 
     def __init__(self, cpu_budget: int | None, disk: DiskStore | None = None, eviction: str = "belady",
-                 prefetch: int = 2, audit: bool = False, memory_limit: int | None = None,
+                 prefetch: int = 2, prefetch_evicts: bool = True, audit: bool = False, memory_limit: int | None = None,
                  device: torch.device | str | None = None, device_budget: int | None = None,
                  device_limit: int | None = None, device_measure: Callable[[], int] | None = None) -> None:
         if cpu_budget is not None and cpu_budget <= 0:
@@ -89,6 +92,7 @@ class ChunkManager:
         self.disk = disk
         self.policy: EvictionPolicy = make_policy(eviction)
         self.prefetch_depth = prefetch
+        self.prefetch_evicts = prefetch_evicts
         self.audit_moves = audit
         self.entries: dict[int, _Entry] = {}
         self.on_resident: list[Callable[[Chunk], None]] = []
@@ -107,7 +111,8 @@ class ChunkManager:
         self.record_disk_timeline = False
         self.transient = 0  # bytes of buffers outside chunks (gathered remote chunks, reduction buffers)
         self._rss_base = rss_bytes()
-        self.counters = {"prefetch_hits": 0, "prefetch_misses": 0, "stall_s": 0.0, "reads": 0, "writes": 0}
+        self.counters = {"prefetch_hits": 0, "prefetch_misses": 0, "prefetch_evictions": 0, "stall_s": 0.0,
+                         "reads": 0, "writes": 0}
         self.device_tier = DeviceTier(self, self.device, self.dev, device_limit, device_measure)
 
     # ---- registration -------------------------------------------------------------------------
@@ -397,7 +402,7 @@ class ChunkManager:
             movable = [cid for cid, e in self.entries.items()
                        if e.where == "cpu" and e.pins == 0 and e.read is None and cid != protect]
             if movable:
-                self._evict(self.entries[self.policy.victim(movable, self.moment)])
+                self._evict(self.entries[self.policy.victim(movable, self.moment - 1)])
                 self._reap_writes()
                 continue
             writing = [e for e in self.entries.values() if e.write is not None]
@@ -469,9 +474,10 @@ class ChunkManager:
             cb(chunk)
 
     def _prefetch(self) -> None:
-        """Read the next chunks of the trace ahead into free budget (never evicting for it)."""
-        if self.trace is None or self.disk is None or self.prefetch_depth <= 0:
-            return
+        """Read the next chunks of the trace ahead: into free budget, or with Belady (`prefetch_evicts`) into
+        room made by evicting chunks whose next use comes after the read chunk's (`_room_ahead`)."""
+        if self.trace is None or self.disk is None or self.prefetch_depth <= 0 or self._off_trace:
+            return  # (accesses off the trace, an evaluation's, do not follow it)
         issued, m = 0, self.moment
         seen: set[int] = set()
         while issued < self.prefetch_depth and m < len(self.trace) and len(seen) < 4 * self.prefetch_depth:
@@ -483,12 +489,60 @@ class ChunkManager:
             e = self.entries[cid]
             if e.where != "disk" or e.read is not None or e.write is not None:
                 continue
-            if not self.cpu.fits(e.chunk.nbytes):
+            if not self._room_ahead(e.chunk.nbytes, m - 1):
                 return
             self.cpu.reserve(e.chunk.nbytes, f"prefetch of chunk {cid}")
             e.chunk.payload = self._alloc(e.chunk)
             e.read = self._disk().read_async(cid, e.chunk.payload)
             issued += 1
+
+    def _room_ahead(self, nbytes: int, use: int) -> bool:
+        """Whether a read ahead of the chunk used at moment `use` fits now, room made if need be.
+
+        A budget Belady keeps full has no free room to read into, so reading ahead into free budget only
+        leaves every read to wait at its access. With `prefetch_evicts` (Belady, under a budget) room is
+        made by evicting, furthest next use first, chunks Belady would evict for the read at its access
+        anyway, only earlier: next used after `use`, and either not used again this step (Belady evicts
+        every such chunk before any the step still uses) or next used after every chunk the accesses
+        before `use` release (a chunk released in between with a later next use would be the victim at
+        the access instead: evicting earlier would cost a read more). The read must also not be undone
+        before its use: the room left after it, free or held by such chunks, covers every chunk accessed
+        before `use` that is not in RAM yet; else the demand for them would evict the chunk read. Room
+        that writes in flight will free counts as free, but the read waits for it: the next access tries
+        again."""
+        if not self.prefetch_evicts or self.policy.name != "belady" or self.cpu.capacity is None:
+            return self.cpu.fits(nbytes)
+        self._reap_writes()
+        trace = self.trace
+        assert trace is not None
+        window = trace[self.moment:use]
+        needed, seen = 0, set()
+        for cid in window:
+            e = self.entries[cid]
+            if cid not in seen and e.where not in ("cpu", "device") and e.read is None:
+                needed += e.chunk.nbytes
+            seen.add(cid)
+        writing = sum(e.chunk.nbytes for e in self.entries.values() if e.write is not None)
+        free = self.cpu.capacity - self.cpu.resident + writing
+        if free >= nbytes + needed:  # no eviction: the read fits beside what comes first
+            return self.cpu.fits(nbytes)
+        now = self.moment - 1  # (the access that just ran: the next one, at self.moment, is a next use)
+        horizon = max((self.policy.next_use(cid, use - 1) for cid in seen), default=use)
+        bar = max(use + 1, min(len(trace), horizon))
+        later = sorted(((when, cid) for cid, e in self.entries.items()
+                        if e.where == "cpu" and e.pins == 0 and e.read is None
+                        and (when := self.policy.next_use(cid, now)) >= bar), reverse=True)
+        spare = sum(self.entries[cid].chunk.nbytes for _, cid in later)
+        if free + spare < nbytes + needed:
+            return False
+        for _, cid in later:
+            if free >= nbytes:
+                break
+            self._evict(self.entries[cid])
+            self.counters["prefetch_evictions"] += 1
+            free += self.entries[cid].chunk.nbytes
+        self._reap_writes()
+        return self.cpu.fits(nbytes)
 
     def _alloc(self, chunk: Chunk) -> torch.Tensor:
         """A payload buffer (aligned for direct I/O when the disk tier uses it; page-locked, which is
