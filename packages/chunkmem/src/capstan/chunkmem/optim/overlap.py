@@ -75,7 +75,8 @@ so the moments are read ahead of backward like any other chunk:
   gradients and the data from before (`restore`). So a guess costs no copy
   in RAM, only the gradients' write-back where the budget evicts them, and
   at most once more the states' bytes of disk;
-* a step that does not guess (the one before clipped or overflowed) takes
+* a step that does not guess (the one before clipped or overflowed, or a
+  cpu budget without a disk tier: no slots to keep the old data in) takes
   each group's norm term and inf/NaN check during backward ("measure
   only"), so the step after backward needs no pass over the gradients for
   the norm: one read of every gradient chunk less per step.
@@ -197,8 +198,8 @@ class Speculation:
     def saw(self, grad_clip: float | None, norm: float | None, overflow: bool) -> None:
         """After every step, guessed or not: did it clip or overflow (what `expect_wrong` reads next)?"""
         self.last_wrong = overflow or (grad_clip is not None and norm is not None and norm > grad_clip)
-        if self.streaming:  # the next step measures or guesses: on the trace of its kind (module docstring)
-            self.opt.model.manager.use_trace("measure" if self.last_wrong else None)
+        if self.streaming and self.opt.model.manager.disk is not None:  # the next step measures or guesses:
+            self.opt.model.manager.use_trace("measure" if self.last_wrong else None)  # on its kind's trace
 
     # ---- arming and the gradient hook ----------------------------------------------------------------
     def arm(self, grad_clip: float | None, loss_scale: float, check_overflow: bool, arrivals: int = 1,
@@ -210,6 +211,8 @@ class Speculation:
             raise RuntimeError("speculative step armed twice without finish()")
         self.grad_clip, self.loss_scale, self.check_overflow = grad_clip, loss_scale, check_overflow
         self.arrivals, self.armed, self.measuring = arrivals, True, not update
+        if self.streaming and self.opt.model.manager.disk is None:  # a cpu budget alone: no disk slots to keep
+            self.measuring = self.measuring or self._may_roll_back()  # the old data in, so it never guesses
         self._overflowed = False  # set by the worker at the first inf/NaN gradient it meets
         model = self.opt.model
         self.missing = {}
