@@ -264,19 +264,19 @@ def test_a_protected_slot_keeps_its_data_until_commit_or_restore(tmp_path) -> No
 
 
 def test_restore_drops_what_was_written_wherever_it_is(tmp_path) -> None:
-    """ChunkManager.protect / restore: data only in RAM is written to its slot first; after restore the
+    """ChunkManager.rollback's protect / restore: data only in RAM is written to its slot first; after restore the
     chunk reads what it held at protect (a chunk without data then reads as zeros), the budget exact."""
     manager = ChunkManager(2 * 4096 * 4, DiskStore(tmp_path), audit=True)
     for cid in range(3):
         init = None if cid == 2 else torch.full((4096,), cid + 1.0)
         manager.add(Chunk(cid, ChunkKind.EXP_AVG, torch.float32, 4096), init)
-    empty = manager.protect([0, 1, 2])
+    empty = manager.rollback.protect([0, 1, 2])
     assert empty == {2} and manager.counters["writes"] == 2  # both were in RAM only: written to their slots
     for cid in (0, 1, 2):  # write new data; the small budget evicts some of it to the second slots
         manager.access(cid, write=True).payload.fill_(9.0)
-        manager.mark_written([cid])
+        manager.rollback.mark_written([cid])
         manager.release(cid)
-    manager.restore([0, 1, 2], empty)
+    manager.rollback.restore([0, 1, 2], empty)
     manager.audit()
     for cid, want in ((0, 1.0), (1, 2.0), (2, 0.0)):
         assert float(manager.access(cid).payload.max()) == want

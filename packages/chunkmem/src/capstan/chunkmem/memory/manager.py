@@ -8,7 +8,7 @@ non-model memory, sampled from RSS) and evicts LRU. From then on the trace
 drives placement: the policy (Belady by default) evicts the chunk used
 furthest in the future, and the next chunks of the trace are read ahead on
 I/O threads while compute goes on, into room Belady would make for them
-anyway (`_room_ahead`). Steps that access chunks in another order (a
+anyway (readahead.py). Steps that access chunks in another order (a
 measuring step beside guessing ones, optim/overlap.py) record and follow a
 trace of their own (`use_trace`).
 
@@ -36,6 +36,8 @@ from .device import DEVICE_KINDS, DeviceTier, device_tier
 from .disk import DiskStore
 from .eviction import EvictionPolicy, make_policy
 from .nonmodel import check_memory_limit, nonmodel_ahead, return_freed_memory
+from .readahead import ReadAhead
+from .rollback import DiskRollback
 from .tiers import BudgetError, Tier
 
 __all__ = ["ChunkManager", "BudgetError"]
@@ -114,6 +116,8 @@ class ChunkManager:
         self.counters = {"prefetch_hits": 0, "prefetch_misses": 0, "prefetch_evictions": 0, "stall_s": 0.0,
                          "reads": 0, "writes": 0}
         self.device_tier = DeviceTier(self, self.device, self.dev, device_limit, device_measure)
+        self.readahead = ReadAhead(self)  # reads the trace's next chunks ahead (readahead.py)
+        self.rollback = DiskRollback(self)  # keeps what a speculative update may be taken back to (rollback.py)
 
     # ---- registration -------------------------------------------------------------------------
     def add(self, chunk: Chunk, init: torch.Tensor | None = None) -> None:
@@ -184,7 +188,7 @@ class ChunkManager:
         entry.pins += 1
         if write or overwrite:
             entry.disk_valid = False
-        self._prefetch()
+        self.readahead.run()
         self.device_tier.prefetch()
         self._after_move()
         return chunk
@@ -199,76 +203,6 @@ class ChunkManager:
         held = self.transient + sum(e.chunk.nbytes for cid, e in self.entries.items()
                                     if cid not in wanted and e.pins > 0 and e.where == "cpu")
         return held + sum(self.entries[cid].chunk.nbytes for cid in wanted) <= self.cpu.capacity
-
-    # ---- taking a speculative update back (optim/overlap.py, past RAM) ---------------------------------
-    def protect(self, chunk_ids: list[int]) -> set[int]:
-        """Before a speculative write to these chunks (pinned or not): keep what they hold now until `commit`
-        or `restore`, in their disk slots (DiskStore.protect), so a write-back goes to a second slot. A chunk
-        whose current data is only in RAM is written to its slot first (and is then clean); one without
-        data is not written. Returns those without data (what `restore` makes zeros again)."""
-        disk, empty = self._disk(), set()
-        for cid in chunk_ids:
-            entry = self.entries[cid]
-            if entry.where == "device":
-                self.device_tier.off_device(entry)
-            self.device_tier.land(entry)
-            if self.reads_as_zeros(cid):
-                empty.add(cid)
-                continue
-            if not entry.disk_valid:  # the data is in RAM only: to the slot now (the update follows at once)
-                start = time.perf_counter()
-                disk.write_async(cid, entry.chunk.payload).result()  # type: ignore[arg-type]
-                self.counters["stall_s"] += time.perf_counter() - start
-                entry.disk_valid = True
-                self.counters["writes"] += 1
-                self.cpu.stats.bytes_out += entry.chunk.nbytes
-                self.disk_tier.stats.bytes_in += entry.chunk.nbytes
-            disk.protect(cid)
-        return empty
-
-    def mark_written(self, chunk_ids: list[int]) -> None:
-        """The caller writes these pinned chunks (accessed to read first): their disk copies are old."""
-        for cid in chunk_ids:
-            self.entries[cid].disk_valid = False
-
-    def commit(self, chunk_ids: list[int]) -> None:
-        """The speculative writes stand: the protected data is let go."""
-        for cid in chunk_ids:
-            self._disk().commit(cid)
-
-    def restore(self, chunk_ids: list[int], empty: set[int]) -> None:
-        """Take the speculative writes back: each chunk holds what it held at `protect` (in its disk slot;
-        zeros for those in `empty`), and what it holds in RAM or on the device now is dropped."""
-        disk = self._disk()
-        for cid in chunk_ids:
-            entry = self.entries[cid]
-            if entry.pins:
-                raise RuntimeError(f"cannot restore chunk {cid}: it is in use")
-            if entry.where == "device":
-                self.device_tier.off_device(entry)
-            if entry.read is not None:
-                self._finish_read(entry)
-            self._wait_write(entry)
-            self.device_tier.land(entry)
-            if cid not in empty:
-                disk.restore(cid)
-            if entry.where == "cpu" and self.cpu.capacity is None:  # unbounded RAM keeps its buffers
-                if cid in empty:
-                    entry.stale, entry.disk_valid = True, False
-                else:
-                    disk.read_async(cid, entry.chunk.payload).result()  # type: ignore[arg-type]
-                    entry.stale, entry.disk_valid = False, True
-                    self._count_read(entry.chunk)
-                continue
-            if entry.where == "cpu":
-                if self.dev is None:  # as an eviction: the models let go of its tensors
-                    for cb in self.on_evict:
-                        cb(entry.chunk)
-                self._drop_payload(entry)
-                self.cpu.release(entry.chunk.nbytes)
-            entry.stale = False
-            entry.where, entry.disk_valid = (None, False) if cid in empty else ("disk", True)
-        self._after_move()
 
     def release(self, chunk_id: int) -> None:
         entry = self.entries[chunk_id]
@@ -387,6 +321,11 @@ class ChunkManager:
         self.cpu.stats.bytes_in += chunk.nbytes
         self.disk_tier.stats.bytes_out += chunk.nbytes
 
+    def _count_write(self, chunk: Chunk) -> None:
+        self.counters["writes"] += 1
+        self.cpu.stats.bytes_out += chunk.nbytes
+        self.disk_tier.stats.bytes_in += chunk.nbytes
+
     def _make_room(self, nbytes: int, protect: int) -> None:
         self._reap_writes()
         while not self.cpu.fits(nbytes):
@@ -444,9 +383,7 @@ class ChunkManager:
             entry.write_buf, chunk.payload = chunk.payload, None
             entry.write = self._disk().write_async(chunk.chunk_id, entry.write_buf)
             entry.disk_valid = True
-            self.counters["writes"] += 1
-            self.cpu.stats.bytes_out += chunk.nbytes
-            self.disk_tier.stats.bytes_in += chunk.nbytes
+            self._count_write(chunk)
         entry.where = "disk"
 
     def _wait_write(self, entry: _Entry) -> None:
@@ -472,77 +409,6 @@ class ChunkManager:
             return
         for cb in self.on_resident:
             cb(chunk)
-
-    def _prefetch(self) -> None:
-        """Read the next chunks of the trace ahead: into free budget, or with Belady (`prefetch_evicts`) into
-        room made by evicting chunks whose next use comes after the read chunk's (`_room_ahead`)."""
-        if self.trace is None or self.disk is None or self.prefetch_depth <= 0 or self._off_trace:
-            return  # (accesses off the trace, an evaluation's, do not follow it)
-        issued, m = 0, self.moment
-        seen: set[int] = set()
-        while issued < self.prefetch_depth and m < len(self.trace) and len(seen) < 4 * self.prefetch_depth:
-            cid = self.trace[m]
-            m += 1
-            if cid in seen:
-                continue
-            seen.add(cid)
-            e = self.entries[cid]
-            if e.where != "disk" or e.read is not None or e.write is not None:
-                continue
-            if not self._room_ahead(e.chunk.nbytes, m - 1):
-                return
-            self.cpu.reserve(e.chunk.nbytes, f"prefetch of chunk {cid}")
-            e.chunk.payload = self._alloc(e.chunk)
-            e.read = self._disk().read_async(cid, e.chunk.payload)
-            issued += 1
-
-    def _room_ahead(self, nbytes: int, use: int) -> bool:
-        """Whether a read ahead of the chunk used at moment `use` fits now, room made if need be.
-
-        A budget Belady keeps full has no free room to read into, so reading ahead into free budget only
-        leaves every read to wait at its access. With `prefetch_evicts` (Belady, under a budget) room is
-        made by evicting, furthest next use first, chunks Belady would evict for the read at its access
-        anyway, only earlier: next used after `use`, and either not used again this step (Belady evicts
-        every such chunk before any the step still uses) or next used after every chunk the accesses
-        before `use` release (a chunk released in between with a later next use would be the victim at
-        the access instead: evicting earlier would cost a read more). The read must also not be undone
-        before its use: the room left after it, free or held by such chunks, covers every chunk accessed
-        before `use` that is not in RAM yet; else the demand for them would evict the chunk read. Room
-        that writes in flight will free counts as free, but the read waits for it: the next access tries
-        again."""
-        if not self.prefetch_evicts or self.policy.name != "belady" or self.cpu.capacity is None:
-            return self.cpu.fits(nbytes)
-        self._reap_writes()
-        trace = self.trace
-        assert trace is not None
-        window = trace[self.moment:use]
-        needed, seen = 0, set()
-        for cid in window:
-            e = self.entries[cid]
-            if cid not in seen and e.where not in ("cpu", "device") and e.read is None:
-                needed += e.chunk.nbytes
-            seen.add(cid)
-        writing = sum(e.chunk.nbytes for e in self.entries.values() if e.write is not None)
-        free = self.cpu.capacity - self.cpu.resident + writing
-        if free >= nbytes + needed:  # no eviction: the read fits beside what comes first
-            return self.cpu.fits(nbytes)
-        now = self.moment - 1  # (the access that just ran: the next one, at self.moment, is a next use)
-        horizon = max((self.policy.next_use(cid, use - 1) for cid in seen), default=use)
-        bar = max(use + 1, min(len(trace), horizon))
-        later = sorted(((when, cid) for cid, e in self.entries.items()
-                        if e.where == "cpu" and e.pins == 0 and e.read is None
-                        and (when := self.policy.next_use(cid, now)) >= bar), reverse=True)
-        spare = sum(self.entries[cid].chunk.nbytes for _, cid in later)
-        if free + spare < nbytes + needed:
-            return False
-        for _, cid in later:
-            if free >= nbytes:
-                break
-            self._evict(self.entries[cid])
-            self.counters["prefetch_evictions"] += 1
-            free += self.entries[cid].chunk.nbytes
-        self._reap_writes()
-        return self.cpu.fits(nbytes)
 
     def _alloc(self, chunk: Chunk) -> torch.Tensor:
         """A payload buffer (aligned for direct I/O when the disk tier uses it; page-locked, which is
@@ -617,7 +483,7 @@ class ChunkManager:
         self.trace_key = key
         recorded = self._traces.get(key)
         self.trace, self.device_tier.trace_compute = recorded if recorded is not None else (None, None)
-        self._recording, self.nonmodel = [], []
+        self._recording = []
         self.device_tier.start_recording()
         self.policy.set_trace(self.trace)
 

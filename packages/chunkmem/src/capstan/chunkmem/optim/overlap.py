@@ -66,7 +66,7 @@ so the moments are read ahead of backward like any other chunk:
   gradient chunk dropped: it is never written to disk or read back, and
   the norm is taken from it first;
 * with either, it guesses as above, and the copies to roll back to are the
-  disk's: the chunks are protected first (`ChunkManager.protect`: their
+  disk's: the chunks are protected first (`ChunkManager.rollback`: their
   write-backs go to a second slot of the disk file while the first keeps the
   data from before the update, and data only in RAM is written to its slot
   first). The gradient chunk is kept until the step's end. A right guess
@@ -185,6 +185,8 @@ class Speculation:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capstan-adam")
         self._overflowed = False
         self.streaming = streams(self.opt.model)
+        # past RAM a guess is taken back from disk slots: a cpu budget without a disk tier never guesses
+        self.guesses_on_disk = self.streaming and self.opt.model.manager.disk is not None
 
     # ---- whether to guess --------------------------------------------------------------------------
     def expect_wrong(self, grad_clip: float | None, check_overflow: bool) -> bool:
@@ -198,8 +200,8 @@ class Speculation:
     def saw(self, grad_clip: float | None, norm: float | None, overflow: bool) -> None:
         """After every step, guessed or not: did it clip or overflow (what `expect_wrong` reads next)?"""
         self.last_wrong = overflow or (grad_clip is not None and norm is not None and norm > grad_clip)
-        if self.streaming and self.opt.model.manager.disk is not None:  # the next step measures or guesses:
-            self.opt.model.manager.use_trace("measure" if self.last_wrong else None)  # on its kind's trace
+        if self.guesses_on_disk:  # the next step measures or guesses: on its kind's trace
+            self.opt.model.manager.use_trace("measure" if self.last_wrong else None)
 
     # ---- arming and the gradient hook ----------------------------------------------------------------
     def arm(self, grad_clip: float | None, loss_scale: float, check_overflow: bool, arrivals: int = 1,
@@ -211,8 +213,8 @@ class Speculation:
             raise RuntimeError("speculative step armed twice without finish()")
         self.grad_clip, self.loss_scale, self.check_overflow = grad_clip, loss_scale, check_overflow
         self.arrivals, self.armed, self.measuring = arrivals, True, not update
-        if self.streaming and self.opt.model.manager.disk is None:  # a cpu budget alone: no disk slots to keep
-            self.measuring = self.measuring or self._may_roll_back()  # the old data in, so it never guesses
+        if self.streaming and not self.guesses_on_disk:
+            self.measuring = self.measuring or self._may_roll_back()
         self._overflowed = False  # set by the worker at the first inf/NaN gradient it meets
         model = self.opt.model
         self.missing = {}
@@ -316,8 +318,8 @@ class Speculation:
                 self._overflowed = self._overflowed or job.nonfinite  # the step will be skipped: no more updates
                 if not self._overflowed:
                     if guess:
-                        job.empty = mgr.protect(job.protected)
-                        mgr.mark_written(job.protected)
+                        job.empty = mgr.rollback.protect(job.protected)
+                        mgr.rollback.mark_written(job.protected)
                     _adam(views, self._args(g), model.moment_layout(g, i), model.mixed)
                     job.stepped = True
             finally:
@@ -407,7 +409,7 @@ class Speculation:
         """Put a speculatively stepped chunk group back as it was before its update."""
         model, n = self.opt.model, job.n
         if job.protected:  # streamed: the data from before is in the chunks' disk slots
-            model.manager.restore(job.protected, job.empty)
+            model.manager.rollback.restore(job.protected, job.empty)
             job.protected = []
             return
         chunks = model.chunks
@@ -428,7 +430,7 @@ class Speculation:
         mgr = self.opt.model.manager
         for job in self.jobs.values():
             if job.protected:
-                mgr.commit(job.protected)
+                mgr.rollback.commit(job.protected)
             for cid in job.ids:
                 mgr.release(cid)
             if job.backup_bytes:
