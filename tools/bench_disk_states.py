@@ -8,6 +8,8 @@
     hatch run python tools/bench_disk_states.py --states fp32/noclip,fp32/fused,int8/noclip,int8/fused
     # "+noevict" after the variant reads ahead into free budget only (no Belady eviction for a read ahead):
     hatch run python tools/bench_disk_states.py --states fp32/fused,fp32/fused+noevict --rounds 2
+    # "torch": plain PyTorch forward + backward of the same model in RAM, the compute bound (#34's target):
+    hatch run python tools/bench_disk_states.py --states torch,fp32/fused,int8/fused --rounds 2
 
 Each run is a fresh process (`--one STATES` runs one and prints a JSON line): the reference GPT with
 `memory.offload = "disk"` under a chunk budget, fp32 compute, micro-batch 2 x seq 128. The first step
@@ -83,6 +85,31 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
             "peak_rss": peak_rss_bytes(), "disk_file": disk_file}
 
 
+def forward_backward(layers: int, d_model: int, steps: int) -> dict:
+    """The compute bound of #34's target, on the same machine in the same run: plain PyTorch forward and
+    backward of the same GPT (fp32, every parameter and gradient in RAM, no optimizer, gradients kept
+    and accumulated: no allocation in the loop), micro-batch 2 x 128; the median of steps 2 on."""
+    import torch
+
+    from capstan import comm
+    from capstan.comm.procmem import peak_rss_bytes
+    from capstan.engine.config.load import load_config, reference_gpt_config
+    from capstan.tensorpar import build_gpt
+
+    torch.manual_seed(0)
+    cfg = load_config({"model": {"n_layers": layers, "n_heads": max(1, d_model // 128), "d_model": d_model,
+                                 "seq_len": 128}})
+    gpt = reference_gpt_config(cfg)
+    model = build_gpt(gpt, comm.single_process_groups().tp, seed=0)
+    ids = torch.randint(0, gpt.vocab_size, (2, 129))
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        model.loss(model(ids[:, :-1]), ids[:, 1:]).backward()
+        times.append(time.perf_counter() - t)
+    return {"fwd_bwd_s": statistics.median(times[1:] or times), "times": times, "peak_rss": peak_rss_bytes()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=36)
@@ -97,6 +124,9 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=None, help="the chunk manager's prefetch depth (default 2)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one == "torch":
+        print(json.dumps(forward_backward(args.layers, args.d_model, args.steps)))
+        return
     if args.one:
         print(json.dumps(one(args.one, args.layers, args.d_model, args.budget, args.steps, args.dir, args.lr,
                              args.prefetch)))
@@ -114,12 +144,18 @@ def main() -> None:
             finally:
                 shutil.rmtree(chunks, ignore_errors=True)
             results.setdefault(states, []).append(json.loads(out.strip().splitlines()[-1]))
+    torch_runs = results.pop("torch", [])
+    bound = statistics.median(r["fwd_bwd_s"] for r in torch_runs) if torch_runs else None
+    if bound is not None:
+        print(f"plain PyTorch forward + backward of the same model (all in RAM, no optimizer): {bound:.1f} s "
+              f"(runs: {', '.join(' '.join(f'{t:.1f}' for t in r['times']) for r in torch_runs)}; peak RSS "
+              f"{torch_runs[0]['peak_rss'] / 2**30:.1f} GiB)\n")
     first = next(iter(results.values()))[0]
     print(f"### {first['params'] / 1e9:.2f}B-parameter GPT ({args.layers} x {args.d_model}), disk offload under "
           f"{args.budget}, micro-batch 2 x 128 tokens, {args.rounds} round(s), steps 2-{args.steps} of each\n")
-    print("| moments | model states (chunks) | B/param | s/step | vs fp32 | moved/step | stalled on I/O | "
-          "peak RSS | loss at the last step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| moments | model states (chunks) | B/param | s/step | vs fp32 | vs forward + backward | moved/step | "
+          "stalled on I/O | peak RSS | loss at the last step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base = None
     for states, runs in results.items():
         later = [s for r in runs for s in r["steps"][1:]]
@@ -129,7 +165,8 @@ def main() -> None:
         base = base or step
         r = runs[0]
         print(f"| {states} | {r['chunk_bytes'] / 2**30:.1f} GiB | {r['chunk_bytes'] / r['params']:.1f} | {step:.1f} | "
-              f"{base / step:.2f}x | {moved / 2**30:.1f} GiB | {stall:.1f} s | {r['peak_rss'] / 2**30:.2f} GiB | "
+              f"{base / step:.2f}x | {f'{step / bound:.2f}x' if bound else '-'} | {moved / 2**30:.1f} GiB | "
+              f"{stall:.1f} s | {r['peak_rss'] / 2**30:.2f} GiB | "
               f"{r['steps'][-1]['loss']:.4f} |")
     for states, runs in results.items():
         for k, r in enumerate(runs):

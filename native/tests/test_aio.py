@@ -165,6 +165,37 @@ def test_large_aligned_buffer_is_its_own_huge_page_mapping_and_freed_to_the_os()
     assert small.data_ptr() % aio.ALIGNMENT == 0
 
 
+def test_a_block_pool_reuses_freed_buffers_within_its_room_and_never_one_still_in_use():
+    """A freed buffer goes to the pool only when nothing refers to it any more (a view keeps it), and only
+    within the room; the next buffer of its size is that one (no fresh mapping to fault in); a smaller
+    room frees what the pool keeps beyond it, and a closed pool keeps nothing."""
+    room = [8 * MiB]
+    pool = aio.BlockPool(lambda: room[0])
+    a = aio.aligned_empty(4 * MiB, pool=pool)
+    a.fill_(3)
+    first, view = a.data_ptr(), a[MiB:]
+    del a
+    assert pool.nbytes == 0  # the view still reads it
+    assert int(view[0]) == 3
+    del view
+    assert pool.nbytes == 4 * MiB
+    b = aio.aligned_empty(4 * MiB, pool=pool)
+    assert b.data_ptr() == first and pool.reused == 1 and pool.nbytes == 0
+    other = aio.aligned_empty(2 * MiB, pool=pool)  # another size: a fresh buffer
+    assert other.data_ptr() != first
+    room[0] = 5 * MiB
+    del b, other  # 4 MiB fits the room, then the 2 MiB one does not
+    assert pool.nbytes == 4 * MiB
+    room[0] = MiB
+    pool.make_room()
+    assert pool.nbytes == 0
+    room[0] = 64 * MiB
+    pool.close()
+    c = aio.aligned_empty(4 * MiB, pool=pool)
+    del c
+    assert pool.nbytes == 0
+
+
 FIRST_FAILURE = textwrap.dedent("""
     import resource, signal, sys
     from capstan.native import aio

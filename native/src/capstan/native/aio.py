@@ -9,7 +9,9 @@ OSError) naming the file, the offset and the errno (ENOSPC, EIO, EBADF, ...)
 or a short read. Buffers are contiguous cpu torch tensors or numpy arrays; the
 request keeps them alive until it completes. O_DIRECT needs buffer address,
 offset and size aligned to `ALIGNMENT`: `aligned_empty` allocates such
-buffers (libcapstan's posix_memalign).
+buffers (libcapstan's posix_memalign, or a mapping of its own from 2 MiB up).
+With a `BlockPool` a freed buffer is kept for the next one of its size instead
+of going back to the OS (see `BlockPool` for why).
 
 Example::
 
@@ -26,6 +28,7 @@ import errno as errno_mod
 import os
 import threading
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,7 +36,7 @@ from . import _lib
 from ._aio_fallback import FallbackEngine
 from .aio_error import AsyncIOError
 
-__all__ = ["ALIGNMENT", "AsyncFile", "AsyncIOError", "Request", "aligned_empty"]
+__all__ = ["ALIGNMENT", "AsyncFile", "AsyncIOError", "BlockPool", "Request", "aligned_empty"]
 
 ALIGNMENT = 4096  # covers 512-byte and 4 KiB logical blocks
 _READ, _WRITE, _FSYNC = 0, 1, 2
@@ -45,11 +48,16 @@ _engine: object | None = None
 
 
 class _AlignedBlock:
-    """Owns a libcapstan aligned allocation; numpy's array interface keeps it alive."""
+    """Owns a libcapstan aligned allocation; numpy's array interface keeps it alive. With a pool, the
+    allocation is taken from it and, once nothing refers to the buffer any more, offered back to it."""
 
-    def __init__(self, lib: ctypes.CDLL, nbytes: int, alignment: int):
-        self._lib = lib
-        self.ptr = lib.capstan_alloc_aligned(nbytes, alignment)
+    def __init__(self, lib: ctypes.CDLL, nbytes: int, alignment: int, pool: BlockPool | None = None):
+        self._lib, self._key, self._pool = lib, (nbytes, alignment), pool
+        self.ptr = pool.take(nbytes, alignment) if pool is not None else None
+        if self.ptr is None:
+            if pool is not None:
+                pool.make_room()  # a fresh allocation: what the pool keeps leaves room for it first
+            self.ptr = lib.capstan_alloc_aligned(nbytes, alignment)
         if not self.ptr:
             raise MemoryError(f"aligned allocation of {nbytes} bytes failed")
         self.__array_interface__ = {"data": (self.ptr, False), "shape": (nbytes,),
@@ -57,12 +65,77 @@ class _AlignedBlock:
 
     def __del__(self):
         if getattr(self, "ptr", None):
-            self._lib.capstan_free_aligned(self.ptr)
+            if self._pool is None or not self._pool.give(self.ptr, *self._key):
+                self._lib.capstan_free_aligned(self.ptr)
             self.ptr = None
 
 
-def aligned_empty(numel: int, dtype=None, alignment: int = ALIGNMENT):
-    """An uninitialized 1-D cpu tensor (torch dtype, default uint8) whose data is aligned."""
+class BlockPool:
+    """Aligned buffers no longer referenced, kept for the next request of the same size, within a room.
+
+    Why: the disk tier's buffers come and go by the thousand per step (every read lands in a new one,
+    every write-back frees one), and each fresh allocation is a new mapping whose pages the kernel
+    faults in and zeroes at first touch, on the I/O threads (O_DIRECT pins them) or the compute thread,
+    both taking CPU from compute. On a 1.81B model stepped through the disk under 2 GiB on 2 cores this
+    was 30 s of system time a step and most of the gap to forward and backward (docs/benchmarks.md);
+    reusing freed buffers of the same size takes it away.
+
+    `room()` is how many bytes the pool may keep now (the chunk tier's free budget; None: nothing), so
+    that what the pool keeps plus what is in use never exceeds the budget: a buffer is kept only if it
+    fits the room when it is freed, and `make_room()` (before every fresh allocation, and by the owner
+    whenever its room shrinks) frees kept buffers down to the room. A taken buffer holds old data: the
+    caller writes or zeroes it. Thread-safe: buffers are freed on whichever thread drops them."""
+
+    def __init__(self, room: Callable[[], int | None]) -> None:
+        self._room = room
+        self._free: dict[tuple[int, int], list[int]] = {}
+        self._lock = threading.Lock()
+        self.nbytes = 0  # bytes kept
+        self.reused = 0  # buffers handed out again
+        self._closed = False
+
+    def take(self, nbytes: int, alignment: int) -> int | None:
+        with self._lock:
+            kept = self._free.get((nbytes, alignment))
+            if not kept:
+                return None
+            self.nbytes -= nbytes
+            self.reused += 1
+            return kept.pop()
+
+    def give(self, ptr: int, nbytes: int, alignment: int) -> bool:
+        """Keep a freed buffer if it fits the room; False: the caller frees it."""
+        room = self._room()
+        with self._lock:
+            if self._closed or room is None or self.nbytes + nbytes > room:
+                return False
+            self._free.setdefault((nbytes, alignment), []).append(ptr)
+            self.nbytes += nbytes
+            return True
+
+    def make_room(self, room: int | None = None) -> None:
+        """Free kept buffers until what is kept fits `room` (default: the pool's room now)."""
+        limit = self._room() if room is None else room
+        limit = 0 if limit is None else max(0, limit)
+        lib = _lib.get()
+        with self._lock:
+            for key in sorted(self._free, reverse=True):  # the largest first
+                kept = self._free[key]
+                while kept and self.nbytes > limit:
+                    self.nbytes -= key[0]
+                    lib.capstan_free_aligned(kept.pop())
+            self._free = {k: v for k, v in self._free.items() if v}
+
+    def close(self) -> None:
+        """Free every kept buffer; buffers freed later go back to the OS."""
+        self.make_room(0)
+        with self._lock:
+            self._closed = True
+
+
+def aligned_empty(numel: int, dtype=None, alignment: int = ALIGNMENT, pool: BlockPool | None = None):
+    """An uninitialized 1-D cpu tensor (torch dtype, default uint8) whose data is aligned; with `pool`, a
+    freed buffer of the same size is reused (it holds old data) and this one goes back to it when freed."""
     import torch
 
     dtype = dtype or torch.uint8
@@ -72,11 +145,11 @@ def aligned_empty(numel: int, dtype=None, alignment: int = ALIGNMENT):
         raise ValueError(f"alignment must be a power of two >= 8, got {alignment}")
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     lib = _lib.get()
-    if lib is None:  # over-allocate and slice: same alignment guarantee
+    if lib is None:  # over-allocate and slice: same alignment guarantee (no pool)
         raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
         off = (-raw.data_ptr()) % alignment
         return raw[off:off + nbytes].view(dtype)
-    arr = np.asarray(_AlignedBlock(lib, nbytes, alignment))
+    arr = np.asarray(_AlignedBlock(lib, nbytes, alignment, pool))
     return torch.from_numpy(arr).view(dtype)
 
 

@@ -227,6 +227,7 @@ class DeviceTier:
         nbytes = self.staging_bytes()
         self.m._make_room(nbytes, protect=-1)
         self.m.cpu.reserve(nbytes, "pinned staging buffers")
+        self.m._trim_blocks()
         pool.allocate(nbytes // pool.count)
 
     def staging_bytes(self) -> int:

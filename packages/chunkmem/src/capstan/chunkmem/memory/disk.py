@@ -152,11 +152,12 @@ class DiskStore:
                 self._end += -(-nbytes // ALIGN) * ALIGN
             return self._second[chunk_id]
 
-    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized buffer the disk tier can read into and write from directly."""
+    def alloc(self, numel: int, dtype: torch.dtype, pool: aio.BlockPool | None = None) -> torch.Tensor:
+        """An uninitialized buffer the disk tier can read into and write from directly (from `pool`, a
+        freed one of the same size where it keeps one: it holds old data)."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if self._open(nbytes).direct and numel > 0:
-            return aio.aligned_empty(numel, dtype)
+            return aio.aligned_empty(numel, dtype, pool=pool)
         return torch.empty(numel, dtype=dtype)
 
     def _submit(self, chunk_id: int, buf: torch.Tensor, write: bool) -> _Pending:

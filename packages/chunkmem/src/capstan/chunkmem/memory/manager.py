@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from capstan.comm.procmem import rss_bytes
+from capstan.native import aio
 
 from ..model.chunk import Chunk
 from .device import DEVICE_KINDS, DeviceTier, device_tier
@@ -70,9 +71,10 @@ class ChunkManager:
     unbounded): chunks accessed for compute live there, the rest in RAM or on disk (device.py)."""
 
     def __init__(self, cpu_budget: int | None, disk: DiskStore | None = None, eviction: str = "belady",
-                 prefetch: int = 2, prefetch_evicts: bool = True, audit: bool = False, memory_limit: int | None = None,
-                 device: torch.device | str | None = None, device_budget: int | None = None,
-                 device_limit: int | None = None, device_measure: Callable[[], int] | None = None) -> None:
+                 prefetch: int | None = None, prefetch_evicts: bool = True, audit: bool = False,
+                 memory_limit: int | None = None, device: torch.device | str | None = None,
+                 device_budget: int | None = None, device_limit: int | None = None,
+                 device_measure: Callable[[], int] | None = None) -> None:
         if cpu_budget is not None and cpu_budget <= 0:
             raise ValueError(f"cpu budget must be positive, got {cpu_budget}")
         if memory_limit is not None and (cpu_budget is None or memory_limit < cpu_budget):
@@ -92,8 +94,11 @@ class ChunkManager:
         self._pinned: list[int] = []  # warm-up: bytes of chunks in use at each moment
         self.disk_tier = Tier("disk", None)
         self.disk = disk
+        # Freed RAM buffers of the disk tier kept for the next chunk of their size, within the free budget
+        # (a fresh buffer's pages cost faults and zeroing on every move: aio.BlockPool); none unbounded.
+        self.blocks = aio.BlockPool(self.cpu.free_bytes) if disk is not None and cpu_budget is not None else None
         self.policy: EvictionPolicy = make_policy(eviction)
-        self.prefetch_depth = prefetch
+        self.prefetch_depth = prefetch  # chunks the read-ahead prepares (None: from the budget, readahead.py)
         self.prefetch_evicts = prefetch_evicts
         self.audit_moves = audit
         self.entries: dict[int, _Entry] = {}
@@ -223,6 +228,7 @@ class ChunkManager:
             self._make_room(nbytes, protect=-1)
             self.cpu.reserve(nbytes, what)
             self.transient += nbytes
+            self._trim_blocks()  # the caller allocates the buffer itself: the pool makes room for it
         self._after_move()
 
     def release_transient(self, nbytes: int, on_device: bool = False) -> None:
@@ -272,8 +278,7 @@ class ChunkManager:
                 entry.chunk.payload.zero_()  # type: ignore[union-attr]
             return
         if entry.where == "cpu":
-            self._drop_payload(entry)
-            self.cpu.release(entry.chunk.nbytes)
+            self._discard(entry)
         entry.where = None
         self._after_move()
 
@@ -377,8 +382,7 @@ class ChunkManager:
                 cb(chunk)
         self.cpu.stats.evictions += 1
         if entry.disk_valid:  # clean: the disk copy is current, just drop the buffer
-            self._drop_payload(entry)
-            self.cpu.release(chunk.nbytes)
+            self._discard(entry)
         else:
             entry.write_buf, chunk.payload = chunk.payload, None
             entry.write = self._disk().write_async(chunk.chunk_id, entry.write_buf)
@@ -392,8 +396,8 @@ class ChunkManager:
         start = time.perf_counter()
         entry.write.result()
         self.counters["stall_s"] += time.perf_counter() - start
+        self.cpu.release(entry.chunk.nbytes)  # (first: the buffer pool sees the room as the buffer goes)
         entry.write, entry.write_buf = None, None
-        self.cpu.release(entry.chunk.nbytes)
 
     def _reap_writes(self) -> None:
         for e in self.entries.values():
@@ -402,6 +406,12 @@ class ChunkManager:
 
     def _drop_payload(self, entry: _Entry) -> None:
         entry.chunk.payload = None
+
+    def _discard(self, entry: _Entry) -> None:
+        """Release a chunk's RAM bytes and drop its buffer, in that order: the buffer pool, offered the buffer
+        as it goes, keeps it only within the free budget."""
+        self.cpu.release(entry.chunk.nbytes)
+        self._drop_payload(entry)
 
     def _resident(self, chunk: Chunk) -> None:
         """Tell the models a chunk arrived in the compute tier (RAM arrivals count only without a device)."""
@@ -418,8 +428,14 @@ class ChunkManager:
         if transfers is not None and transfers.pins_chunks and chunk.kind in DEVICE_KINDS:
             return transfers.pinned(chunk.capacity, chunk.dtype)
         if self.disk is not None:
-            return self.disk.alloc(chunk.capacity, chunk.dtype)
+            return self.disk.alloc(chunk.capacity, chunk.dtype, self.blocks)
         return torch.empty(chunk.capacity, dtype=chunk.dtype)
+
+    def _trim_blocks(self) -> None:
+        """Free the pool's buffers beyond the free budget (after a reserve for memory allocated elsewhere, or a
+        smaller capacity)."""
+        if self.blocks is not None:
+            self.blocks.make_room()
 
     def _disk(self) -> DiskStore:
         if self.disk is None:
@@ -507,6 +523,7 @@ class ChunkManager:
         """Set the cpu tier's capacity for this moment, evicting down to it if activations grew."""
         cap = self.chunk_capacity_at(self.moment)
         self.cpu.capacity = cap
+        self._trim_blocks()
         if cap is not None and self.cpu.resident > cap:
             self._make_room(0, protect=chunk_id)
 
@@ -530,7 +547,10 @@ class ChunkManager:
         return {
             "cpu": {"budget_bytes": self.cpu.capacity, "resident_bytes": self.cpu.resident,
                     "peak_bytes": self.cpu.stats.peak_bytes, "bytes_in": self.cpu.stats.bytes_in,
-                    "bytes_out": self.cpu.stats.bytes_out, "evictions": self.cpu.stats.evictions},
+                    "bytes_out": self.cpu.stats.bytes_out, "evictions": self.cpu.stats.evictions,
+                    # freed buffers kept for reuse, within the free budget (aio.BlockPool), and how often reused
+                    "pooled_bytes": self.blocks.nbytes if self.blocks is not None else 0,
+                    "buffers_reused": self.blocks.reused if self.blocks is not None else 0},
             "disk": {"resident_bytes": disk_resident, "bytes_in": self.disk_tier.stats.bytes_in,
                      "bytes_out": self.disk_tier.stats.bytes_out,
                      # the file: every chunk's slot, and the second slots a guessed step wrote (disk.py)
@@ -552,3 +572,5 @@ class ChunkManager:
                 e.write.result()
         if self.disk is not None:
             self.disk.close()
+        if self.blocks is not None:
+            self.blocks.close()

@@ -88,8 +88,7 @@ class DiskRollback:
                 if m.dev is None:  # as an eviction: the models let go of its tensors
                     for cb in m.on_evict:
                         cb(entry.chunk)
-                m._drop_payload(entry)
-                m.cpu.release(entry.chunk.nbytes)
+                m._discard(entry)
             entry.stale = False
             entry.where, entry.disk_valid = (None, False) if cid in empty else ("disk", True)
         m._after_move()

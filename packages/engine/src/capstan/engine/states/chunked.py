@@ -224,6 +224,7 @@ class ChunkedStates(ModelStates):
         self._disk_peak = max(self._disk_peak, disk)
         out = {"mem.cpu.peak_bytes": s["cpu"]["peak_bytes"],  # type: ignore[index]
                "mem.cpu.resident_bytes": s["cpu"]["resident_bytes"],  # type: ignore[index]
+               "mem.cpu.pooled_bytes": s["cpu"]["pooled_bytes"],  # type: ignore[index]  # freed, kept for reuse
                "mem.disk.peak_bytes": self._disk_peak, "mem.disk.resident_bytes": disk,
                "mem.disk.file_bytes": s["disk"]["file_bytes"],  # type: ignore[index]  # with second slots
                "mem.moved_bytes": s["moved_bytes"], "mem.stall_s": s["stall_s"],  # type: ignore[dict-item]
