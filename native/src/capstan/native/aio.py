@@ -89,7 +89,8 @@ class BlockPool:
     def __init__(self, room: Callable[[], int | None]) -> None:
         self._room = room
         self._free: dict[tuple[int, int], list[int]] = {}
-        self._lock = threading.Lock()
+        # re-entrant: a buffer can die (and be given back) from a collection while this thread holds the lock
+        self._lock = threading.RLock()
         self.nbytes = 0  # bytes kept
         self.reused = 0  # buffers handed out again
         self._closed = False
