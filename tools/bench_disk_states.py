@@ -63,7 +63,7 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
            "precision": {"optimizer_states": moments}}
     t0 = time.perf_counter()
     engine = initialize(config=cfg, groups=comm.single_process_groups())
-    if prefetch is not None:  # reads the manager issues per access, looking 4x as many moments ahead
+    if prefetch is not None:  # chunks in the read-ahead's window (readahead.py)
         engine.manager.prefetch_depth = prefetch
     if option == "noevict":
         engine.manager.prefetch_evicts = False
@@ -121,7 +121,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (1e-4 steps a 1.8B model into a "
                                                              "loss spike; 1e-5 lets a 4B one's loss fall)")
-    ap.add_argument("--prefetch", type=int, default=None, help="the chunk manager's prefetch depth (default 2)")
+    ap.add_argument("--prefetch", type=int, default=None,
+                    help="chunks in the read-ahead window (default: an eighth of the budget)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one == "torch":

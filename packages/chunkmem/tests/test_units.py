@@ -187,6 +187,40 @@ def test_a_read_ahead_evicts_what_belady_would_evict_for_it(tmp_path, trace: lis
     assert demand["moved_bytes"] <= ahead["moved_bytes"] <= more * demand["moved_bytes"]
 
 
+def test_the_read_ahead_makes_room_for_fresh_chunks_in_its_window(tmp_path) -> None:
+    """The read-ahead makes room for its whole window at once, fresh chunks included (a gradient chunk
+    freed after the step and filled again in the next): after the warm-up step no fresh chunk's access
+    evicts on demand, nor any access but the step's second (where the one victim, the chunk just
+    accessed, is still in use when the read-ahead runs), and every chunk's data survives. (Room made for
+    one read at a time left the fresh chunks' room to their access: the 1.81B disk step's gradient chunks
+    waited 2.2 s a step for writes to free it, docs/benchmarks.md.)"""
+    manager = ChunkManager(4 * 64, DiskStore(tmp_path), prefetch=2, audit=True)
+    trace, fresh = list(range(8)), {3, 7}  # 3 and 7 are freed after their access, like gradients
+    writes = dict.fromkeys(trace, 0)
+    for cid in trace:
+        manager.add(Chunk(cid, ChunkKind.PARAM, torch.float32, 16), torch.zeros(16))
+    demand: list[list[int]] = []  # per step, the accesses that evicted on demand
+    for _ in range(4):
+        manager.begin_step()
+        demand.append([])
+        for cid in trace:
+            evictions, ahead = manager.cpu.stats.evictions, manager.counters["prefetch_evictions"]
+            chunk = manager.access(cid, write=True)
+            if manager.cpu.stats.evictions - evictions > manager.counters["prefetch_evictions"] - ahead:
+                demand[-1].append(cid)
+            assert chunk.payload[0].item() == (0 if cid in fresh else writes[cid])
+            writes[cid] += 1
+            chunk.payload.fill_(float(writes[cid]))
+            manager.release(cid)
+            if cid in fresh:
+                manager.free(cid)
+        manager.end_step()
+    stats = manager.stats()
+    manager.close()
+    assert set(demand[0]) & fresh and demand[1:] == [[1], [1], [1]], demand
+    assert stats["prefetch_hits"] + stats["prefetch_misses"] >= 2 * 3  # reads ahead in every step after the warm-up
+
+
 def test_freed_chunk_buffers_are_reused_and_never_held_beyond_the_budget(tmp_path) -> None:
     """Under a RAM budget with the disk tier, a chunk's freed buffer (evicted, written back, freed) is kept
     for the next chunk of its size instead of a fresh mapping the kernel must fault in and zero (the

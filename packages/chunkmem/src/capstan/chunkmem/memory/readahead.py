@@ -108,7 +108,9 @@ class ReadAhead:
         A victim is next used after `last` and either not used again this step (Belady evicts every such
         chunk before any the step still uses) or next used after every chunk of the window (`seen`), which
         the accesses up to `last` release: a chunk released in between with a later next use would be the
-        victim at the access instead, and evicting earlier would cost a read more. Furthest next use
+        victim at the access instead, and evicting earlier would cost a read more. (The chunk in use now is
+        left out: counting it too put off every eviction ahead on cyclic traces whose budget holds half the
+        cycle, where Belady's victim is always the chunk used last.) Furthest next use
         first, as Belady; room for as many of the window's first chunks as such victims allow, no more (a
         window that cannot be made room for whole leaves its tail to later accesses: under a budget of a
         few chunks, evicting for it would cost reads the demand then takes back)."""
