@@ -1,6 +1,8 @@
 """Convergence of Adam's moments stored in fewer bits (precision.optimizer_states), not a test.
 
     hatch run python tools/bench_optimizer_states.py [--steps 2000] [--states fp32,bf16,int8] [--seeds 1234,1235]
+    # with 3 seeds or more, each format is also compared with fp32 of the same seed (paired), mean and error:
+    hatch run python tools/bench_optimizer_states.py --states fp32,bf16 --seeds 1234,1235,1236,1237,1238,1239
         [--peers torch-adamw,bnb-adamw8bit,torchao-adamw8bit]
 
 Trains the same small GPT on the default corpus once per moment format and seed, in this one process and
@@ -113,6 +115,33 @@ def train_plain(name: str, steps: int, eval_every: int, seed: int) -> dict:
     return {"losses": losses, "evals": evals, "step_s": statistics.median(times[10:])}
 
 
+def paired(runs: dict[str, list[dict]], seeds: list[int]) -> None:
+    """Each format against fp32 moments with the same seed (the same initialization and batches: the seed's
+    own noise cancels), per seed, then the mean of those differences and its standard error over seeds; and
+    fp32's spread between seeds, the noise an unpaired comparison is read against."""
+    def rel(a: dict, b: dict) -> tuple[float, float]:
+        val = a["evals"][-1][1] / b["evals"][-1][1] - 1
+        tail = statistics.fmean(a["losses"][-100:]) / statistics.fmean(b["losses"][-100:]) - 1
+        return val, tail
+
+    print(f"\n| paired with fp32, same seed | {' | '.join(f'seed {x}' for x in seeds)} | mean | standard error |")
+    print("|---|" + "---|" * (len(seeds) + 2))
+    for s in runs:
+        if s == "fp32" or s.startswith("plain loop"):
+            continue
+        for k, name in ((0, "val loss at the end"), (1, "train loss, last 100 steps")):
+            d = [rel(a, b)[k] for a, b in zip(runs[s], runs["fp32"])]
+            se = statistics.stdev(d) / len(d) ** 0.5
+            print(f"| {s}, {name} | {' | '.join(f'{x:+.2%}' for x in d)} | **{statistics.fmean(d):+.2%}** | "
+                  f"{se:.2%} |")
+    fp = runs["fp32"]
+    for k, name in ((0, "val loss at the end"), (1, "train loss, last 100 steps")):
+        ends = [r["evals"][-1][1] if k == 0 else statistics.fmean(r["losses"][-100:]) for r in fp]
+        print(f"| fp32 itself, {name}: each seed vs the seeds' mean (noise) | "
+              f"{' | '.join(f'{x / statistics.fmean(ends) - 1:+.2%}' for x in ends)} | | "
+              f"{statistics.stdev(ends) / statistics.fmean(ends):.2%} (one seed's spread) |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2000)
@@ -151,6 +180,8 @@ def main() -> None:
         sv = b["evals"][-1][1] / a["evals"][-1][1] - 1
         st = statistics.fmean(b["losses"][-100:]) / statistics.fmean(a["losses"][-100:]) - 1
         print(f"| fp32, seed {seeds[1]} vs seed {seeds[0]} (noise) | | {sv:+.2%} | | {st:+.2%} | |")
+    if "fp32" in runs and len(seeds) > 2:
+        paired(runs, seeds)
     print("\n| step | " + " | ".join(f"val loss, {s} (seed {seeds[0]})" for s in runs) + " |")
     print("|---|" + "---|" * len(runs))
     for k, (step, _) in enumerate(next(iter(runs.values()))[0]["evals"]):
