@@ -105,33 +105,33 @@ class BlockPool:
             return kept.pop()
 
     def give(self, ptr: int, nbytes: int, alignment: int) -> bool:
-        """Keep a freed buffer if it fits the room; False: the caller frees it."""
-        room = self._room()
+        """Keep a freed buffer if it fits the room; False: the caller frees it. The bytes are counted before
+        anything is allocated here, so that a buffer given back from a collection this allocation starts
+        sees them."""
         with self._lock:
+            room = self._room()
             if self._closed or room is None or self.nbytes + nbytes > room:
                 return False
-            self._free.setdefault((nbytes, alignment), []).append(ptr)
             self.nbytes += nbytes
+            self._free.setdefault((nbytes, alignment), []).append(ptr)
             return True
 
     def make_room(self, room: int | None = None) -> None:
         """Free kept buffers until what is kept fits `room` (default: the pool's room now)."""
-        limit = self._room() if room is None else room
-        limit = 0 if limit is None else max(0, limit)
         lib = _lib.get()
         with self._lock:
-            for key in sorted(self._free, reverse=True):  # the largest first
-                kept = self._free[key]
-                while kept and self.nbytes > limit:
-                    self.nbytes -= key[0]
-                    lib.capstan_free_aligned(kept.pop())
-            self._free = {k: v for k, v in self._free.items() if v}
+            limit = self._room() if room is None else room
+            limit = 0 if limit is None else max(0, limit)
+            while self.nbytes > limit:  # (a buffer given back meanwhile is seen on the next pass)
+                key = max(k for k, v in self._free.items() if v)  # the largest first
+                self.nbytes -= key[0]
+                lib.capstan_free_aligned(self._free[key].pop())
 
     def close(self) -> None:
         """Free every kept buffer; buffers freed later go back to the OS."""
-        self.make_room(0)
         with self._lock:
             self._closed = True
+            self.make_room(0)
 
 
 def aligned_empty(numel: int, dtype=None, alignment: int = ALIGNMENT, pool: BlockPool | None = None):

@@ -461,7 +461,8 @@ class ChunkManager:
         self.device_tier.record(chunk_id, compute)
         if self.trace is None:
             self._recording.append(chunk_id)
-            self.nonmodel.append(max(0, rss_bytes() - self._rss_base - self.cpu.resident))
+            pooled = self.blocks.nbytes if self.blocks is not None else 0  # freed buffers kept: chunk memory too
+            self.nonmodel.append(max(0, rss_bytes() - self._rss_base - self.cpu.resident - pooled))
             if self.memory_limit is not None:
                 pinned = sum(e.chunk.nbytes for e in self.entries.values() if e.pins and e.chunk.payload is not None)
                 entry = self.entries[chunk_id]

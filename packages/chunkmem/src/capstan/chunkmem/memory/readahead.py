@@ -90,20 +90,32 @@ class ReadAhead:
         if not wanted:
             return
         last = wanted[-1][0]
-        self.make_room([e.chunk.nbytes for _, e in wanted], last, {c for c, at in seen.items() if at <= last})
+        cap = self.capacity(last)
+        self.make_room([e.chunk.nbytes for _, e in wanted], last, {c for c, at in seen.items() if at <= last}, cap)
         kept = 0  # room the window's earlier chunks will take at their access (not read ahead)
         for _, e in wanted:
             nbytes = e.chunk.nbytes
-            if e.where != "disk" or not m.cpu.fits(kept + nbytes):
+            if e.where != "disk" or (cap is not None and m.cpu.resident + kept + nbytes > cap):
                 kept += nbytes  # a read that does not fit now waits, and so does every later one
                 continue
             m.cpu.reserve(nbytes, f"prefetch of chunk {e.chunk.chunk_id}")
             e.chunk.payload = m._alloc(e.chunk)
             e.read = m._disk().read_async(e.chunk.chunk_id, e.chunk.payload)
 
-    def make_room(self, sizes: list[int], last: int, seen: set[int]) -> None:
+    def capacity(self, last: int) -> int | None:
+        """The RAM the window may count on: the cpu budget, or under a memory limit (which leaves room for
+        the non-model memory of each moment) the least it allows over the moments up to `last`, so that
+        what is read now is not evicted again as activations grow."""
+        m = self.m
+        cap = m.cpu.capacity
+        if m.memory_limit is None or cap is None:
+            return cap
+        return min([cap] + [m.chunk_capacity_at(t) for t in range(m.moment, last + 1)])
+
+    def make_room(self, sizes: list[int], last: int, seen: set[int], cap: int | None = None) -> None:
         """Evict now what Belady would evict to fit the window (chunks of `sizes`, in trace order, up to the
-        access at moment `last`) at its accesses; room that writes in flight will free counts as made.
+        access at moment `last`) at its accesses, within `cap` bytes (default: the cpu budget); room that
+        writes in flight will free counts as made.
 
         A victim is next used after `last` and either not used again this step (Belady evicts every such
         chunk before any the step still uses) or next used after every chunk of the window (`seen`), which
@@ -115,11 +127,12 @@ class ReadAhead:
         window that cannot be made room for whole leaves its tail to later accesses: under a budget of a
         few chunks, evicting for it would cost reads the demand then takes back)."""
         m = self.m
-        if not m.prefetch_evicts or m.policy.name != "belady" or m.cpu.capacity is None:
+        cap = m.cpu.capacity if cap is None else cap
+        if not m.prefetch_evicts or m.policy.name != "belady" or cap is None:
             return
         m._reap_writes()
         writing = sum(e.chunk.nbytes for e in m.entries.values() if e.write is not None)
-        free = m.cpu.capacity - m.cpu.resident + writing
+        free = cap - m.cpu.resident + writing
         if free >= sum(sizes):
             return
         trace = m.trace
