@@ -155,14 +155,20 @@ def test_belady_moves_strictly_fewer_bytes_than_lru_on_a_cyclic_trace(tmp_path) 
 def _read_ahead(trace: list[int], evicts: bool, tmp) -> dict:
     """Four steps over `trace` under a 3-chunk budget, every chunk written when accessed: the stats."""
     manager = ChunkManager(3 * 64, DiskStore(tmp / str(evicts)), prefetch=2, prefetch_evicts=evicts, audit=True)
-    writes = dict.fromkeys(trace, 0)  # each chunk holds how often it was written: data survives the trips
-    for cid in writes:
+    for cid in dict.fromkeys(trace):
         manager.add(Chunk(cid, ChunkKind.PARAM, torch.float32, 16), torch.zeros(16))
-    for _ in range(4):
+    return _written_steps(manager, trace)
+
+
+def _written_steps(manager: ChunkManager, trace: list[int], steps: int = 4) -> dict:
+    """`steps` steps over `trace`, every chunk written when accessed and its data checked at both ends (it
+    holds how often it was written: data survives the trips); the manager's stats, after closing it."""
+    writes = dict.fromkeys(trace, 0)
+    for _ in range(steps):
         manager.begin_step()
         for cid in trace:
             chunk = manager.access(cid, write=True)
-            assert chunk.payload[0].item() == writes[cid]
+            assert chunk.payload[0].item() == writes[cid] and chunk.payload[-1].item() == writes[cid]
             writes[cid] += 1
             chunk.payload.fill_(float(writes[cid]))
             manager.release(cid)
@@ -231,7 +237,6 @@ def test_freed_chunk_buffers_are_reused_and_never_held_beyond_the_budget(tmp_pat
     n, budget = MiB_FLOATS, 3 * 4 * MiB  # 4 MiB chunks (their own mappings), 3 of them in RAM
     manager = ChunkManager(budget, DiskStore(tmp_path), audit=True)
     trace = [0, 1, 2, 3, 4, 5, 6, 7]
-    writes = dict.fromkeys(trace, 0)
     for cid in trace:
         manager.add(Chunk(cid, ChunkKind.PARAM, torch.float32, n))  # no data yet: zeros at the first access
     before = rss_bytes()
@@ -245,17 +250,7 @@ def test_freed_chunk_buffers_are_reused_and_never_held_beyond_the_budget(tmp_pat
         assert held <= budget
 
     manager._after_move = checked  # type: ignore[method-assign]
-    for _ in range(4):
-        manager.begin_step()
-        for cid in trace:
-            chunk = manager.access(cid, write=True)
-            assert chunk.payload[0].item() == writes[cid] and chunk.payload[-1].item() == writes[cid]
-            writes[cid] += 1
-            chunk.payload.fill_(float(writes[cid]))
-            manager.release(cid)
-        manager.end_step()
-    stats = manager.stats()
-    manager.close()
+    stats = _written_steps(manager, trace)
     assert stats["cpu"]["buffers_reused"] > 2 * len(trace)  # type: ignore[index]
     assert worst[0] <= budget + 4 * MiB_FLOATS  # RSS: the budget, and a little of the allocator's own
 
