@@ -112,22 +112,21 @@ class ReadAhead:
             return cap
         return min([cap] + [m.chunk_capacity_at(t) for t in range(m.moment, last + 1)])
 
-    def make_room(self, sizes: list[int], last: int, seen: set[int], cap: int | None = None) -> None:
+    def make_room(self, sizes: list[int], last: int, seen: set[int], cap: int | None) -> None:
         """Evict now what Belady would evict to fit the window (chunks of `sizes`, in trace order, up to the
-        access at moment `last`) at its accesses, within `cap` bytes (default: the cpu budget); room that
-        writes in flight will free counts as made.
+        access at moment `last`) at its accesses, within `cap` bytes (`capacity`; None: unbounded, nothing
+        to make); room that writes in flight will free counts as made.
 
         A victim is next used after `last` and either not used again this step (Belady evicts every such
         chunk before any the step still uses) or next used after every chunk of the window (`seen`), which
         the accesses up to `last` release: a chunk released in between with a later next use would be the
         victim at the access instead, and evicting earlier would cost a read more. (The chunk in use now is
         left out: counting it too put off every eviction ahead on cyclic traces whose budget holds half the
-        cycle, where Belady's victim is always the chunk used last.) Furthest next use
-        first, as Belady; room for as many of the window's first chunks as such victims allow, no more (a
-        window that cannot be made room for whole leaves its tail to later accesses: under a budget of a
-        few chunks, evicting for it would cost reads the demand then takes back)."""
+        cycle, where Belady's victim is always the chunk used last.) Furthest next use first, as Belady;
+        room for as many of the window's first chunks as such victims allow, no more (a window that cannot
+        be made room for whole leaves its tail to later accesses: under a budget of a few chunks, evicting
+        for it would cost reads the demand then takes back)."""
         m = self.m
-        cap = m.cpu.capacity if cap is None else cap
         if not m.prefetch_evicts or m.policy.name != "belady" or cap is None:
             return
         m._reap_writes()
