@@ -70,8 +70,9 @@ struct VVec {
   using Bits = __m256i;
   static Bits hi16(Bits r) { return _mm256_srli_epi32(r, 16); }
   static Bits lo16(Bits r) { return _mm256_and_si256(r, _mm256_set1_epi32(0xffff)); }
+  // The codes of y (lane-wise capstan::q8_encode_mag plus the sign) as 32-bit lanes.
   template <class F>
-  static void store_q8_sr(uint8_t* p, VVec y, Bits r16) {
+  static Bits encode_q8(VVec y, Bits r16) {
     constexpr int M = F::mbits;
     constexpr bool S = F::is_signed;
     __m256i raw = _mm256_castps_si256(y.v);
@@ -84,8 +85,21 @@ struct VVec {
     c = _mm256_sub_epi32(c, _mm256_and_si256(small, _mm256_set1_epi32(1 << M)));
     c = _mm256_min_epu32(c, _mm256_set1_epi32((int)F::mag_max));
     if (S) c = _mm256_or_si256(c, _mm256_and_si256(_mm256_srli_epi32(raw, 24), _mm256_set1_epi32(0x80)));
+    return c;
+  }
+  template <class F>
+  static void store_q8_sr(uint8_t* p, VVec y, Bits r16) {
+    __m256i c = encode_q8<F>(y, r16);
     __m256i w16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(c, c), 0xD8);
     _mm_storel_epi64((__m128i*)p, _mm_packus_epi16(_mm256_castsi256_si128(w16), _mm256_castsi256_si128(w16)));
+  }
+  // Four vectors of codes (each lane 0..255) as 4W bytes in order: two packs to 16 bits and one to 8
+  // leave each 128-bit half holding 4 codes of each vector in turn; one lane permute puts them in order
+  // (4 shuffles per 32 codes where store_q8_sr takes 3 per 8).
+  static void store_codes4(uint8_t* p, Bits c0, Bits c1, Bits c2, Bits c3) {
+    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)p, b);
   }
   static void store_f16(uint16_t* p, VVec a) { _mm_storeu_si128((__m128i*)p, to_f16(a)); }
   static __m128i to_f16(VVec a) {

@@ -84,8 +84,9 @@ struct VVec {
   using Bits = __m512i;
   static Bits hi16(Bits r) { return _mm512_srli_epi32(r, 16); }
   static Bits lo16(Bits r) { return _mm512_and_si512(r, _mm512_set1_epi32(0xffff)); }
+  // The codes of y (lane-wise capstan::q8_encode_mag plus the sign) as 32-bit lanes.
   template <class F>
-  static void store_q8_sr(uint8_t* p, VVec y, Bits r16) {
+  static Bits encode_q8(VVec y, Bits r16) {
     constexpr int M = F::mbits;
     constexpr bool S = F::is_signed;
     __m512i raw = _mm512_castps_si512(y.v);
@@ -98,7 +99,18 @@ struct VVec {
     c = _mm512_mask_sub_epi32(c, small, c, _mm512_set1_epi32(1 << M));
     c = _mm512_min_epu32(c, _mm512_set1_epi32((int)F::mag_max));
     if (S) c = _mm512_or_si512(c, _mm512_and_si512(_mm512_srli_epi32(raw, 24), _mm512_set1_epi32(0x80)));
-    _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(c));
+    return c;
+  }
+  template <class F>
+  static void store_q8_sr(uint8_t* p, VVec y, Bits r16) {
+    _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(encode_q8<F>(y, r16)));
+  }
+  // Four vectors of codes (each lane 0..255) as 4W bytes in order (vpmovdb narrows each in one).
+  static void store_codes4(uint8_t* p, Bits c0, Bits c1, Bits c2, Bits c3) {
+    _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(c0));
+    _mm_storeu_si128((__m128i*)(p + W), _mm512_cvtepi32_epi8(c1));
+    _mm_storeu_si128((__m128i*)(p + 2 * W), _mm512_cvtepi32_epi8(c2));
+    _mm_storeu_si128((__m128i*)(p + 3 * W), _mm512_cvtepi32_epi8(c3));
   }
   static void store_f16(uint16_t* p, VVec a) {
     _mm256_storeu_si256((__m256i*)p, to_f16(a));

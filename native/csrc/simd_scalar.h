@@ -45,12 +45,20 @@ struct SVec {
   static Bits lo16(Bits r) { return r & 0xffffu; }
   // y in [-1, 1] (signed) or [0, 1], rounded with the 16 random bits r16 (capstan::q8_encode_mag).
   template <class F>
-  static void store_q8_sr(uint8_t* p, SVec y, Bits r16) {
+  static Bits encode_q8(SVec y, Bits r16) {
     constexpr bool S = F::is_signed;
     const uint32_t u = capstan::f32_bits(y.v);
     uint32_t c = capstan::q8_encode_mag<F>(capstan::bits_f32(u & 0x7fffffffu), r16);
     if (S) c |= (u >> 24) & 0x80u;
-    *p = (uint8_t)c;
+    return c;
+  }
+  template <class F>
+  static void store_q8_sr(uint8_t* p, SVec y, Bits r16) { *p = (uint8_t)encode_q8<F>(y, r16); }
+  static void store_codes4(uint8_t* p, Bits c0, Bits c1, Bits c2, Bits c3) {
+    p[0] = (uint8_t)c0;
+    p[1] = (uint8_t)c1;
+    p[2] = (uint8_t)c2;
+    p[3] = (uint8_t)c3;
   }
   // Sum of the lanes (one lane here).
   static float hsum(SVec a) { return a.v; }
