@@ -8,6 +8,8 @@
     hatch run python tools/bench_disk_states.py --states fp32/noclip,fp32/fused,int8/noclip,int8/fused
     # "+noevict" after the variant reads ahead into free budget only (no Belady eviction for a read ahead):
     hatch run python tools/bench_disk_states.py --states fp32/fused,fp32/fused+noevict --rounds 2
+    # "+after": where every step clips, the update after backward as before (not left to the next forward):
+    hatch run python tools/bench_disk_states.py --states int8/measure,int8/measure+after --steps 6
     # "torch": plain PyTorch forward + backward of the same model in RAM, the compute bound (#34's target):
     hatch run python tools/bench_disk_states.py --states torch,fp32/fused,int8/fused --rounds 2
 
@@ -53,7 +55,7 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
 
     torch.manual_seed(0)
     moments, _, variant = states.partition("/")
-    variant, _, option = variant.partition("+")  # "+noevict": reads ahead into free budget only (as before)
+    variant, _, option = variant.partition("+")  # "+noevict": reads ahead into free budget only; "+after" above
     memory, clip = VARIANTS[variant]
     cfg = {"model": {"n_layers": layers, "n_heads": max(1, d_model // 128), "d_model": d_model, "seq_len": 128},
            "data": {"max_bytes": 2_000_000},
@@ -65,6 +67,8 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
     engine = initialize(config=cfg, groups=comm.single_process_groups())
     if prefetch is not None:  # chunks in the read-ahead's window (readahead.py)
         engine.manager.prefetch_depth = prefetch
+    if option == "after" and engine.optimizer.speculation is not None:  # chunkmem's adam.py "Deferred update" off
+        engine.optimizer.speculation.defers = False
     if option == "noevict":
         engine.manager.prefetch_evicts = False
     built = time.perf_counter() - t0
@@ -75,6 +79,11 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
         info = engine.train_batch(it)
         rows.append({"s": time.perf_counter() - t, "moved": info.mem["mem.moved_bytes"],
                      "stall": info.mem.get("mem.stall_s", 0.0), "loss": info.loss, "norm": info.grad_norm})
+    # An update a step left to the next forward (every step clipping on disk: chunkmem's "Deferred update") is
+    # timed in the next step; the last step's has none after it, so it is run and counted here.
+    t = time.perf_counter()
+    engine.states.flush_pending()
+    rows[-1]["s"] += time.perf_counter() - t
     disk_file = engine.manager.disk.nbytes() if engine.manager.disk is not None else 0
     chunks = sum(e.chunk.nbytes for e in engine.manager.entries.values())
     from capstan.engine.config.load import reference_param_count

@@ -48,8 +48,10 @@ def _alternating(step: int) -> float:
 
 
 def _run(overlap: bool, dtype: torch.dtype, accum: int, fp16_overflow_steps: tuple[int, ...] = (),
-         clips=_alternating, disk_dir=None, budget: int = PAST_RAM_BUDGET) -> tuple:
-    """disk_dir: chunks past RAM, a `budget` over a disk tier there (the step streams)."""
+         clips=_alternating, disk_dir=None, budget: int = PAST_RAM_BUDGET, read_states: bool = True) -> tuple:
+    """disk_dir: chunks past RAM, a `budget` over a disk tier there (the step streams). read_states: the
+    states after every step (which runs the updates a measuring step left to the next forward, adam.py);
+    else once, after the last."""
     from capstan.chunkmem import DiskStore
 
     # (reads ahead evict as Belady would, only earlier, which on a budget this small moves up to 15% more
@@ -77,17 +79,21 @@ def _run(overlap: bool, dtype: torch.dtype, accum: int, fp16_overflow_steps: tup
         manager.end_step()
         stepped += manager.stats()["moved_bytes"] - before
         norms.append((norm, overflow))
-        states.append(_state(model) if disk_dir is None else _state_past_ram(model))
+        if read_states or step == STEPS - 1:
+            states.append(_state(model) if disk_dir is None else _state_past_ram(opt))
         moved.append(stepped)
     return norms, states, opt, moved
 
 
-def _state_past_ram(model: ChunkedModel) -> list[torch.Tensor]:
-    """`_state` read through the manager, one chunk at a time (chunks may be on disk)."""
+def _state_past_ram(opt: ChunkAdam) -> list[torch.Tensor]:
+    """`_state` read through the manager, one chunk at a time (chunks may be on disk), after the updates left
+    to the next forward."""
+    model = opt.model
     kinds = [ChunkKind.MASTER if model.mixed else ChunkKind.PARAM, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ,
              ChunkKind.PARAM]
     out, mgr = [], model.manager
     with mgr.off_trace():
+        opt.flush_pending()
         for k in kinds:
             for lst in model.chunks[k]:
                 for c in lst:
@@ -257,6 +263,43 @@ def test_past_ram_with_clipping_a_wrong_guess_is_taken_back_from_the_disk(tmp_pa
     # the second slots: at most once more the chunks' bytes on disk
     total = sum(c.nbytes for lists in opt.model.chunks.values() for lst in lists for c in lst)
     assert mgr.disk.nbytes() <= 2 * total
+
+
+@pytest.mark.parametrize("dtype,accum", [(torch.float32, 1), (torch.bfloat16, 2)])
+def test_past_ram_a_measuring_step_leaves_its_update_to_the_next_forward(tmp_path, monkeypatch,
+                                                                         dtype: torch.dtype, accum: int) -> None:
+    """On disk, where every step clips, a step that measured its norm in backward leaves each chunk group's
+    update to the next forward, run just before the group's parameters are first used (adam.py, "Deferred
+    update"): nobody reads the states between steps here, so every update after the second step runs in a
+    forward. The norms of every step and the states at the end are the plain step's, bit for bit, on a
+    trace of its own; and the step moves fewer bytes than the same measuring step updating after backward
+    (its parameters read for the update and for forward at once)."""
+    want_norms, want_states, _, _ = _run(False, dtype, accum, clips=_always, disk_dir=tmp_path / "a",
+                                         read_states=False)
+    got_norms, got_states, opt, moved = _run(True, dtype, accum, clips=_always, disk_dir=tmp_path / "b",
+                                             read_states=False)
+    assert got_norms == want_norms
+    assert all(torch.equal(a, b) for a, b in zip(got_states[-1], want_states[-1]))
+    groups = sum(1 for lst in opt.model.chunks[ChunkKind.PARAM] for c in lst if c.used)
+    # step 0 guesses (wrong), steps 1.. measure and defer; steps 2.. run the one before's in forward, and
+    # the last one's ran when the states were read
+    assert opt.deferred_run == (STEPS - 1) * groups and not opt.pending
+    assert {"measure", "deferred measure"} <= set(opt.model.manager._traces)
+    from capstan.chunkmem.optim.overlap import Speculation
+
+    real = Speculation.__post_init__
+
+    def no_defer(self: Speculation) -> None:
+        real(self)
+        self.defers = False
+
+    monkeypatch.setattr(Speculation, "__post_init__", no_defer)
+    _, after_states, plain_opt, after_moved = _run(True, dtype, accum, clips=_always, disk_dir=tmp_path / "c",
+                                                   read_states=False)
+    assert plain_opt.deferred_run == 0
+    assert all(torch.equal(a, b) for a, b in zip(after_states[-1], want_states[-1]))
+    steady = moved[-2] - moved[-3], after_moved[-2] - after_moved[-3]  # a step on its own trace, not the last
+    assert steady[0] < steady[1]
 
 
 def test_past_ram_a_group_that_does_not_fit_beside_backward_steps_after_it(tmp_path, monkeypatch) -> None:

@@ -205,10 +205,15 @@ def test_int8_moments_train_alike_in_every_layout(tmp_path: Path) -> None:
         assert got["loss"] == ref["loss"] and got["norm"] == ref["norm"]
     for rank_result in run_ranks(_two_rank_layouts_int8, 2, timeout=240):
         for name, got in rank_result.items():
-            # measured: zero3 1.4e-7, cp2 5.3e-6; zero1/2 3.4e-5; tp2 2.5e-3 and pp2 2.0e-3 (each rank numbers its
-            # own parameters, so other rounding bits), less than int8's own distance from fp32 (4.1e-3)
-            tol = {"dp2-zero3-disk": 1e-5, "cp2": 1e-5, "tp2": 5e-3, "pp2": 5e-3}.get(name, 1e-4)
-            assert_trajectories_close(got["loss"], ref["loss"], tol=tol)
+            # measured: zero3 1.4e-7, cp2 5.3e-6 (1.04e-5 on an AVX2-only Zen 3, whose torch kernels round cp's
+            # other summation order differently, and a last-bit difference in a moment can flip an 8-bit code);
+            # zero1/2 3.4e-5; tp2 2.5e-3 and pp2 2.0e-3 (each rank numbers its own parameters, so other
+            # rounding bits), less than int8's own distance from fp32 (4.1e-3)
+            tol = {"dp2-zero3-disk": 1e-5, "cp2": 2e-5, "tp2": 5e-3, "pp2": 5e-3}.get(name, 1e-4)
+            try:
+                assert_trajectories_close(got["loss"], ref["loss"], tol=tol)
+            except AssertionError as e:
+                raise AssertionError(f"{name}: {e}") from None
 
 
 @pytest.mark.parametrize("memory", [{}, {"offload": "disk", "chunk_size": 8192, "cpu_budget": 8 * 8192 * 4}])

@@ -296,21 +296,22 @@ def test_sharded_chunks_are_what_each_rank_allocates() -> None:
         assert size == lists.chunk_size and mine == lists.state_bytes()
 
 
-@pytest.mark.parametrize(("overlap", "clip", "stream"), [(False, 1.0, ""), (None, 1e6, "guess"),
-                                                           (None, 1e-6, "measure"), (None, 0.0, "fused")])
+@pytest.mark.parametrize(("overlap", "clip", "stream", "budget"), [
+    (False, 1.0, "", 1 << 20), (None, 1e6, "guess", 1 << 20), (None, 1e-6, "measure", 1 << 20),
+    (None, 1e-6, "measure", 3 << 20), (None, 0.0, "fused", 1 << 20)])
 def test_the_traffic_model_moves_what_a_run_moves(tmp_path: object, overlap: bool | None, clip: float,
-                                                   stream: str) -> None:
+                                                   stream: str, budget: int) -> None:
     """disk_traffic against the bytes a real run's manager moves per step under the same budget (within 0.5%,
     about 3x the measured -0.16%: the model pins a module at a time and leaves prefetch out; bytes moved do
     not depend on the values, so the replay is deterministic): the step after backward, and within 1% the
     step streamed past RAM (the engine's default there: the update fused into backward, its gradients kept
     for a redo with clipping, "guess", here never clipped; where every step clips, each after the first
-    measures its norm in backward on a trace of its own, "measure")."""
+    measures its norm in backward on a trace of its own, "measure"; with room for two chunk groups, 3 MiB
+    here, it leaves each update to the next forward, chunkmem's adam.py "Deferred update")."""
     from capstan import comm
     from capstan.engine import initialize
 
     shape = ModelShape(layers=4, hidden=128, heads=4, vocab=256, seq=32)
-    budget = 1 << 20
     cfg = {"model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 32},
            "train": {"micro_batch_size": 2, "steps": 6, "warmup_steps": 1, "grad_clip": clip},
            "memory": {"offload": "disk", "cpu_budget": budget, "chunk_size": 65536, "disk_dir": str(tmp_path),
@@ -330,9 +331,11 @@ def test_the_traffic_model_moves_what_a_run_moves(tmp_path: object, overlap: boo
     lists = chunk_lists(shape, lay, list(range(7)))
     assert streamed_step(lists, overlap, clip > 0, False) == stream.replace("measure", "guess")
     # measured: -0.16% after backward, +0.39% guessing, -0.71% measuring, +0.50% fused (the streamed
-    # accesses' place among backward's is the hooks' order approximately)
+    # accesses' place among backward's is the hooks' order approximately); at 3 MiB measuring with the
+    # updates left to forward -1.0 to -1.9% (a run's steps alternate between two counts), where the same
+    # step updating after backward is -2.5% at that budget (28.3 against 31.6 MB moved a step: -10.5%)
     modelled = disk_traffic(lists, budget, clip=clip > 0, stream=stream).moved
-    assert modelled == pytest.approx(per_step, rel=0.01 if stream else 0.005)
+    assert modelled == pytest.approx(per_step, rel=0.025 if budget > 1 << 20 else 0.01 if stream else 0.005)
 
 
 def test_gpu_presets_predict_a_step_from_their_stated_rates() -> None:

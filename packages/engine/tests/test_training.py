@@ -111,6 +111,44 @@ def test_overlapped_optimizer_past_ram_is_the_plain_step(tmp_path: Path) -> None
             assert fused["norm"] == plain["norm"]
 
 
+def test_past_ram_a_step_where_every_step_clips_leaves_its_update_to_the_next_forward(tmp_path: Path) -> None:
+    """On disk, where every step clips, each step measures its norm during backward and leaves its update to
+    the next forward (chunkmem's adam.py, "Deferred update"): an eval between steps, a checkpoint and the
+    parameters read at the end see the updated states; the losses, norms, eval loss and parameters are the
+    plain step's bit for bit; and a run resumed from that checkpoint goes on bit for bit."""
+    from capstan.engine import val_batches
+
+    def run(name: str, overlap: bool | None, steps: range, load: Path | None = None) -> tuple:
+        cfg = _cfg(train={"grad_clip": 1e-6, "grad_accum_steps": 1},
+                   memory={"offload": "disk", "chunk_size": 8192, "cpu_budget": 8 * 8192 * 4,
+                           "disk_dir": str(tmp_path / name), "overlap_optimizer": overlap})
+        engine = initialize(config=cfg)
+        if load is not None:
+            assert engine.load(load) == steps.start
+        data = open_data(engine.config)
+        it = train_batches(data, engine.config, 1, 0, start_step=steps.start)
+        losses, norms, evals = [], [], []
+        for step in steps:
+            info = engine.train_batch(it)
+            losses.append(info.loss)
+            norms.append(info.grad_norm)
+            if step == 3:
+                evals.append(engine.eval_batch(val_batches(data, engine.config, 1, 0)))
+                engine.save(tmp_path / f"ck-{name}")
+        values = engine.parameters_snapshot()
+        deferred = engine.optimizer.deferred_run
+        engine.close()
+        return losses, norms, evals, values, deferred
+
+    plain = run("plain", False, range(6))
+    deferred = run("deferred", None, range(6))
+    assert deferred[:3] == plain[:3]
+    assert all(torch.equal(deferred[3][k], v) for k, v in plain[3].items())
+    assert plain[4] == 0 and deferred[4] > 0
+    resumed = run("resumed", None, range(4, 6), load=tmp_path / "ck-deferred")
+    assert resumed[0] == deferred[0][4:] and resumed[1] == deferred[1][4:]
+
+
 def test_tiny_model_learns_the_default_corpus() -> None:
     # The tiny example's model; ln(256) = 5.545 at the start. Threshold 3.0 nats/byte: below the
     # byte-unigram entropy of Python source (~3.2), so the model must have learned context.

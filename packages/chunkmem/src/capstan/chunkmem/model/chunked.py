@@ -97,6 +97,9 @@ class ChunkedModel(nn.Module):
         # installed for it even where chunks stay put.
         self.report_grads = report_grads
         self.grad_listener: Callable[[int, int], None] | None = None
+        # Set while chunk groups have an update left for the next forward (`ChunkAdam.pending`): the forward
+        # hooks call it with a module's (group, index) pairs before they access its parameters.
+        self.pending_update: Callable[[int, int], None] | None = None
         n_groups = max(1, len(param_groups or []))
         if norm_weights is not None and len(norm_weights) != n_groups:
             raise ValueError(f"{len(norm_weights)} norm weights for {n_groups} parameter groups")
@@ -583,7 +586,10 @@ class ChunkedModel(nn.Module):
         """A copy of every parameter (loading chunks one at a time): for checks and export."""
         out: dict[str, torch.Tensor] = {}
         kind = ChunkKind.MASTER if self.mixed else ChunkKind.PARAM  # the fp32 truth
+        run = self.pending_update  # an update left for the next forward (adam.py): run it first
         for home in self.homes.values():
+            if run is not None:
+                run(home.group, home.index)
             chunk = self.manager.access(self.chunk_of(home, kind).chunk_id)
             out[home.name] = chunk.view(home.slot).clone()
             self.manager.release(chunk.chunk_id)

@@ -69,6 +69,10 @@ def install_hooks(model: ChunkedModel, modules: bool, grads: bool) -> None:
 
 def _pre_forward(model: ChunkedModel, homes: list[ParamHome]) -> Callable[..., None]:
     def hook(module: nn.Module, args: object) -> None:
+        run = model.pending_update  # (None again once the last one ran)
+        if run is not None:  # updates left from the last step (adam.py): all before any access,
+            for home in homes:  # so that one group's siblings are all the update pins
+                run(home.group, home.index)
         for home in homes:
             model.access_param(home)
     return hook

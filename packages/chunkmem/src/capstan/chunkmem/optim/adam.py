@@ -24,6 +24,18 @@ is `zero_grad`).
 still running, as soon as its gradients are complete, and validates at the
 step (overlap.py): the result is the same as without overlap, bit for bit.
 Call `arm(...)` before the backward that completes the step's gradients.
+
+Deferred update (overlap.py, "measure only" past RAM on disk): a step whose
+norm was measured in backward leaves each chunk group's update *pending*,
+with the step's arguments (learning rate, step count, clip coefficient), and
+the next forward runs it just before the group's parameters are first used
+(`ChunkedModel.pending_update`), so the parameters read for the update are
+the ones forward reads anyway: one pass over the states per step fewer, and
+all of them under forward's compute. `flush_pending` runs what is left, for
+anything that reads the states between steps (checkpoints, evaluation,
+`state_tensors`); `arm` and `step` flush leftovers (groups no forward used)
+before their gradients could be read. The update is the same call on the
+same bytes as after backward, so the trajectory is the same, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from dataclasses import dataclass
 
 from capstan.native import kernels
 
+from ..memory.tiers import BudgetError
 from ..model.chunked import ChunkedModel
 from ..model.states import ChunkKind
 from .moments import step_chunk
@@ -66,6 +79,9 @@ class ChunkAdam:
                 raise ValueError(f"invalid Adam hyper-parameters: {g}")
         # Names of the parameters whose gradient held inf/NaN on this rank at the last skipped step.
         self.overflowed: list[str] = []
+        # (group, index) -> the update's kernel arguments, left for the next forward (module docstring)
+        self.pending: dict[tuple[int, int], dict] = {}
+        self.deferred_run = 0  # pending updates run (by forward's hooks or a flush), for tests and the log
         self.speculation: Speculation | None = None
         if overlap:
             why = can_overlap(model)
@@ -82,6 +98,7 @@ class ChunkAdam:
         schedule does), with the learning rates already set and the arguments `step` will get."""
         if self.speculation is None:
             raise RuntimeError("arm() needs ChunkAdam(..., overlap=True)")
+        self.flush_pending()  # groups no forward used: before this step's gradients arrive
         # The last step clipped or overflowed: this one steps after backward, but the chunks' norm terms are
         # taken during backward as their gradients complete (overlap.py, "measure only").
         update = not self.speculation.expect_wrong(grad_clip, check_overflow)
@@ -168,6 +185,7 @@ class ChunkAdam:
                 raise ValueError("step() arguments differ from those given to arm()")
             norm, overflow = s.finish()
         else:
+            self.flush_pending()
             norm, overflow = self._plain_step(grad_clip, loss_scale, check_overflow)
         if self.speculation is not None:
             self.speculation.saw(grad_clip, norm, overflow)
@@ -186,13 +204,48 @@ class ChunkAdam:
         self._clipped_update(unscale, grad_clip, norm)
         return norm, False
 
-    def _clipped_update(self, unscale: float, grad_clip: float | None, norm: float | None) -> None:
+    def _clipped_update(self, unscale: float, grad_clip: float | None, norm: float | None,
+                        defer: bool = False) -> None:
         """The step after backward, with the (unscaled) gradient norm known: the update, its gradients
-        multiplied by `unscale` and clipped to `grad_clip`, then the gradients dropped."""
+        multiplied by `unscale` and clipped to `grad_clip`, then the gradients dropped. `defer`: each chunk
+        group's update is left pending for the next forward instead (module docstring)."""
         if grad_clip is not None and norm is not None and norm > grad_clip:
             unscale *= grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
+        if defer:
+            for g, hp, i, _, _ in self._chunk_groups():
+                self.pending[(g, i)] = self._args(hp, unscale)
+            self.model.pending_update = self.run_pending if self.pending else None
+            return
         self._update(unscale)
         self._drop_grads()
+
+    def run_pending(self, g: int, i: int) -> None:
+        """Chunk group (g, i)'s pending update, if it has one, then its gradient dropped (as `_drop_grads`)."""
+        args = self.pending.pop((g, i), None)
+        if args is None:
+            return
+        if not self.pending:
+            self.model.pending_update = None
+        n = self.model.chunks[ChunkKind.PARAM][g][i].used
+        mgr = self.model.manager
+        ids = [self.model.chunks[k][g][i].chunk_id for k in self.speculation._kinds(g, i)] if self.speculation else []
+        if ids and not mgr.could_pin(ids):  # overlap.defer_fits leaves room for this: a model it misjudged
+            raise BudgetError(f"cpu budget of {mgr.cpu.capacity} bytes cannot hold chunk group ({g}, {i})'s update, "
+                              f"left to this forward, beside the chunks forward holds pinned: raise memory.cpu_budget "
+                              f"or set memory.overlap_optimizer = false (the update then runs after backward)")
+        self._update_group(g, i, n, args)
+        self.model.manager.free(self.model.chunks[ChunkKind.GRAD][g][i].chunk_id, lazy=not self.model.resident_grads)
+        self.deferred_run += 1
+
+    def flush_pending(self) -> None:
+        """Run every pending update now, in list order (module docstring: for whatever reads the states
+        between steps)."""
+        if not self.pending:
+            return
+        for g, i in list(self.pending):
+            self.run_pending(g, i)
+        if self.speculation is not None:
+            self.speculation.flushed()
 
     def _chunk_groups(self, skip: set[tuple[int, int]] | frozenset = frozenset()):  # noqa: ANN202
         """(group, its AdamGroup, chunk index, PARAM chunk, used elements) of every owned chunk group to
@@ -208,25 +261,33 @@ class ChunkAdam:
     def _update(self, unscale: float, skip: set[tuple[int, int]] | frozenset = frozenset()) -> None:
         """AdamW over every owned chunk group but those in `skip` (stepped already, overlap.py), with
         gradients multiplied by `unscale`; every group's step count advances."""
+        for g, hp, i, _, n in self._chunk_groups(skip):
+            self._update_group(g, i, n, self._args(hp, unscale))
+
+    @staticmethod
+    def _args(hp: AdamGroup, unscale: float) -> dict:
+        """The kernel's arguments for a group at its current step count and learning rate."""
+        return dict(step=hp.step, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], eps=hp.eps,
+                    weight_decay=hp.weight_decay, adamw=True, grad_scale=unscale)
+
+    def _update_group(self, g: int, i: int, n: int, args: dict) -> None:
+        """One chunk group's AdamW: its siblings pinned together, the kernel, released."""
         mgr, chunks, mixed = self.model.manager, self.model.chunks, self.model.mixed
         master_kind = ChunkKind.MASTER if mixed else ChunkKind.PARAM
-        for g, hp, i, p_chunk, n in self._chunk_groups(skip):
-            beta1, beta2 = hp.betas
-            kinds = (master_kind, self._grad_kind(), ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
-            ids = [chunks[k][g][i].chunk_id for k in kinds]
-            master, grad, m, v = (self.model.step_view(k, mgr.access(cid, write=True).payload, n)  # type: ignore[arg-type]
-                                  for k, cid in zip(kinds, ids, strict=True))
-            args = dict(step=hp.step, lr=hp.lr, beta1=beta1, beta2=beta2, eps=hp.eps,
-                        weight_decay=hp.weight_decay, adamw=True, grad_scale=unscale)
-            spans = self.model.moment_layout(g, i)  # (cached per chunk)
-            if mixed:  # update fp32 master, write the 16-bit parameter in the same pass
-                out = mgr.access(p_chunk.chunk_id, write=True).payload[:n]  # type: ignore[index]
-                step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, spans)
-                mgr.release(p_chunk.chunk_id)
-            else:
-                step_chunk(kernels.adam_update, (master, grad, m, v), args, spans)
-            for cid in ids:
-                mgr.release(cid)
+        kinds = (master_kind, self._grad_kind(), ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
+        ids = [chunks[k][g][i].chunk_id for k in kinds]
+        master, grad, m, v = (self.model.step_view(k, mgr.access(cid, write=True).payload, n)  # type: ignore[arg-type]
+                              for k, cid in zip(kinds, ids, strict=True))
+        spans = self.model.moment_layout(g, i)  # (cached per chunk)
+        if mixed:  # update fp32 master, write the 16-bit parameter in the same pass
+            p_id = chunks[ChunkKind.PARAM][g][i].chunk_id
+            out = mgr.access(p_id, write=True).payload[:n]  # type: ignore[index]
+            step_chunk(kernels.adam_update_and_cast, (master, grad, m, v, out), args, spans)
+            mgr.release(p_id)
+        else:
+            step_chunk(kernels.adam_update, (master, grad, m, v), args, spans)
+        for cid in ids:
+            mgr.release(cid)
 
     def _drop_grads(self) -> None:
         """Gradients are consumed: free gradient chunks (zero_grad), clear slot-reuse marks."""

@@ -81,9 +81,20 @@ so the moments are read ahead of backward like any other chunk:
   only"), so the step after backward needs no pass over the gradients for
   the norm: one read of every gradient chunk less per step.
 
-Guessing and measuring steps touch chunks in different orders, so each runs
-on its own trace (`ChunkManager.use_trace`: the first measuring step records
-its own, as the warm-up recorded the first). Where a group's chunks do not
+On disk a measuring step does not update after backward either: it leaves
+each chunk group's update pending, with its arguments and clip coefficient,
+and the next forward runs it just before it first uses the group's
+parameters (`ChunkAdam.pending`, adam.py). Its parameters are read then for
+the update and for forward at once, so a step where every step clips reads
+the parameters twice (forward, backward) instead of three times, and the
+whole update runs under forward's compute instead of after backward with
+nothing to hide its I/O behind. The update is the same call on the same
+bytes, so the trajectory is the same bit for bit.
+
+Guessing and measuring steps, and steps that begin with pending updates, touch
+chunks in different orders, so each kind runs on its own trace
+(`ChunkManager.use_trace`: the first such step records its own, as the warm-up
+recorded the first). Where a group's chunks do not
 fit in the budget beside those backward has pinned (`ChunkManager.could_pin`),
 it is left to the step after backward, as without streaming: the minimum
 budget stays what either needs alone.
@@ -107,7 +118,15 @@ from .moments import step_chunk
 if TYPE_CHECKING:
     from .adam import ChunkAdam
 
-__all__ = ["Speculation", "can_overlap", "streams"]
+__all__ = ["Speculation", "can_overlap", "streams", "defer_fits"]
+
+
+def defer_fits(budget: int, group_bytes: int) -> bool:
+    """Whether a cpu budget leaves room to run an update left to forward (adam.py, "Deferred update"): the
+    update pins one chunk group's siblings beside what forward holds pinned then (the chunks of the modules
+    enclosing the one about to run), so the budget must hold two of the largest groups, not one (what the
+    step after backward needs). The planner's replay follows the same rule (engine plan/chunks.py)."""
+    return budget >= 2 * group_bytes
 
 
 def can_overlap(model: object) -> str | None:
@@ -187,6 +206,16 @@ class Speculation:
         self.streaming = streams(self.opt.model)
         # past RAM a guess is taken back from disk slots: a cpu budget without a disk tier never guesses
         self.guesses_on_disk = self.streaming and self.opt.model.manager.disk is not None
+        # ... and a measuring step leaves its update to the next forward (module docstring); not where the
+        # 16-bit parameter slot holds the gradient (forward reads that slot)
+        self.defers = (self.guesses_on_disk and self.opt.model.grad_chunks
+                       and defer_fits(self.opt.model.manager.cpu.capacity, self._largest_group()))
+
+    def _largest_group(self) -> int:
+        """Bytes of the largest chunk group's siblings (what its update pins together)."""
+        chunks = self.opt.model.chunks
+        return max((sum(chunks[k][g][i].nbytes for k in self._kinds(g, i))
+                    for g, lst in enumerate(chunks[ChunkKind.PARAM]) for i in range(len(lst))), default=0)
 
     # ---- whether to guess --------------------------------------------------------------------------
     def expect_wrong(self, grad_clip: float | None, check_overflow: bool) -> bool:
@@ -200,8 +229,17 @@ class Speculation:
     def saw(self, grad_clip: float | None, norm: float | None, overflow: bool) -> None:
         """After every step, guessed or not: did it clip or overflow (what `expect_wrong` reads next)?"""
         self.last_wrong = overflow or (grad_clip is not None and norm is not None and norm > grad_clip)
-        if self.guesses_on_disk:  # the next step measures or guesses: on its kind's trace
-            self.opt.model.manager.use_trace("measure" if self.last_wrong else None)
+        self._retrace()
+
+    def flushed(self) -> None:
+        """The pending updates ran before the next step (`ChunkAdam.flush_pending`): its forward has none."""
+        self._retrace(now=True)
+
+    def _retrace(self, now: bool = False) -> None:
+        """The next step's trace: whether it measures or guesses, and whether its forward runs updates."""
+        if self.guesses_on_disk:
+            key = ("deferred " if self.opt.pending else "") + ("measure" if self.last_wrong else "guess")
+            self.opt.model.manager.use_trace(None if key == "guess" else key, now=now)
 
     # ---- arming and the gradient hook ----------------------------------------------------------------
     def arm(self, grad_clip: float | None, loss_scale: float, check_overflow: bool, arrivals: int = 1,
@@ -389,7 +427,7 @@ class Speculation:
             self.measured_early += len(self.jobs)
             self._settle()
             opt.overflowed = []
-            opt._clipped_update(unscale, self.grad_clip, norm)
+            opt._clipped_update(unscale, self.grad_clip, norm, defer=self.defers)  # on disk: in the next forward
             return norm, False
         if overflow or clipped:  # the guess was wrong: undo it, and take the ordinary step
             stepped = [j for j in self.jobs.values() if j.stepped]

@@ -40,6 +40,7 @@ from capstan.chunkmem.model.layout import (
     list_capacity,
     plan_layout,
 )
+from capstan.chunkmem.optim.overlap import defer_fits
 from capstan.chunkmem.parallel.replicated import onebit_scratch_bytes
 from capstan.comm import onebit_residual_sizes
 
@@ -244,13 +245,15 @@ def _packed(shape: ModelShape, kinds: tuple[str, ...], tp: int, chunk_size: int 
                       mixed=mixed, grad_chunks=grad_chunks, onebit=onebit)
 
 
-def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool,
-           stream: str = "") -> tuple[list[tuple[str, int, int, bool]], int, list[bool]]:
+def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool, stream: str = "",
+           defer: bool = True) -> tuple[list[tuple[str, int, int, bool]], int, list[bool]]:
     """One step's chunk accesses on rank 0: (kind, group, index, write), where the optimizer's begin, and
     which accesses a chunk group's update pins together.
     stream: the step streamed past RAM (chunkmem's overlap.py) in the last micro-batch's backward, as each
     chunk group's gradients complete: "fused" updates the group there and frees its gradient, "measure"
-    reads its gradient for the norm there instead of after backward.
+    reads its gradient for the norm there instead of after backward, and leaves each group's update to the
+    next forward, before its first access (the steady state where every step clips; `defer` False: where the
+    budget is too small for that, chunkmem's overlap.defer_fits, after backward).
     Sharded (ZeRO-3), a module touches
     the units of its chunks: rank 0 reads its own chunk of each unit to send in the unit's all-gather
     (again in backward: under a budget units are dropped and gathered again), and its GRAD chunk takes
@@ -280,8 +283,16 @@ def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool,
     streamed: set[tuple[int, int]] = set()
     # streaming: the modules still to bring each chunk group gradients in the last backward
     left = Counter(gi for c in lists.module_chunks for gi in own(c)) if stream else Counter()
+    # "measure" on disk: the last step's updates, left to this forward (chunkmem's adam.py, "Deferred update")
+    defer = defer and stream == "measure" and lists.grad_chunks  # (not where the 16-bit slot holds the gradient)
+    pending = set(owned) if defer else set()
     for m in range(micro):
         for chunks in lists.module_chunks:  # forward
+            for gi in own(chunks):  # a module's pending groups updated before any of its accesses
+                if gi in pending:
+                    pending.discard(gi)
+                    step_group(*gi)
+                    out.append(("free", *gi, False))
             out += [("param", g, i, False) for g, i in own(chunks)]
         for chunks in reversed(lists.module_chunks):  # backward: re-access, then the gradients arrive
             if recompute:
@@ -302,12 +313,13 @@ def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool,
     update = len(out)
     if clip and not stream:
         out += [(grad, g, i, False) for g, i in owned]
+    later = defer  # (each update left to the next forward)
     for g, i in owned:
-        if (g, i) not in streamed:
+        if (g, i) not in streamed and not later:
             step_group(g, i)
     # gradients are consumed after the whole update (ChunkAdam._drop_grads): they next read as zeros; a guess
     # keeps them to the end, to redo the step from if it was wrong
-    out += [("free", g, i, False) for g, i in owned if stream == "guess" or (g, i) not in streamed]
+    out += [("free", g, i, False) for g, i in owned if stream == "guess" or ((g, i) not in streamed and not later)]
     grouped.extend([False] * (len(out) - len(grouped)))
     return out, update, grouped
 
@@ -453,7 +465,8 @@ class _Fast:
 def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, clip: bool, eviction: str,
                   reference: bool = False, stream: str = "") -> Traffic:
     grad = "grad" if lists.grad_chunks else "param"
-    trace, updating, grouped = _trace(lists, micro, recompute, clip, stream)
+    trace, updating, grouped = _trace(lists, micro, recompute, clip, stream,
+                                      defer_fits(budget, max(lists._group_bytes(c) for c in lists.capacities)))
     ids: dict[tuple[str, int, int], int] = {}
     for kind, g, i, _ in trace:
         key = (grad if kind == "free" else kind, g, i)

@@ -57,6 +57,11 @@ class ModelStates(ABC):
     def eval_context(self) -> AbstractContextManager[None]:
         """Around an evaluation between steps (chunk accesses there stay out of the step's trace)."""
 
+    def flush_pending(self) -> None:
+        """Run any update a step left to the next forward (chunked states on disk: chunkmem's "Deferred
+        update"); nothing for the others."""
+        return None
+
     @abstractmethod
     def stats(self, device: torch.device) -> dict[str, float]:
         """`mem.<tier>.peak_bytes` / `resident_bytes`, `mem.moved_bytes` (and the disk's, the stall) of the

@@ -216,7 +216,15 @@ class ChunkedStates(ModelStates):
 
     def eval_context(self) -> AbstractContextManager[None]:
         # between steps: chunk accesses stay out of the trace and leave the moment at the next step's start
+        self.flush_pending()  # (the updates a measuring step left to the next forward: chunkmem's adam.py)
         return self.manager.off_trace()
+
+    def flush_pending(self) -> None:
+        """Run the updates a step left to the next forward (chunkmem's adam.py, "Deferred update"), outside
+        the trace, before anything reads the states between steps."""
+        if getattr(self.optimizer, "pending", None):
+            with self.manager.off_trace():
+                self.optimizer.flush_pending()  # type: ignore[attr-defined]
 
     def stats(self, device: torch.device) -> dict[str, float]:
         s = self.manager.stats()
@@ -238,12 +246,14 @@ class ChunkedStates(ModelStates):
         return self._disk_peak
 
     def parameters_snapshot(self) -> dict[str, torch.Tensor]:
+        self.flush_pending()
         return self.module.state_tensors()  # type: ignore[attr-defined]  # one chunk at a time
 
     def raw_module(self) -> nn.Module:
         return getattr(self.module, "module", self.module)
 
     def checkpoint_view(self, engine: object) -> StateView:
+        self.flush_pending()  # a checkpoint holds the states after the step's update
         return ChunkView(engine)
 
     def describe(self) -> str:
