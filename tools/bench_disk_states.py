@@ -80,10 +80,11 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
         rows.append({"s": time.perf_counter() - t, "moved": info.mem["mem.moved_bytes"],
                      "stall": info.mem.get("mem.stall_s", 0.0), "loss": info.loss, "norm": info.grad_norm})
     # An update a step left to the next forward (every step clipping on disk: chunkmem's "Deferred update") is
-    # timed in the next step; the last step's has none after it, so it is run and counted here.
+    # timed in the next step; the last step's has none after it: run here, reported apart (a run's end pays it
+    # once, not every step).
     t = time.perf_counter()
     engine.states.flush_pending()
-    rows[-1]["s"] += time.perf_counter() - t
+    flush_s = time.perf_counter() - t
     disk_file = engine.manager.disk.nbytes() if engine.manager.disk is not None else 0
     chunks = sum(e.chunk.nbytes for e in engine.manager.entries.values())
     from capstan.engine.config.load import reference_param_count
@@ -91,7 +92,7 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
     params = reference_param_count(engine.config)  # (chunked parameters not in RAM are empty tensors)
     engine.close()
     return {"states": states, "params": params, "chunk_bytes": chunks, "build_s": built, "steps": rows,
-            "peak_rss": peak_rss_bytes(), "disk_file": disk_file}
+            "peak_rss": peak_rss_bytes(), "disk_file": disk_file, "flush_s": flush_s}
 
 
 def forward_backward(layers: int, d_model: int, steps: int) -> dict:
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--states", default="fp32,bf16")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--skip", type=int, default=1, help="steps left out of the medians (the warm-up; 3 where every "
+                                                         "step clips: steps 2 and 3 record their own traces)")
     ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (1e-4 steps a 1.8B model into a "
                                                              "loss spike; 1e-5 lets a 4B one's loss fall)")
     ap.add_argument("--prefetch", type=int, default=None,
@@ -162,16 +165,18 @@ def main() -> None:
               f"{torch_runs[0]['peak_rss'] / 2**30:.1f} GiB)\n")
     first = next(iter(results.values()))[0]
     print(f"### {first['params'] / 1e9:.2f}B-parameter GPT ({args.layers} x {args.d_model}), disk offload under "
-          f"{args.budget}, micro-batch 2 x 128 tokens, {args.rounds} round(s), steps 2-{args.steps} of each\n")
+          f"{args.budget}, micro-batch 2 x 128 tokens, {args.rounds} round(s), "
+          f"steps {args.skip + 1}-{args.steps} of each\n")
     print("| moments | model states (chunks) | B/param | s/step | vs fp32 | vs forward + backward | moved/step | "
           "stalled on I/O | peak RSS | loss at the last step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     base = None
     for states, runs in results.items():
-        later = [s for r in runs for s in r["steps"][1:]]
+        later = [s for r in runs for s in r["steps"][args.skip:]]
         step = statistics.median(s["s"] for s in later)
-        moved = statistics.median(b["moved"] - a["moved"] for r in runs for a, b in zip(r["steps"], r["steps"][1:]))
-        stall = statistics.median(b["stall"] - a["stall"] for r in runs for a, b in zip(r["steps"], r["steps"][1:]))
+        pairs = [(a, b) for r in runs for a, b in list(zip(r["steps"], r["steps"][1:]))[args.skip - 1:]]
+        moved = statistics.median(b["moved"] - a["moved"] for a, b in pairs)
+        stall = statistics.median(b["stall"] - a["stall"] for a, b in pairs)
         base = base or step
         r = runs[0]
         print(f"| {states} | {r['chunk_bytes'] / 2**30:.1f} GiB | {r['chunk_bytes'] / r['params']:.1f} | {step:.1f} | "
@@ -182,7 +187,10 @@ def main() -> None:
         for k, r in enumerate(runs):
             print(f"\n{states}, round {k + 1}: built in {r['build_s']:.0f} s; disk file "
                   f"{r.get('disk_file', 0) / 2**30:.1f} GiB; loss (gradient norm) by step: "
-                  + ", ".join(f"{s['loss']:.3f} ({s.get('norm', 0.0):.2f})" for s in r["steps"]))
+                  + ", ".join(f"{s['loss']:.3f} ({s.get('norm', 0.0):.2f})" for s in r["steps"])
+                  + "; seconds by step: " + ", ".join(f"{s['s']:.1f}" for s in r["steps"])
+                  + (f"; the last step's update, left to a forward that never came, {r['flush_s']:.1f} s"
+                     if r.get("flush_s", 0) > 0.05 else ""))
 
 
 if __name__ == "__main__":

@@ -302,6 +302,23 @@ def test_past_ram_a_measuring_step_leaves_its_update_to_the_next_forward(tmp_pat
     assert steady[0] < steady[1]
 
 
+def test_updates_are_left_to_forward_only_with_room_and_traces_of_their_own(tmp_path) -> None:
+    """A deferred update pins a chunk group beside what forward holds (overlap.defer_fits: two of the largest
+    groups), and moves forward's moments, so not under a budget of one group, nor where the manager follows
+    the warm-up's per-moment measurements (a RAM limit)."""
+    from capstan.chunkmem import DiskStore
+
+    def defers(budget: int, **kw: object) -> bool:
+        manager = ChunkManager(budget, DiskStore(tmp_path / f"d{budget}-{len(kw)}"), **kw)
+        model = ChunkedModel(_net(), manager, CHUNK, report_grads=True)
+        return ChunkAdam(model, lr=1e-2, overlap=True).speculation.defers
+
+    group = 4 * CHUNK * 4  # fp32: parameter, gradient, both moments
+    assert defers(PAST_RAM_BUDGET) and defers(2 * group)
+    assert not defers(2 * group - 1)
+    assert not defers(PAST_RAM_BUDGET, memory_limit=1 << 30)
+
+
 def test_past_ram_a_group_that_does_not_fit_beside_backward_steps_after_it(tmp_path, monkeypatch) -> None:
     """A chunk group whose chunks would not fit in the budget beside those backward has pinned is left to
     the step after backward instead of failing (here every other group, forced through `could_pin`): the

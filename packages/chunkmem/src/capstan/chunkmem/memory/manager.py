@@ -489,12 +489,17 @@ class ChunkManager:
         self.moment = 0
         self.device_tier.prefetch()  # the next step's first chunks (updated by the optimizer) go up now
 
+    def traces_per_kind(self) -> bool:
+        """Whether steps of different kinds keep traces of their own (`use_trace`): not where the manager
+        follows the warm-up's per-moment measurements (a memory limit, or a device limit)."""
+        return self.memory_limit is None and self.device_tier.device_limit is None
+
     def use_trace(self, key: object, now: bool = False) -> None:
         """From the next step on, run on the trace of the steps called `key` (the first such step records
         it, as the warm-up step records the first: LRU meanwhile, no prefetch). Where the non-model memory
         is followed (a memory limit) there is one trace, recorded once: its measurements are per moment.
         `now`: a change decided between steps (after `end_step` switched), applied at once."""
-        if self.memory_limit is None and self.device_tier.device_limit is None:
+        if self.traces_per_kind():
             self._next_key = key
             if now and self.moment == 0 and key != self.trace_key:  # (moment 0: no access of a step yet)
                 self._switch_trace(key)

@@ -207,9 +207,11 @@ class Speculation:
         # past RAM a guess is taken back from disk slots: a cpu budget without a disk tier never guesses
         self.guesses_on_disk = self.streaming and self.opt.model.manager.disk is not None
         # ... and a measuring step leaves its update to the next forward (module docstring); not where the
-        # 16-bit parameter slot holds the gradient (forward reads that slot)
-        self.defers = (self.guesses_on_disk and self.opt.model.grad_chunks
-                       and defer_fits(self.opt.model.manager.cpu.capacity, self._largest_group()))
+        # 16-bit parameter slot holds the gradient (forward reads that slot), nor where the manager follows
+        # one trace's per-moment measurements (a RAM or device limit: forward's moments would shift)
+        mgr = self.opt.model.manager
+        self.defers = (self.guesses_on_disk and self.opt.model.grad_chunks and mgr.traces_per_kind()
+                       and defer_fits(mgr.cpu.capacity, self._largest_group()))
 
     def _largest_group(self) -> int:
         """Bytes of the largest chunk group's siblings (what its update pins together)."""
