@@ -221,18 +221,18 @@ class ChunkAdam:
 
     def run_pending(self, g: int, i: int) -> None:
         """Chunk group (g, i)'s pending update, if it has one, then its gradient dropped (as `_drop_grads`)."""
-        args = self.pending.pop((g, i), None)
-        if args is None:
+        if (g, i) not in self.pending:
             return
-        if not self.pending:
-            self.model.pending_update = None
-        n = self.model.chunks[ChunkKind.PARAM][g][i].used
         mgr = self.model.manager
         ids = [self.model.chunks[k][g][i].chunk_id for k in self.speculation._kinds(g, i)] if self.speculation else []
         if ids and not mgr.could_pin(ids):  # overlap.defer_fits leaves room for this: a model it misjudged
             raise BudgetError(f"cpu budget of {mgr.cpu.capacity} bytes cannot hold chunk group ({g}, {i})'s update, "
                               f"left to this forward, beside the chunks forward holds pinned: raise memory.cpu_budget "
                               f"or set memory.overlap_optimizer = false (the update then runs after backward)")
+        args = self.pending.pop((g, i))
+        if not self.pending:
+            self.model.pending_update = None
+        n = self.model.chunks[ChunkKind.PARAM][g][i].used
         self._update_group(g, i, n, args)
         self.model.manager.free(self.model.chunks[ChunkKind.GRAD][g][i].chunk_id, lazy=not self.model.resident_grads)
         self.deferred_run += 1
