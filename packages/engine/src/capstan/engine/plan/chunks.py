@@ -313,13 +313,12 @@ def _trace(lists: ChunkLists, micro: int, recompute: bool, clip: bool, stream: s
     update = len(out)
     if clip and not stream:
         out += [(grad, g, i, False) for g, i in owned]
-    later = defer  # (each update left to the next forward)
     for g, i in owned:
-        if (g, i) not in streamed and not later:
+        if (g, i) not in streamed and not defer:  # (deferred: each update left to the next forward)
             step_group(g, i)
     # gradients are consumed after the whole update (ChunkAdam._drop_grads): they next read as zeros; a guess
     # keeps them to the end, to redo the step from if it was wrong
-    out += [("free", g, i, False) for g, i in owned if stream == "guess" or ((g, i) not in streamed and not later)]
+    out += [("free", g, i, False) for g, i in owned if stream == "guess" or ((g, i) not in streamed and not defer)]
     grouped.extend([False] * (len(out) - len(grouped)))
     return out, update, grouped
 
