@@ -6,9 +6,14 @@ chunked path, so with it the stage is 3 whatever is asked: one run per
 layout), each on 8 ranks oversubscribed on the machine's cores: the tiny
 reference GPT (2 blocks, 4 heads, d_model 32) trains 10 steps in fp32 and
 every step's global loss must equal the single-process run within 1e-5
-relative. The global batch is 8 sequences everywhere (micro batch 1 x
-grad_accum_steps 8/dp x dp), so step k sees the same sequences in every
-layout; clipping is active. Disk runs get one chunk more than the least RAM
+relative. The global batch is 8 sequences everywhere (micro batch x
+grad_accum_steps x dp), so step k sees the same sequences in every layout;
+clipping is active. Each layout accumulates max(pp, 2) micro-batches where its
+dp leaves room (8 sequences over dp 8 is one micro-batch of one): every
+pipeline is filled and accumulation is on, while a tensor-parallel layout's
+collectives (one latency each, 8 ranks sharing 2 cores) are not multiplied by
+8 micro-batches of one sequence (the matrix took 189 s that way: a step of
+(1,4,2) 0.8 s against 0.06 s for (2,1,4)). Disk runs get one chunk more than the least RAM
 the layout accepts, so chunks stream through disk (asserted where the
 per-rank states exceed that minimum), and the chunk system's peak stays
 within the budget. A bf16 sample, (2,2,2) ZeRO-1 and (1,2,4) with disk
@@ -59,9 +64,10 @@ ONEBIT_MIN_BUDGET = 229504
 
 def _cfg(dp: int, tp: int, pp: int, zero: int = 0, offload: str = "none", dtype: str = "fp32",
          disk_dir: str = "", compression: str = "none", freeze: int = 100) -> dict:
+    accum = min(8 // dp, max(pp, 2))  # 8 sequences per step: accum x micro x dp
     cfg = {"model": {"n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16},
            "data": {"max_bytes": 100_000},
-           "train": {"steps": STEPS, "micro_batch_size": 1, "grad_accum_steps": 8 // dp, "lr": 1e-2,
+           "train": {"steps": STEPS, "micro_batch_size": 8 // (dp * accum), "grad_accum_steps": accum, "lr": 1e-2,
                      "min_lr": 1e-3, "warmup_steps": 2, "grad_clip": 0.5},
            "parallel": {"dp": dp, "tp": tp, "pp": pp, "zero_stage": zero, "compression": compression,
                         "compression_freeze_steps": freeze},

@@ -54,6 +54,20 @@ ISA_UNITS = {
 # compile to the instruction. Never -ffast-math (changes results vs torch).
 BASE_FLAGS = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off",
               "-fno-math-errno", "-Wall", "-Wextra", "-Wno-unused-parameter", "-pthread"]
+OPT_LEVELS = ("0", "1", "2", "3", "s", "g")
+
+
+def opt_level() -> str:
+    """The optimization level of a (non-sanitizer) build: CAPSTAN_NATIVE_OPT, default "3".
+
+    A lower level is for tests of the build itself (tests/test_checkout_build.py builds at
+    -O0 in a fifth of the time); build_info.json records it, and capstan.native's loader
+    rebuilds a library whose recorded level is not the one asked for.
+    """
+    level = os.environ.get("CAPSTAN_NATIVE_OPT", "3")
+    if level not in OPT_LEVELS:
+        raise ValueError(f"CAPSTAN_NATIVE_OPT={level!r}: expected one of {', '.join(OPT_LEVELS)}")
+    return level
 
 
 def _target(target: str | None) -> str | None:
@@ -126,7 +140,7 @@ def compile_objects(obj_dir: Path, sanitize: bool = False, jobs: int = 2,
         flags += ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
                   "-fno-sanitize-recover=undefined"]
     else:
-        flags += ["-O3"]
+        flags += [f"-O{opt_level()}"]
     units: list[tuple[str, list[str]]] = [(u, []) for u in COMMON]
     defines: list[str] = []
     if _is_x86_64(target):
@@ -146,16 +160,22 @@ def compile_objects(obj_dir: Path, sanitize: bool = False, jobs: int = 2,
 
 
 def build_cpu(out_dir: Path, sanitize: bool = False, jobs: int = 2, target: str | None = None,
-              werror: bool = False) -> Path:
+              werror: bool = False, cxx_runtime: bool = True) -> Path:
     """Compile and link libcapstan.so into out_dir; returns its path (arguments as
-    compile_objects)."""
+    compile_objects).
+
+    cxx_runtime=False links without the C++ standard library (-nostdlib++), leaving its
+    symbols undefined: a library to inspect, not to load. A zig cross build otherwise
+    compiles zig's libc++ for the target first, over a minute on a 2-core machine with an
+    empty cache, which is all a check of our own sources (tests/test_cross_build.py) would
+    spend its time on."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="capstan-build-") as tmp:
         cmd, objs = compile_objects(Path(tmp), sanitize=sanitize, jobs=jobs, target=target,
                                     werror=werror)
         lib = out_dir / "libcapstan.so"
         tmp_lib = Path(tmp) / "libcapstan.so"
-        _run([*cmd, "-shared", *objs, "-o", str(tmp_lib), "-pthread"])
+        _run([*cmd, "-shared", *objs, "-o", str(tmp_lib), "-pthread", *([] if cxx_runtime else ["-nostdlib++"])])
         # Replace atomically: a running process may have the old file mapped.
         shutil.copy2(tmp_lib, out_dir / ".libcapstan.so.tmp")
         os.replace(out_dir / ".libcapstan.so.tmp", lib)
@@ -193,6 +213,7 @@ def build_all(out_dir: Path = DEFAULT_OUT, sanitize: bool | None = None,
         "target": target,
         "isas": ["scalar", *ISA_UNITS] if _is_x86_64(target) else ["scalar"],
         "sanitize": sanitize,
+        "opt": opt_level(),
         "library": lib.name,
         "sources": source_digest(),
     }

@@ -3,7 +3,9 @@
 CI keeps its hatch environment between runs but clones the repository afresh:
 the editable install is not redone, so the library the install hook built is
 gone. These tests copy native/ without its lib/ and import capstan.native from
-the copy, as that environment does.
+the copy, as that environment does. They build at -O0 (CAPSTAN_NATIVE_OPT): what
+they check is the build's bookkeeping, and an -O3 build of every ISA unit takes
+five times as long.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def checkout_copy(dest: Path) -> Path:
 
 def import_from(copy: Path, code: str = STATUS, **env) -> subprocess.Popen:
     base = {k: v for k, v in os.environ.items() if not k.startswith("CAPSTAN_NATIVE")}
-    base.update(PYTHONPATH=str(copy / "src"), **env)
+    base.update(PYTHONPATH=str(copy / "src"), CAPSTAN_NATIVE_OPT="0")
+    base.update(env)
     return subprocess.Popen([sys.executable, "-W", "always", "-c", textwrap.dedent(code)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base)
 
@@ -69,6 +72,30 @@ def test_missing_library_is_built_then_reused_then_rebuilt_after_an_edit(tmp_pat
     out, err = finish(import_from(copy))
     assert f"LOADED True {lib}" in out, out + err
     assert "(the sources changed since it was built)" in err, err
+    assert '"opt": "0"' in (lib.parent / "build_info.json").read_text()
+
+
+def test_a_library_built_at_another_level_is_stale(tmp_path, monkeypatch):
+    class Builder:  # the two things _stale asks of build_native.py
+        def source_digest(self):
+            return "digest"
+
+        def opt_level(self):
+            return os.environ.get("CAPSTAN_NATIVE_OPT", "3")
+
+    monkeypatch.setattr(_lib, "LIB_DIR", tmp_path)
+    (tmp_path / "libcapstan.so").write_bytes(b"")
+    (tmp_path / "build_info.json").write_text('{"sources": "digest", "opt": "0"}')
+    monkeypatch.setenv("CAPSTAN_NATIVE_OPT", "0")
+    assert _lib._stale(Builder()) is None
+    monkeypatch.setenv("CAPSTAN_NATIVE_OPT", "1")
+    assert _lib._stale(Builder()) == "built at -O0, CAPSTAN_NATIVE_OPT asks for -O1"
+    (tmp_path / "build_info.json").write_text('{"sources": "digest"}')  # recorded before "opt": an -O3 build
+    monkeypatch.delenv("CAPSTAN_NATIVE_OPT")
+    assert _lib._stale(Builder()) is None
+    monkeypatch.setenv("CAPSTAN_NATIVE_OPT", "fast")  # the real build script names the bad value
+    with pytest.raises(ValueError, match="CAPSTAN_NATIVE_OPT='fast': expected one of 0, 1, 2, 3, s, g"):
+        _lib._builder().opt_level()
 
 
 def test_concurrent_ranks_build_once(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -117,3 +118,31 @@ def test_large_collectives_go_in_segments_with_the_same_results() -> None:
         assert r["avg"] == pytest.approx((ramp + 1).tolist(), rel=1e-15)  # mean of rank offsets 0, 1, 2
         assert r["max"] == [size] * n
         assert r["gather"] == gathered
+
+
+_PEER_EXITS = """
+import sys, time, torch
+from capstan import comm
+w = comm.init()
+comm.all_reduce(torch.ones(1))  # both ranks up, their liveness records published
+if w.rank == 1:
+    comm.announce_failure()  # as `capstan` does on a non-zero exit
+    sys.exit(3)  # an error of its own: a clean exit (MPI_Finalize at exit, its fence waits for rank 0)
+t0 = time.monotonic()
+print('BLOCKED', flush=True)
+comm.all_reduce(torch.ones(1))  # rank 1 never comes
+print('NOT REACHED', time.monotonic() - t0, flush=True)
+"""
+
+
+def test_a_peer_failing_on_its_own_aborts_a_blocked_call_in_seconds_not_at_the_timeout() -> None:
+    # Before failures were announced, rank 0 waited out the whole timeout: rank 1's process lives on in
+    # MPI_Finalize's fence (the fault suite's disk-tier case spent 10 s of its 15 s launch so).
+    t0 = time.monotonic()
+    out = subprocess.run(mpirun_args(2) + [sys.executable, "-c", _PEER_EXITS],
+                         env=clean_env({"CAPSTAN_COMM_TIMEOUT": "60"}), capture_output=True, text=True, timeout=90)
+    took = time.monotonic() - t0
+    assert out.returncode != 0 and "BLOCKED" in out.stdout and "NOT REACHED" not in out.stdout, out.stdout + out.stderr
+    assert ("CommError: all_reduce on group world[0, 1] failed: rank(s) [1] exited on an error of their own "
+            "(lost rank(s) [1]); aborting the MPI job") in out.stderr, out.stderr
+    assert took < 20, took  # the call blocks >= 1 s before the watchdog looks (then every 0.5 s), not 60 s

@@ -60,6 +60,12 @@ def test_single_host_command() -> None:
     assert cmd[:4] == ["/x/mpirun", "-np", "4", "--oversubscribe"]
     assert "--allow-run-as-root" not in cmd and "--host" not in cmd
     assert "--allow-run-as-root" in _cmd(np=4, tp=2, root=True)
+    # One host: no libfabric probe (1.1 s of each rank's MPI_Init), unless the user chose the btls.
+    assert cmd[4:7] == ["--mca", "btl", "^ofi"]
+    assert "^ofi" not in _cmd(np=4, tp=2, environ={**ENV, "OMPI_MCA_btl": "self,tcp"})
+    chosen = _cmd(np=4, tp=2, mpirun_args=["--mca", "btl", "self,sm"])
+    assert "^ofi" not in chosen and chosen.count("btl") == 1
+    assert "^ofi" in _cmd(np=4, tp=2, mpirun_args=["--mca", "btl_tcp_if_include", "eth0"])
     i = cmd.index("-m")
     assert cmd[i - 1 : i + 3] == [cmd[i - 1], "-m", "capstan.engine.cli", "train"]
 
@@ -80,7 +86,7 @@ def test_hostfile_command(tmp_path: Path) -> None:
     hf.write_text("n1 slots=2\nn2 slots=2\n")
     cmd = _cmd(np=4, hostfile=str(hf), tp=2, root=True)
     assert cmd[3:7] == ["--host", "n1:2,n2:2", "--map-by", "slot"]
-    assert "--oversubscribe" not in cmd  # slots are what the hostfile says
+    assert "--oversubscribe" not in cmd and "^ofi" not in cmd  # slots are what the hostfile says; a network
     hf.write_text("n1 slots=3\nn2 slots=3\n")
     with pytest.raises(LaunchRequestError, match="n1 has 3, n2 has 3"):
         _cmd(np=4, hostfile=str(hf), tp=2)

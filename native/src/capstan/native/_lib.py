@@ -125,10 +125,14 @@ def _stale(builder) -> str | None:
     if not (LIB_DIR / "libcapstan.so").exists():
         return "not built yet"
     try:
-        recorded = json.loads((LIB_DIR / "build_info.json").read_text()).get("sources")
+        info = json.loads((LIB_DIR / "build_info.json").read_text())
+        recorded, opt = info.get("sources"), info.get("opt", "3")  # (records before "opt" were -O3 builds)
     except (OSError, ValueError, AttributeError):
         return "no build record"
-    return None if recorded == builder.source_digest() else "the sources changed since it was built"
+    if recorded != builder.source_digest():
+        return "the sources changed since it was built"
+    wanted = builder.opt_level() if hasattr(builder, "opt_level") else "3"
+    return None if opt == wanted else f"built at -O{opt}, CAPSTAN_NATIVE_OPT asks for -O{wanted}"
 
 
 def ensure_built() -> None:

@@ -14,7 +14,7 @@ Example (runs as one process, or under ``mpirun -np 4`` / ``torchrun --nproc_per
 
 from .agree import first_error
 from .alltoall import all_to_all
-from .bootstrap import BACKENDS, CPU_DEFAULT_BACKEND, init, is_initialized, shutdown
+from .bootstrap import BACKENDS, CPU_DEFAULT_BACKEND, announce_failure, init, is_initialized, shutdown
 from .bucketing import all_reduce_coalesced, flatten, plan_buckets, unflatten
 from .collectives import (
     REDUCE_OPS,
@@ -59,7 +59,7 @@ __all__ = [
     "AXES", "BACKENDS", "CPU_DEFAULT_BACKEND", "CollectiveHandle", "CommError", "Coord", "DEVICE_KINDS",
     "DeviceError", "Group", "Groups", "LaunchError", "cuda_report", "device", "pick_device", "staged", "transport",
     "LaunchInfo", "P2PHandle", "P2POp", "REDUCE_OPS", "Topology", "TopologyError", "all_gather", "all_to_all",
-    "all_reduce", "all_reduce_coalesced", "backend", "barrier", "broadcast", "build_groups",
+    "all_reduce", "all_reduce_coalesced", "announce_failure", "backend", "barrier", "broadcast", "build_groups",
     "detect_launch", "exchange", "first_error", "flatten", "get_logger", "init", "irecv", "is_initialized", "isend",
     "launch", "log_rank0", "plan_buckets", "progresses_in_background", "recv", "reduce", "reduce_scatter", "send",
     "shard_bounds", "shutdown", "single_process_groups", "unflatten", "warn_once", "world",

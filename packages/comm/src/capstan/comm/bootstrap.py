@@ -239,6 +239,18 @@ class _InitWatchdog:
         os._exit(1)
 
 
+def announce_failure() -> None:
+    """This rank is about to exit on an error of its own: tell the peers (a no-op before `init`).
+
+    Under mpirun a peer blocked in a collective with it then aborts the job within a second or
+    two, naming it, instead of waiting out the comm timeout (mpi_backend's watchdog); never
+    raises, never hangs.
+    """
+    liveness = state.liveness()
+    if liveness is not None:
+        liveness.announce_failure()
+
+
 def shutdown() -> None:
     """Tear down the process group (safe to call when nothing was initialized).
 

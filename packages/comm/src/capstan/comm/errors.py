@@ -53,6 +53,7 @@ class Liveness:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.verdicts: dict[int, list[int]] = {}  # rank -> the lost ranks it published before exiting
+        self.failed: set[int] = set()  # peers that announced an exit on an error of their own (announce_failure)
 
     # Subclasses store and fetch (host, pid, time) records per rank.
     def _publish(self, record: str) -> None:  # pragma: no cover - interface
@@ -84,6 +85,22 @@ class Liveness:
 
     def _linger(self, lost: list[int]) -> None:
         """Hook for the rank whose exit takes the verdicts with it (the store's server)."""
+
+    def announce_failure(self) -> None:
+        """Record that this rank is exiting on an error of its own; never raises, never hangs.
+
+        A peer blocked in a collective with it can then fail at once, naming it, rather than wait
+        out the timeout: under mpirun a rank that exits cleanly (MPI_Finalize at exit) leaves the
+        job running, and its process stays alive in MPI_Finalize's fence, so nothing else tells.
+        Peers learn it from their heartbeat thread's poll (`failed`).
+        """
+        try:
+            self._put_failure()
+        except Exception:
+            return
+
+    def _put_failure(self) -> None:
+        """Subclasses publish the failure notice where `_poll_verdicts` finds it (default: nowhere)."""
 
     def _verdict(self, rank: int, poller: bool = False) -> list[int] | None:
         if rank in self.verdicts:
@@ -168,9 +185,9 @@ class Liveness:
 class StoreLiveness(Liveness):
     """Heartbeats in a torch.distributed store (a client of its own, so threads never share one).
 
-    Verdicts live under ``capstan/lost/<rank>``; ``capstan/lost/n`` counts them and
-    ``capstan/lost/seq/<i>`` names the i-th publisher, so the heartbeat thread
-    polls one counter per beat. A peer that cached rank r's verdict bumps
+    Verdicts live under ``capstan/lost/<rank>`` (failure notices under ``capstan/failed/<rank>``);
+    ``capstan/lost/n`` counts both and ``capstan/lost/seq/<i>`` names the i-th publisher, so the
+    heartbeat thread polls one counter per beat. A peer that cached rank r's verdict bumps
     ``capstan/lost/ack/<r>``: the store's server (`serves_store`) lingers until
     every other survivor of a world of `world_size` did, or `VERDICT_LINGER_S`.
     """
@@ -205,6 +222,13 @@ class StoreLiveness(Liveness):
             i = self._reader.add("capstan/lost/n", 1)  # type: ignore[attr-defined]
             self._reader.set(f"capstan/lost/seq/{i}", str(self.rank))  # type: ignore[attr-defined]
 
+    def _put_failure(self) -> None:
+        # In the verdicts' sequence, so the peers' heartbeat poll (one counter per beat) finds it.
+        with self._lock:
+            self._reader.set(f"capstan/failed/{self.rank}", "1")  # type: ignore[attr-defined]
+            i = self._reader.add("capstan/lost/n", 1)  # type: ignore[attr-defined]
+            self._reader.set(f"capstan/lost/seq/{i}", str(self.rank))  # type: ignore[attr-defined]
+
     def _get_verdict(self, rank: int, poller: bool = False) -> str | None:
         key = f"capstan/lost/{rank}"
         if poller:
@@ -223,6 +247,8 @@ class StoreLiveness(Liveness):
                 return  # published but not yet named: the next beat
             rank = int(client.get(key).decode())  # type: ignore[attr-defined]
             self._seen += 1
+            if rank != self.rank and client.check([f"capstan/failed/{rank}"]):  # type: ignore[attr-defined]
+                self.failed.add(rank)
             if rank != self.rank and rank not in self.verdicts and self._verdict(rank, poller=True) is not None:
                 client.add(f"capstan/lost/ack/{rank}", 1)  # type: ignore[attr-defined]
 

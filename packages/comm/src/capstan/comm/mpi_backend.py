@@ -144,6 +144,10 @@ def _op(name: str) -> object:
     return _OPS[name]
 
 
+WATCH_S = 0.5  # the watchdog's period
+GONE_AFTER_S = 1.0  # a call blocked this long starts looking for peers that announced their failure
+
+
 class _Watchdog:
     """One daemon thread that aborts the job when a blocking MPI call overruns its deadline.
 
@@ -168,18 +172,43 @@ class _Watchdog:
 
     def _run(self) -> None:
         while True:
-            time.sleep(0.5)
+            time.sleep(WATCH_S)
             current = self.current
-            if current is not None and time.monotonic() > current[2]:
-                from mpi4py import MPI
+            if current is None:
+                continue
+            op, group, deadline = current
+            now = time.monotonic()
+            if now > deadline:
+                self._abort(f"{op} on group {group} timed out after {state.timeout_s():.0f} s")
+            elif now > deadline - state.timeout_s() + GONE_AFTER_S:
+                lost = _gone_peers(group)
+                if lost and self.current is current:  # (still the same call: it did not complete meanwhile)
+                    self._abort(f"{op} on group {group} failed: rank(s) {lost} exited on an error of their own "
+                                f"(lost rank(s) {lost})")
 
-                secs = state.timeout_s()
-                sys.stderr.write(
-                    f"CommError: {current[0]} on group {current[1]} timed out after {secs:.0f} s; "
-                    "aborting the MPI job\n"
-                )
-                sys.stderr.flush()
-                MPI.COMM_WORLD.Abort(1)
+    @staticmethod
+    def _abort(text: str) -> None:
+        from mpi4py import MPI
+
+        sys.stderr.write(f"CommError: {text}; aborting the MPI job\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
+def _gone_peers(group: object) -> list[int]:
+    """The members of `group` that announced an exit on an error of their own (else []).
+
+    A blocking MPI call cannot tell that a peer left: one that exits cleanly
+    (an error of its own, then MPI_Finalize at exit) leaves the job running
+    and stays alive in MPI_Finalize's fence, so its peers blocked until the
+    timeout. It announces the failure first (`comm.announce_failure`); the
+    heartbeat thread's poll learns it with the verdicts (one store counter per
+    beat), and the watchdog reads that set, with no store traffic of its own.
+    """
+    liveness = state.liveness()
+    if liveness is None or not liveness.failed:
+        return []
+    return sorted(r for r in getattr(group, "ranks", ()) if r in liveness.failed)
 
 
 _watchdog = _Watchdog()

@@ -181,15 +181,16 @@ def build_command(command: list[str], np: int, *, hostfile: str | None = None, t
         # An explicit host:count list filled in order (map by slot): rank r goes to the first host with
         # room, so host boundaries fall on multiples of tp and no tp group spans two hosts.
         args += ["--host", ",".join(f"{h.host}:{h.slots}" for h in plan), "--map-by", "slot"]
-    else:
-        if np % max(tp, 1):
-            raise LaunchRequestError(f"-np {np} is not a multiple of tp {tp}")
-        if openmpi:
-            args += ["--oversubscribe"]  # one host: more ranks than cores is allowed (tests, small machines)
-    if openmpi and root:
-        args += ["--allow-run-as-root"]
+    elif np % max(tp, 1):
+        raise LaunchRequestError(f"-np {np} is not a multiple of tp {tp}")
     env = dict(os.environ if environ is None else environ)
     env.update(extra_env or {})
+    if hostfile is None and openmpi:  # one host: more ranks than cores is allowed (tests, small machines)
+        from capstan.comm.launch_env import one_host_mca
+
+        args += ["--oversubscribe", *one_host_mca(env, mpirun_args or ())]
+    if openmpi and root:
+        args += ["--allow-run-as-root"]
     names = forwarded_env(env)
     if openmpi:
         for name in names:

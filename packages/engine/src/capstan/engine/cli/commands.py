@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
         return code
     finally:
+        if code != 0 and "capstan.comm" in sys.modules:  # peers blocked with this rank fail now, naming it
+            sys.modules["capstan.comm"].announce_failure()
         rank_finished(code)
 
 

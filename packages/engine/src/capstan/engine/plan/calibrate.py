@@ -260,9 +260,13 @@ def _profile_key(shape: ModelShape, layout: Layout) -> tuple:
 
 
 def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple[ModelShape, Layout]] = (),
-              log=print, ranks: tuple[int, ...] = (2, 4), disk_bytes: int = DISK_BYTES) -> Machine:  # noqa: ANN001
+              log=print, ranks: tuple[int, ...] = (2, 4), disk_bytes: int = DISK_BYTES,  # noqa: ANN001
+              bf16_micro: int = 8) -> Machine:
     """Measure this machine (module docstring); `shapes`: (model, layout) pairs whose layers to profile;
-    `ranks`: the launches whose collectives are measured (2 always; every core's for the busy profiles)."""
+    `ranks`: the launches whose collectives are measured (2 always; every core's for the busy profiles);
+    `bf16_micro`: sequences of the bf16 reference block (`--quick` times 1: where the CPU has no bf16
+    arithmetic a bf16 block runs at a few GFLOP/s and 8 sequences took 90 s of a 2-core machine's
+    calibration)."""
     cores = len(os.sched_getaffinity(0))
     layouts = list(shapes)
     profiles = {}  # one profile per distinct (shape, tp slice, micro-batch, precision, sp, dropout)
@@ -286,7 +290,7 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
         contention = probes[2].get("block_together", alone) / alone
         ref = ModelShape(layers=1, hidden=512, heads=8, vocab=256, seq=128)
         fp32 = 3 * block_flops(ref, 1, 8) / alone
-        bf16 = _bf16_block_rate(ref, threads)
+        bf16 = _bf16_block_rate(ref, threads, bf16_micro)
         cpu = _cpu_rates(threads)
         compression = _compression_rates()
         per_access = _per_access()
@@ -321,8 +325,8 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
                    disk_read=read, disk_write=write, source=rates.source, rates=rates)
 
 
-def _bf16_block_rate(shape: ModelShape, threads: int) -> float:
+def _bf16_block_rate(shape: ModelShape, threads: int, micro: int = 8) -> float:
     from .costs import measure_layers
 
-    cost = measure_layers(shape, Layout(micro=8, precision="bf16"), threads)["block"]
-    return 3 * block_flops(shape, 1, 8) / (cost.forward + cost.backward)
+    cost = measure_layers(shape, Layout(micro=micro, precision="bf16"), threads)["block"]
+    return 3 * block_flops(shape, 1, micro) / (cost.forward + cost.backward)
