@@ -50,15 +50,20 @@ print(json.dumps({"rise": peak - before, "params": params}))
 """
 
 
-def _rise(mode: str, tmp_path: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(tmp_path / mode)], capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _start(mode: str, tmp_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, mode, str(tmp_path / mode)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _rise(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_the_reference_gpt_is_built_layer_by_layer_into_chunks(tmp_path: Path) -> None:
-    meta, eager = _rise("meta", tmp_path), _rise("eager", tmp_path)
+    runs = [_start("meta", tmp_path), _start("eager", tmp_path)]  # at once, one thread each: their own RSS
+    meta, eager = (_rise(p) for p in runs)
     model_bytes = 4 * meta["params"]
     assert meta["params"] == eager["params"] > 60_000_000
     assert eager["rise"] > model_bytes, eager  # the whole model existed in RAM before it was chunked
