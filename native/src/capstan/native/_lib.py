@@ -131,7 +131,7 @@ def _stale(builder) -> str | None:
         return "no build record"
     if recorded != builder.source_digest():
         return "the sources changed since it was built"
-    wanted = builder.opt_level() if hasattr(builder, "opt_level") else "3"
+    wanted = builder.opt_level()
     return None if opt == wanted else f"built at -O{opt}, CAPSTAN_NATIVE_OPT asks for -O{wanted}"
 
 

@@ -208,7 +208,7 @@ def _gone_peers(group: object) -> list[int]:
     liveness = state.liveness()
     if liveness is None or not liveness.failed:
         return []
-    return sorted(r for r in getattr(group, "ranks", ()) if r in liveness.failed)
+    return sorted(r for r in group.ranks if r in liveness.failed)  # type: ignore[attr-defined]
 
 
 _watchdog = _Watchdog()
