@@ -29,13 +29,20 @@ def test_single_process_init_leaves_torch_distributed_initialized() -> None:
     assert out.stdout.split("\n")[0] == "1 True 1 [1.0, 1.0, 1.0] gloo 1"
 
 
-def test_torchrun_standalone_two_ranks(tmp_path) -> None:
-    # Each rank writes its own file: the ranks' stdout lines may interleave.
+def test_torchrun_standalone_two_ranks_leave_no_gloo_worker_at_exit(tmp_path) -> None:
+    # Each rank writes its own files: the ranks' stdout lines may interleave. The exit handler is
+    # registered before comm.init, so it runs after comm's: a gloo worker still alive then can abort
+    # the process in the interpreter's finalization (groups.release_at_exit).
     script = (
-        "import sys, torch, torch.distributed as dist; from capstan import comm; w = comm.init(); "
+        "import atexit, os, sys, torch, torch.distributed as dist; from capstan import comm\n"
+        "def gloo_workers():\n"
+        "    return sum(open(f'/proc/self/task/{t}/comm').read().strip() == 'pt_gloo_runloop'\n"
+        "               for t in os.listdir('/proc/self/task'))\n"
+        f"atexit.register(lambda: open(f'{tmp_path}/exit{{w.rank}}.txt', 'w').write(str(gloo_workers())))\n"
+        "w = comm.init(); "
         "t = torch.tensor([float(w.rank + 1)]); comm.all_reduce(t); "
         f"open(f'{tmp_path}/rank{{w.rank}}.txt', 'w').write("
-        "f'OK {w.rank} {comm.launch().launcher} {dist.get_rank()} {t.item()}')"
+        "f'OK {w.rank} {comm.launch().launcher} {dist.get_rank()} {t.item()} {gloo_workers() > 0}')"
     )
     path = tmp_path / "job.py"
     path.write_text(script)
@@ -43,7 +50,8 @@ def test_torchrun_standalone_two_ranks(tmp_path) -> None:
                                    "--nproc_per_node", "2"])
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
-    assert lines == ["OK 0 torchrun 0 3.0", "OK 1 torchrun 1 3.0"]
+    assert lines == ["OK 0 torchrun 0 3.0 True", "OK 1 torchrun 1 3.0 True"]
+    assert [(tmp_path / f"exit{r}.txt").read_text() for r in range(2)] == ["0", "0"]
 
 
 def test_port_already_in_use_is_a_clear_error() -> None:

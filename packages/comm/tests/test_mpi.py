@@ -14,17 +14,30 @@ from capstan.comm.testing import clean_env, mpirun_args, requires_mpirun, run_mp
 pytestmark = requires_mpirun()
 
 
-def test_plain_mpirun_python_c_initializes_without_master_addr() -> None:
-    code = (
+# Registered before comm.init, so it runs after comm's own exit handler: what is left when the
+# interpreter starts finalizing. A gloo worker left then can abort the process (groups.release_at_exit).
+_GLOO_WORKERS_AT_EXIT = """
+import atexit, os
+def gloo_workers():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return names.count("pt_gloo_runloop")
+atexit.register(lambda: print("AT EXIT gloo workers", gloo_workers(), flush=True))
+"""
+
+
+def test_plain_mpirun_python_c_initializes_without_master_addr_and_leaves_no_gloo_worker_at_exit() -> None:
+    code = _GLOO_WORKERS_AT_EXIT + (
         "import torch, torch.distributed as dist; from capstan import comm; w = comm.init(); "
         "t = torch.ones(1); comm.all_reduce(t); "
-        "print('OK', w.rank, w.size, dist.get_rank(), dist.get_world_size(), int(t.item()), comm.backend())"
+        "print('OK', w.rank, w.size, dist.get_rank(), dist.get_world_size(), int(t.item()), comm.backend(), "
+        "gloo_workers() > 0)"
     )
     out = subprocess.run(mpirun_args(4) + [sys.executable, "-c", code], env=clean_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("OK"))
-    assert lines == [f"OK {r} 4 {r} 4 4 mpi" for r in range(4)]
+    assert lines == [f"OK {r} 4 {r} 4 4 mpi True" for r in range(4)]  # gloo holds the torch world group under MPI too
+    assert [line for line in out.stdout.splitlines() if line.startswith("AT EXIT")] == ["AT EXIT gloo workers 0"] * 4
 
 
 def _groups_under_mpi() -> list[float]:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from . import mpi_backend, state
 from .device import device_module, is_accelerator, pick_device, transport
 from .errors import DirLiveness, Liveness, StoreLiveness
-from .groups import Group, warm_up
+from .groups import Group, release_at_exit, warm_up
 from .launch_env import LaunchError, LaunchInfo, detect_launch
 from .log import get_logger, set_rank_context
 
@@ -139,8 +139,8 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     set_rank_context(info.rank)
     warm_up(world)  # the world's first NCCL operation is one all ranks join (groups.warm_up)
     # A process group left alive at interpreter exit can abort the process in torch's teardown
-    # ("terminate called without an active exception", seen 1 in 8 under torchrun): tear down first.
-    atexit.register(shutdown)
+    # ("terminate called without an active exception"): tear down and join gloo's workers first.
+    atexit.register(_shutdown_at_exit)
     log.debug("initialized: %s, %s, backend %s, device %s (CUDA tensors: %s)", info.describe("rank"),
               info.describe("world_size"), backend, dev, how)
     return world
@@ -266,6 +266,12 @@ def shutdown() -> None:
         dist.destroy_process_group()
     state.clear()
     set_rank_context(None)
+
+
+def _shutdown_at_exit() -> None:
+    """`shutdown`, then destroy every ProcessGroup still referenced (`groups.release_at_exit`)."""
+    shutdown()
+    release_at_exit()
 
 
 def _mpi_world(info: LaunchInfo, required: bool) -> object | None:

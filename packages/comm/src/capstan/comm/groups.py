@@ -14,6 +14,8 @@ identity, which is what lets every layer run in a single process.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +38,10 @@ class Group:
     pg: object | None = field(default=None, repr=False)
     mpi_comm: object | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.pg is not None:
+            _HOLDING_A_PG.add(self)
+
     @property
     def size(self) -> int:
         return len(self.ranks)
@@ -46,6 +52,35 @@ class Group:
 
     def __str__(self) -> str:
         return f"{self.name}{list(self.ranks)}"
+
+
+# Every live Group holding a torch ProcessGroup, so the process can drop those at exit (`release_at_exit`).
+_HOLDING_A_PG: weakref.WeakSet[Group] = weakref.WeakSet()
+
+
+def release_at_exit() -> int:
+    """Drop every Group's ProcessGroup so torch destroys them now, not in the interpreter's finalization.
+
+    A gloo ProcessGroup's worker threads (`pt_gloo_runloop`) release the tensors of the
+    operations they ran, and releasing a tensor that has a Python object takes the GIL
+    (torch >= 2.10 keeps the Python object alive from C++ while C++ shares the tensor). A worker
+    that reaches for the GIL once the interpreter is finalizing is ended by Python with
+    `pthread_exit` inside a C++ noexcept frame: "terminate called without an active exception"
+    and SIGABRT, after the program has finished and printed its results (4 of 70 two-rank
+    launches on this machine; CI saw it on a rank that ran one collective, the init's warm-up).
+    Destroying a ProcessGroup releases the GIL and joins its workers, so run from an atexit
+    handler (the interpreter not yet finalizing) this leaves no worker behind. The Groups are
+    unusable afterwards (their pg is None), which is why only the exit path calls it.
+    Returns how many Groups it released.
+    """
+    holders = list(_HOLDING_A_PG)
+    for group in holders:
+        object.__setattr__(group, "pg", None)
+    _HOLDING_A_PG.clear()
+    released = len(holders)
+    del holders
+    gc.collect()  # a ProcessGroup kept by a reference cycle goes now too
+    return released
 
 
 @dataclass(frozen=True)

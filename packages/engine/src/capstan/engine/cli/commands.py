@@ -303,7 +303,9 @@ def entry() -> None:
     destroy_process_group() does not join gloo's threads. Everything capstan
     writes (metrics, checkpoints, disk-tier files) is closed before `main`
     returns, so only MPI (finalized as mpi4py would at exit), logging and stdio
-    are left to close here.
+    are left to close here. (comm's own exit handler now joins gloo's threads,
+    `groups.release_at_exit`, which is what keeps a script of one's own safe; this
+    exit also keeps any other teardown from changing a finished run's code.)
     """
     import logging
     import time
