@@ -132,6 +132,7 @@ def test_the_main_job_config_streams_through_disk_and_reports_it(tmp_path: Path)
     done = [ln for ln in out.stderr.splitlines() if "done: 3 steps" in ln]
     assert len(done) == 1, out.stderr[-2000:]
     m = re.search(r"model states ([\d.]+) MiB in chunks, RAM peak ([\d.]+) MiB of a 12.0 MiB budget, disk peak "
-                  r"[\d.]+ MiB, [\d.]+ [MG]iB moved", done[0])
+                  r"([\d.]+) MiB, disk file ([\d.]+) MiB, [\d.]+ [MG]iB moved", done[0])
     assert m and float(m.group(1)) > 4 * 12 and float(m.group(2)) <= 12.0, done[0]
+    assert float(m.group(4)) >= float(m.group(3)), done[0]  # the file: every slot, current or not
     assert (run / "memory.png").stat().st_size > 0 and (run / "loss.png").stat().st_size > 0

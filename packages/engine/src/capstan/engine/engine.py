@@ -324,6 +324,12 @@ class Engine:
         """The most bytes this rank's disk tier held at a step's end (0 without one)."""
         return self.states.disk_peak()
 
+    @property
+    def disk_file_bytes(self) -> int:
+        """The bytes of this rank's disk tier's file: every chunk's slot and the second slots a guessed step
+        wrote (chunkmem's DiskStore); what the run takes on disk, and what `capstan plan` predicts."""
+        return self.states.disk_file_bytes()
+
     def _device_allocator_stats(self) -> dict[str, float]:
         """What torch's caching allocator reserved on this rank's device (activations, fragmentation and
         cache included), peak since the last call; read through chunkmem's `device_peak`, which also feeds

@@ -117,6 +117,8 @@ def memory_summary(records: list[dict[str, Any]], state_bytes: int | None, budge
     ram = peaks.get("cpu", 0)
     parts.append(f"RAM peak {human_bytes(ram)}" + (f" of a {human_bytes(budget)} budget" if budget else ""))
     parts += [f"{tier} peak {human_bytes(v)}" for tier, v in peaks.items() if tier != "cpu"]
+    if last.get("mem.disk.file_bytes"):  # the space the disk tier takes: every slot, second slots included
+        parts.append(f"disk file {human_bytes(last['mem.disk.file_bytes'])}")
     moved = last.get("mem.moved_bytes", 0)
     if moved:
         parts.append(f"{human_bytes(moved)} moved ({human_bytes(moved / max(1, len(records)))} per step)")

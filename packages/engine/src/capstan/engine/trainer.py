@@ -93,7 +93,7 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups, plan: str | None = N
         raise
     # the last step's RAM at every chunk access, and all the chunks' bytes (where the states track them)
     timeline, states = engine.states.ram_timeline() or (None, None)
-    summary = watch.finish(sink.records, engine.disk_peak, groups.world, run_dir) if watch is not None else ""
+    summary = watch.finish(sink.records, engine.disk_file_bytes, groups.world, run_dir) if watch is not None else ""
     sink.close()
     engine.close()
     if summary:

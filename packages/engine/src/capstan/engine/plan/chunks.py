@@ -47,7 +47,7 @@ from capstan.comm import onebit_residual_sizes
 from .spec import Layout, ModelShape
 
 __all__ = ["ChunkLists", "Traffic", "chunk_lists", "disk_traffic", "disk_traffic_floor", "stage_modules",
-           "rollback_slot_bytes", "streamed_step", "transient_bytes"]
+           "disk_file_bytes", "streamed_step", "transient_bytes"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,9 @@ class Traffic:
     read_bytes: int
     write_bytes: int
     disk_bytes: int  # chunks with a current copy on disk at the step's end (the engine's mem.disk.*)
+    # the disk file after the replayed steps (the engine's mem.disk.file_bytes): a slot for every chunk written
+    # out since the start, and a second for every chunk a guessed update wrote back before its step stood
+    file_bytes: int = 0
 
     @property
     def moved(self) -> int:
@@ -345,6 +348,19 @@ def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: b
     return _disk_traffic(lists, int(budget), micro, bool(recompute), bool(clip), eviction, stream=stream)
 
 
+def disk_file_bytes(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: bool = False, clip: bool = True,
+                    eviction: str = "belady", stream: str = "") -> int:
+    """The disk tier's file after a run's first steps (Traffic.file_bytes; slots are never freed). A run
+    whose steps all clip measures its norm in backward ("measure") only after its first streamed step
+    guessed and found it clipped (chunkmem's overlap.py): that step's second slots stay in the file."""
+    file = disk_traffic(lists, budget, micro=micro, recompute=recompute, clip=clip, eviction=eviction,
+                        stream=stream).file_bytes
+    if stream == "measure":
+        file = max(file, disk_traffic(lists, budget, micro=micro, recompute=recompute, clip=clip,
+                                      eviction=eviction, stream="guess").file_bytes)
+    return file
+
+
 def streamed_step(lists: ChunkLists, overlap_optimizer: bool | None, clip: bool, loss_scaling: bool) -> str:
     """How the engine's step runs past RAM (chunkmem's overlap.py, "Past RAM"): "fused" into backward without
     clipping or loss scaling, "guess" with either (fused too, its gradients kept to the step's end to redo it
@@ -354,15 +370,6 @@ def streamed_step(lists: ChunkLists, overlap_optimizer: bool | None, clip: bool,
     if overlap_optimizer is False or lists.shard > 1 or lists.onebit:
         return ""
     return "guess" if clip or loss_scaling else "fused"
-
-
-def rollback_slot_bytes(lists: ChunkLists) -> int:
-    """The disk file's second slots under a guessing step (chunkmem's DiskStore.protect): at most one more
-    copy of every chunk the update writes (masters or fp32 parameters, moments, 16-bit parameters)."""
-    grad = "grad" if lists.grad_chunks else ""
-    written = [k for k, _ in lists.kinds() if k != grad]
-    return sum(n * lists.chunk_bytes(k, c) for n, c in zip(lists.counts, lists.capacities, strict=True)
-               for k in written)
 
 
 def disk_traffic_floor(lists: ChunkLists, budget: int) -> tuple[int, int]:
@@ -480,6 +487,14 @@ def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, c
         return onebit_scratch_bytes(lists.capacities[g], lists.onebit) if lists.onebit else 0
 
     state: dict[int, tuple[str | None, bool]] = {cid: (None, False) for cid in ids.values()}  # where, disk current
+    # The file (chunkmem's DiskStore): slots are never freed. A guessed update protects its chunks' data from
+    # before it (rollback.py): written now if only RAM held it, and written back to a second slot before
+    # the step stands (its end here); the gradient chunk is not protected.
+    slots: set[int] = set()
+    second: set[int] = set()
+    protected: set[int] = set()
+    guarding = stream == "guess"
+    unprotected = grad if lists.grad_chunks else None
     in_ram: set[int] = set()  # the chunks whose state is "ram"
     resident = 0
     moved = [0, 0]  # read, written: counted in the last step
@@ -494,6 +509,7 @@ def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, c
                 return
             if not state[victim][1]:
                 moved[1] += nbytes[victim] if count else 0
+                (second if victim in protected else slots).add(victim)
             state[victim] = ("disk", True)
             in_ram.discard(victim)
             resident -= nbytes[victim]
@@ -528,6 +544,11 @@ def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, c
             if not grouped[n] or (g, i) != group:
                 pinned, group = set(), (g, i) if grouped[n] else None
             pinned.add(cid)
+            if guarding and grouped[n] and write and kind != unprotected and where is not None:
+                if where == "ram" and not clean:  # protect: the data from before the update to its slot first
+                    moved[1] += nbytes[cid] if count else 0
+                    slots.add(cid)
+                protected.add(cid)
             if where != "ram":
                 cap = budget - (transient if n < updating and not grouped[n] else scratch(g))
                 make_room(nbytes[cid], pinned, policy, moment, count, cap)
@@ -539,4 +560,7 @@ def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, c
             state[cid] = ("ram", clean and not write)
         disk_peak = max(disk_peak, sum(nbytes[c] for c, (w, cur) in state.items()
                                        if w == "disk" or (w == "ram" and cur)))
-    return Traffic(read_bytes=moved[0], write_bytes=moved[1], disk_bytes=disk_peak)
+        protected.clear()  # the step stood (chunkmem's overlap.py _settle commits)
+    page = 4096  # DiskStore's slots are whole pages (ALIGN)
+    file_bytes = sum(-(-nbytes[c] // page) * page for c in slots) + sum(-(-nbytes[c] // page) * page for c in second)
+    return Traffic(read_bytes=moved[0], write_bytes=moved[1], disk_bytes=disk_peak, file_bytes=file_bytes)

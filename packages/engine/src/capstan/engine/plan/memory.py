@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from ..zero.buckets import IN_FLIGHT, packed_bucket_elems
-from .chunks import chunk_lists, disk_traffic, rollback_slot_bytes, streamed_step, transient_bytes
+from .chunks import chunk_lists, disk_file_bytes, streamed_step, transient_bytes
 from .spec import Device, Layout, Machine, ModelShape, virtual_parts
 
 __all__ = ["Item", "MemoryPlan", "memory_plan", "min_devices_for_states", "TIERS"]
@@ -321,12 +321,11 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
                                   staging))
             if traffic:
                 stream = streamed_step(lists, layout.overlap_optimizer, layout.grad_clip, layout.precision == "fp16")
-                on_disk = disk_traffic(lists, layout.cpu_budget or 0, micro=layout.accum, recompute=layout.recompute,
-                                       clip=layout.grad_clip, eviction=layout.eviction, stream=stream).disk_bytes
-                items.append(Item("model states on disk (current copies at a step's end)", "disk", on_disk))
-                if stream == "guess":
-                    items.append(Item("second disk slots a guessed step can be taken back from (at most)", "disk",
-                                      rollback_slot_bytes(lists)))
+                file = disk_file_bytes(lists, layout.cpu_budget or 0, micro=layout.accum, recompute=layout.recompute,
+                                       clip=layout.grad_clip, eviction=layout.eviction, stream=stream)
+                items.append(Item("the disk tier's file: a slot for every chunk written out" + (
+                    ", a second for each one a guessed update wrote back before its step stood" if stream == "guess"
+                    else ""), "disk", file))
             else:
                 items.append(Item("model states on disk (at most: every chunk; not replayed)", "disk", states))
             if gpu:

@@ -157,7 +157,8 @@ class RunPlan:
         return self.prediction.record() if self.prediction is not None else {}
 
     def finish(self, records: list[dict], disk_peak: int, world_group: object, run_dir: object) -> str:
-        """Every rank: the peaks of the largest rank; rank 0 writes plan.json and returns the summary line."""
+        """Every rank: the peaks of the largest rank; rank 0 writes plan.json and returns the summary line.
+        disk_peak: the disk tier's file (Engine.disk_file_bytes), what the plan's disk tier predicts."""
         import json
         from pathlib import Path
 
@@ -173,7 +174,7 @@ class RunPlan:
         out = comparison(self.prediction, step, int(peaks[0]), int(peaks[1]))
         Path(run_dir, "plan.json").write_text(json.dumps(out, indent=1) + "\n")
         parts = []
-        for key, label in (("step_s", "step"), ("ram_bytes", "RAM peak"), ("disk_bytes", "disk peak")):
+        for key, label in (("step_s", "step"), ("ram_bytes", "RAM peak"), ("disk_bytes", "disk file")):
             if key in out and out[key]["error"] is not None:
                 row = out[key]
                 unit = (lambda v: f"{v * 1e3:.1f} ms") if key == "step_s" else (lambda v: f"{v / 2**20:.1f} MiB")

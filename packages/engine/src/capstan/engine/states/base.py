@@ -84,6 +84,10 @@ class ModelStates(ABC):
         """The most bytes this rank's disk tier held at a step's end (0 without one)."""
         return 0
 
+    def disk_file_bytes(self) -> int:
+        """The bytes of this rank's disk tier's file: the space it takes (0 without one)."""
+        return 0
+
     def describe(self) -> str:
         """A note for the run log's first line ("" when there is nothing to say)."""
         return ""

@@ -245,6 +245,10 @@ class ChunkedStates(ModelStates):
     def disk_peak(self) -> int:
         return self._disk_peak
 
+    def disk_file_bytes(self) -> int:
+        disk = self.manager.disk
+        return disk.nbytes() if disk is not None else 0  # (slots are never freed: the file only grows)
+
     def parameters_snapshot(self) -> dict[str, torch.Tensor]:
         self.flush_pending()
         return self.module.state_tensors()  # type: ignore[attr-defined]  # one chunk at a time
