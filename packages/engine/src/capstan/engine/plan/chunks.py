@@ -561,6 +561,7 @@ def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, c
         disk_peak = max(disk_peak, sum(nbytes[c] for c, (w, cur) in state.items()
                                        if w == "disk" or (w == "ram" and cur)))
         protected.clear()  # the step stood (chunkmem's overlap.py _settle commits)
-    page = 4096  # DiskStore's slots are whole pages (ALIGN)
-    file_bytes = sum(-(-nbytes[c] // page) * page for c in slots) + sum(-(-nbytes[c] // page) * page for c in second)
+    from capstan.chunkmem.memory.disk import ALIGN  # DiskStore's slots are whole pages
+
+    file_bytes = sum(-(-nbytes[c] // ALIGN) * ALIGN for held in (slots, second) for c in held)
     return Traffic(read_bytes=moved[0], write_bytes=moved[1], disk_bytes=disk_peak, file_bytes=file_bytes)
