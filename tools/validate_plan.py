@@ -78,7 +78,8 @@ ROWS = [
     Row("B-dp2-z2-bf16", "B", 2, {"parallel.zero_stage": 2, "precision.dtype": "bf16"}, "dp 2, ZeRO 2, bf16"),
     Row("B-tp2-rc", "B", 2, {"parallel.tp": 2, "memory.activation_checkpointing": True}, "tp 2, recompute"),
     Row("B-disk", "B", 1, {"memory.offload": "disk", "memory.cpu_budget": "48MiB"}, "offload disk, 48 MiB in RAM"),
-    # budgets many chunks deep: the read-ahead's window has room, and the disk overlaps compute (plan/disk_time.py)
+    # budgets many chunks deep, where the read-ahead's window has room (docs/plan.md, "Disk I/O": on 2 cores the
+    # disk's time still adds to the step)
     Row("A-disk-deep", "A", 1, {"memory.offload": "disk", "memory.cpu_budget": "40MiB", "memory.chunk_size": 262144},
         "offload disk, 40 MiB of 57 MiB in RAM"),
     Row("B-disk-deep", "B", 1, {"memory.offload": "disk", "memory.cpu_budget": "112MiB"},

@@ -58,7 +58,7 @@ class Group:
 _HOLDING_A_PG: weakref.WeakSet[Group] = weakref.WeakSet()
 
 
-def release_at_exit() -> int:
+def release_at_exit() -> None:
     """Drop every Group's ProcessGroup so torch destroys them now, not in the interpreter's finalization.
 
     A gloo ProcessGroup's worker threads (`pt_gloo_runloop`) release the tensors of the
@@ -71,16 +71,11 @@ def release_at_exit() -> int:
     Destroying a ProcessGroup releases the GIL and joins its workers, so run from an atexit
     handler (the interpreter not yet finalizing) this leaves no worker behind. The Groups are
     unusable afterwards (their pg is None), which is why only the exit path calls it.
-    Returns how many Groups it released.
     """
-    holders = list(_HOLDING_A_PG)
-    for group in holders:
+    for group in list(_HOLDING_A_PG):
         object.__setattr__(group, "pg", None)
     _HOLDING_A_PG.clear()
-    released = len(holders)
-    del holders
     gc.collect()  # a ProcessGroup kept by a reference cycle goes now too
-    return released
 
 
 @dataclass(frozen=True)

@@ -320,11 +320,6 @@ class Engine:
         return {**self.states.stats(self.device), **self._device_allocator_stats()}
 
     @property
-    def disk_peak(self) -> int:
-        """The most bytes this rank's disk tier held at a step's end (0 without one)."""
-        return self.states.disk_peak()
-
-    @property
     def disk_file_bytes(self) -> int:
         """The bytes of this rank's disk tier's file: every chunk's slot and the second slots a guessed step
         wrote (chunkmem's DiskStore); what the run takes on disk, and what `capstan plan` predicts."""

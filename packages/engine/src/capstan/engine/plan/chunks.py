@@ -135,10 +135,9 @@ class ChunkLists:
 class Traffic:
     read_bytes: int
     write_bytes: int
-    disk_bytes: int  # chunks with a current copy on disk at the step's end (the engine's mem.disk.*)
     # the disk file after the replayed steps (the engine's mem.disk.file_bytes): a slot for every chunk written
     # out since the start, and a second for every chunk a guessed update wrote back before its step stood
-    file_bytes: int = 0
+    file_bytes: int
 
     @property
     def moved(self) -> int:
@@ -339,7 +338,7 @@ def transient_bytes(lists: ChunkLists) -> int:
 def disk_traffic(lists: ChunkLists, budget: int, *, micro: int = 1, recompute: bool = False, clip: bool = True,
                  eviction: str = "belady", stream: str = "") -> Traffic:
     """Bytes read from and written to disk in a steady-state step with `budget` bytes of chunks in RAM,
-    and the most bytes on disk at a step's end (the engine's mem.disk.peak_bytes). Replayed from the
+    and the bytes of the disk file after it (the engine's mem.disk.file_bytes). Replayed from the
     start as the manager runs: parameters (and masters) placed in RAM in order as far as the budget
     goes, moments and gradients without data; the first step (the warm-up, no trace yet) evicts the
     least recently used chunk, later ones by `eviction` from the trace. Replayed once per distinct
@@ -524,7 +523,6 @@ def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, c
             resident += nbytes[cid]
     make_policy(eviction)  # an unknown name is chunkmem's error
     steady = make_policy_(eviction, in_ram, accesses)
-    disk_peak = 0
     for step in range(3):  # the warm-up, a step that settles, the one counted
         policy, count = (warm if step == 0 else steady), step == 2
         policy.start_step()
@@ -558,10 +556,8 @@ def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, c
                 in_ram.add(cid)
                 clean = where == "disk" and clean
             state[cid] = ("ram", clean and not write)
-        disk_peak = max(disk_peak, sum(nbytes[c] for c, (w, cur) in state.items()
-                                       if w == "disk" or (w == "ram" and cur)))
         protected.clear()  # the step stood (chunkmem's overlap.py _settle commits)
     from capstan.chunkmem.memory.disk import ALIGN  # DiskStore's slots are whole pages
 
     file_bytes = sum(-(-nbytes[c] // ALIGN) * ALIGN for held in (slots, second) for c in held)
-    return Traffic(read_bytes=moved[0], write_bytes=moved[1], disk_bytes=disk_peak, file_bytes=file_bytes)
+    return Traffic(read_bytes=moved[0], write_bytes=moved[1], file_bytes=file_bytes)

@@ -103,14 +103,15 @@ def measured_step(records: list[dict]) -> float:
     return statistics.median(times)
 
 
-def comparison(predicted: Prediction, step_s: float | None, ram_peak: int, disk_peak: int) -> dict:
-    """Predicted against measured, with the relative error of each (what plan.json holds)."""
+def comparison(predicted: Prediction, step_s: float | None, ram_peak: int, disk_file: int) -> dict:
+    """Predicted against measured, with the relative error of each (what plan.json holds). disk_file: the disk
+    tier's file (Engine.disk_file_bytes), what the plan's disk tier predicts."""
     def row(pred: float, meas: float) -> dict:
         return {"predicted": pred, "measured": meas, "error": (pred - meas) / meas if meas else None}
 
     out = {"ram_bytes": row(predicted.memory.total("ram"), ram_peak)}
-    if predicted.memory.total("disk") or disk_peak:
-        out["disk_bytes"] = row(predicted.memory.total("disk"), disk_peak)
+    if predicted.memory.total("disk") or disk_file:
+        out["disk_bytes"] = row(predicted.memory.total("disk"), disk_file)
     if predicted.time is not None and step_s is not None:
         out["step_s"] = row(predicted.time.seconds, step_s)
         out["bottleneck"] = predicted.time.bottleneck
@@ -156,9 +157,8 @@ class RunPlan:
     def record(self) -> dict[str, float]:
         return self.prediction.record() if self.prediction is not None else {}
 
-    def finish(self, records: list[dict], disk_peak: int, world_group: object, run_dir: object) -> str:
-        """Every rank: the peaks of the largest rank; rank 0 writes plan.json and returns the summary line.
-        disk_peak: the disk tier's file (Engine.disk_file_bytes), what the plan's disk tier predicts."""
+    def finish(self, records: list[dict], disk_file: int, world_group: object, run_dir: object) -> str:
+        """Every rank: the peaks of the largest rank; rank 0 writes plan.json and returns the summary line."""
         import json
         from pathlib import Path
 
@@ -166,7 +166,7 @@ class RunPlan:
 
         from capstan import comm
 
-        peaks = torch.tensor([peak_rss_bytes(), disk_peak], dtype=torch.float64)
+        peaks = torch.tensor([peak_rss_bytes(), disk_file], dtype=torch.float64)
         comm.all_reduce(peaks, "max", group=world_group)
         if self.prediction is None or not records:
             return ""

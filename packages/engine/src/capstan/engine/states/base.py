@@ -80,10 +80,6 @@ class ModelStates(ABC):
         """This rank's state as checkpoints read and write it (a checkpoint.state.StateView: canonical
         parameter names, the elements this rank owns, reads and writes of param / exp_avg / exp_avg_sq)."""
 
-    def disk_peak(self) -> int:
-        """The most bytes this rank's disk tier held at a step's end (0 without one)."""
-        return 0
-
     def disk_file_bytes(self) -> int:
         """The bytes of this rank's disk tier's file: the space it takes (0 without one)."""
         return 0

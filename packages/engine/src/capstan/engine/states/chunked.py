@@ -242,9 +242,6 @@ class ChunkedStates(ModelStates):
             out[f"mem.{device.type}.resident_bytes"] = s[device.type]["resident_bytes"]  # type: ignore[index]
         return out
 
-    def disk_peak(self) -> int:
-        return self._disk_peak
-
     def disk_file_bytes(self) -> int:
         disk = self.manager.disk
         return disk.nbytes() if disk is not None else 0  # (slots are never freed: the file only grows)
