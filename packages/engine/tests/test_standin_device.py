@@ -51,6 +51,10 @@ def _run(cfg: dict, eval_after: int | None = None, model=None) -> dict:
             evals.append(engine.eval_batch(held))
             moments.append(engine.manager.moment if engine.chunked else 0)
     mem = engine.memory_stats()
+    spec = getattr(engine.optimizer, "speculation", None)  # the overlapped step's counters (chunkmem overlap.py)
+    paths = {} if spec is None else {"rollbacks": spec.rollbacks, "declined": spec.declined,
+                                     "stepped_early": spec.stepped_early, "streamed": spec.streamed,
+                                     "pending": len(engine.optimizer.pending)}
     # Buffers stay where forward runs; parameters too without chunks (chunked ones are views of chunks,
     # which wait in RAM between steps after the CPU optimizer stepped them).
     params = set() if engine.chunked else {str(p.device) for p in engine.module.parameters()}
@@ -58,7 +62,8 @@ def _run(cfg: dict, eval_after: int | None = None, model=None) -> dict:
     engine.close()
     if torch.accelerator.is_available():
         torch.accelerator.empty_cache()
-    return {"losses": losses, "evals": evals, "moments": moments, "mem": mem, "devices": devices, "syncs": syncs}
+    return {"losses": losses, "evals": evals, "moments": moments, "mem": mem, "devices": devices, "syncs": syncs,
+            "paths": paths}
 
 
 def _llama():
@@ -110,6 +115,14 @@ def _single(tmp: str) -> dict:
     for cfg in (cpu_cfg, dev_cfg):
         cfg["train"]["grad_clip"] = 0.0
     out["disk-fused"] = (_run(cpu_cfg), _run(dev_cfg))
+    # ... with clipping that never fires: each step's update guessed during backward and kept (its chunks
+    # protected in the disk's second slots); "disk" above clips every step: its first guess is taken back and
+    # each later step measures the norm in backward and leaves its update to the next forward (pending).
+    never = {**cases["disk"][0], "overlap_optimizer": True}
+    cpu_cfg, dev_cfg = _config("cpu", {**never, "gpu_budget": None}), _config("standin", never)
+    for cfg in (cpu_cfg, dev_cfg):
+        cfg["train"]["grad_clip"] = 100.0
+    out["disk-guess"] = (_run(cpu_cfg), _run(dev_cfg))
     for offload in ("none", "cpu"):  # autocast: CUDA's policy on the stand-in, the CPU's on the CPU
         out[f"bf16-{offload}"] = tuple(_run(_config(d, {"offload": offload}, dtype="bf16")) for d in ("cpu", "standin"))
         # bf16 moments: on the device through torch's ops (kernels' fallback), in chunks through the native kernel
@@ -153,7 +166,7 @@ def _close(got: list[float], want: list[float]) -> None:
         assert abs(g - w) <= TOL * abs(w), (got, want)
 
 
-@pytest.mark.parametrize("case", [*SINGLE, "disk", "disk-fused"])
+@pytest.mark.parametrize("case", [*SINGLE, "disk", "disk-fused", "disk-guess"])
 def test_reference_gpt_on_the_standin_matches_the_cpu(single, case: str) -> None:
     cpu, dev = single[case]
     _close(dev["losses"], cpu["losses"])
@@ -161,6 +174,20 @@ def test_reference_gpt_on_the_standin_matches_the_cpu(single, case: str) -> None
     if case != "none":  # chunks on the device, counted by the tier and by the device allocator
         assert dev["mem"]["mem.standin.peak_bytes"] > 0
         assert dev["mem"]["mem.standin.reserved_peak_bytes"] >= dev["mem"]["mem.standin.peak_bytes"]
+
+
+def test_past_ram_the_device_takes_each_path_of_the_overlapped_step(single) -> None:
+    """The three ways a step runs past RAM all ran on the stand-in, as on the CPU: streamed without clipping,
+    guessed and kept where clipping never fires, and where every step clips a guess taken back once, then
+    every step measuring and leaving its update to the next forward (so a later edit cannot quietly turn a
+    case into another)."""
+    for case in ("disk", "disk-fused", "disk-guess"):
+        cpu, dev = single[case]
+        assert dev["paths"] == cpu["paths"], case
+    fused, guess, clips = (single[c][1]["paths"] for c in ("disk-fused", "disk-guess", "disk"))
+    assert fused["streamed"] > 0 and fused["rollbacks"] == fused["pending"] == 0
+    assert guess["stepped_early"] > 0 and guess["rollbacks"] == guess["declined"] == guess["pending"] == 0
+    assert clips["rollbacks"] == 1 and clips["declined"] == STEPS - 1 and clips["pending"] > 0
 
 
 @pytest.mark.parametrize(("case", "most"), [("none", 2), ("cpu-measured", 1), ("cpu-budget", 1), ("disk", 1)])
