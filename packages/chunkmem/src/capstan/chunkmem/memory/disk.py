@@ -155,7 +155,7 @@ class DiskStore:
     def alloc(self, numel: int, dtype: torch.dtype, pool: aio.BlockPool | None = None) -> torch.Tensor:
         """An uninitialized buffer the disk tier can read into and write from directly (from `pool`, a
         freed one of the same size where it keeps one: it holds old data)."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if self._open(nbytes).direct and numel > 0:
             return aio.aligned_empty(numel, dtype, pool=pool)
         return torch.empty(numel, dtype=dtype)

@@ -102,6 +102,11 @@ class ChunkManager:
         self.prefetch_evicts = prefetch_evicts
         self.audit_moves = audit
         self.entries: dict[int, _Entry] = {}
+        # Entries whose write-back is in flight, oldest first, and their bytes: every access that makes room
+        # asks both, and summing them over all entries each time cost a 1.81B model's step about as much
+        # as the rest of its access bookkeeping (docs/chunkmem.md, "Writes in flight").
+        self.writing: dict[int, _Entry] = {}
+        self.writing_bytes = 0
         self.on_resident: list[Callable[[Chunk], None]] = []
         self.on_evict: list[Callable[[Chunk], None]] = []
         self.moment = 0
@@ -294,7 +299,8 @@ class ChunkManager:
             return
         if entry.write is not None:  # evicted, write still in flight: take the buffer back
             entry.write.result()
-            chunk.payload, entry.write, entry.write_buf = entry.write_buf, None, None
+            chunk.payload = entry.write_buf
+            self._written(entry)
             entry.where = "cpu"
             self._resident(chunk)
             return
@@ -338,10 +344,9 @@ class ChunkManager:
                 continue  # RAM buffers a copy to the device was still reading
             # Writes in flight free their bytes when done: wait for them rather than evicting more
             # than needed. This also makes eviction decisions independent of I/O timing.
-            writing = [e for e in self.entries.values() if e.write is not None]
-            in_flight = sum(e.chunk.nbytes for e in writing)
-            if writing and self.cpu.resident - in_flight + nbytes <= self.cpu.capacity:  # type: ignore[operator]
-                self._wait_write(writing[0])
+            oldest = self._oldest_write()
+            if oldest is not None and self.cpu.resident - self.writing_bytes + nbytes <= self.cpu.capacity:  # type: ignore[operator]
+                self._wait_write(oldest)
                 continue
             movable = [cid for cid, e in self.entries.items()
                        if e.where == "cpu" and e.pins == 0 and e.read is None and cid != protect]
@@ -349,9 +354,9 @@ class ChunkManager:
                 self._evict(self.entries[self.policy.victim(movable, self.moment - 1)])
                 self._reap_writes()
                 continue
-            writing = [e for e in self.entries.values() if e.write is not None]
-            if writing:
-                self._wait_write(writing[0])
+            oldest = self._oldest_write()
+            if oldest is not None:
+                self._wait_write(oldest)
                 continue
             reading = [e for e in self.entries.values() if e.read is not None and e.pins == 0]
             if reading:  # a prefetch holds budget: let it land, then it can be evicted
@@ -386,6 +391,8 @@ class ChunkManager:
         else:
             entry.write_buf, chunk.payload = chunk.payload, None
             entry.write = self._disk().write_async(chunk.chunk_id, entry.write_buf)
+            self.writing[chunk.chunk_id] = entry
+            self.writing_bytes += chunk.nbytes
             entry.disk_valid = True
             self._count_write(chunk)
         entry.where = "disk"
@@ -397,12 +404,20 @@ class ChunkManager:
         entry.write.result()
         self.counters["stall_s"] += time.perf_counter() - start
         self.cpu.release(entry.chunk.nbytes)  # (first: the buffer pool sees the room as the buffer goes)
+        self._written(entry)
+
+    def _written(self, entry: _Entry) -> None:
+        """A write-back finished (its buffer released or taken back): no longer in flight."""
         entry.write, entry.write_buf = None, None
+        del self.writing[entry.chunk.chunk_id]
+        self.writing_bytes -= entry.chunk.nbytes
+
+    def _oldest_write(self) -> _Entry | None:
+        return next(iter(self.writing.values()), None)
 
     def _reap_writes(self) -> None:
-        for e in self.entries.values():
-            if e.write is not None and e.write.done():
-                self._wait_write(e)
+        for e in [e for e in self.writing.values() if e.write.done()]:  # type: ignore[union-attr]
+            self._wait_write(e)
 
     def _drop_payload(self, entry: _Entry) -> None:
         entry.chunk.payload = None
@@ -545,6 +560,10 @@ class ChunkManager:
                 held += e.chunk.nbytes
             if e.write_buf is not None:
                 held += e.chunk.nbytes
+        writing = {cid: e for cid, e in self.entries.items() if e.write is not None}
+        if writing.keys() != self.writing.keys() or self.writing_bytes != sum(e.chunk.nbytes for e in writing.values()):
+            raise AssertionError(f"writes in flight: {sorted(writing)} by their entries, {sorted(self.writing)} "
+                                 f"({self.writing_bytes} bytes) by the manager's count")
         if held != self.cpu.resident:
             raise AssertionError(f"cpu tier counter says {self.cpu.resident} bytes but chunks hold {held}")
         if self.cpu.capacity is not None and held > self.cpu.capacity:

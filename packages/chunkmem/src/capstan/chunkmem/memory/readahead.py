@@ -130,8 +130,7 @@ class ReadAhead:
         if not m.prefetch_evicts or m.policy.name != "belady" or cap is None:
             return
         m._reap_writes()
-        writing = sum(e.chunk.nbytes for e in m.entries.values() if e.write is not None)
-        free = cap - m.cpu.resident + writing
+        free = cap - m.cpu.resident + m.writing_bytes
         if free >= sum(sizes):
             return
         trace = m.trace

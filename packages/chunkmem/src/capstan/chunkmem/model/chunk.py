@@ -45,7 +45,7 @@ class Chunk:
     @property
     def nbytes(self) -> int:
         """Bytes the chunk occupies wherever it lives: always the full capacity (exact budgets)."""
-        return self.capacity * torch.empty(0, dtype=self.dtype).element_size()
+        return self.capacity * self.dtype.itemsize  # (not torch.empty(0).element_size(): every budget check asks)
 
     @property
     def used(self) -> int:

@@ -130,7 +130,7 @@ class ShardedChunkedModel(ChunkedModel):
         """
         if not self.homes:
             return 0, "nothing"
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         widest = {g: max(self._width(g, u) for u in range(len(lst) // self._span))
                   for g, lst in enumerate(self.chunks[ChunkKind.PARAM]) if lst}
         with_grads = {h.group for h in self.homes.values() if h.param.requires_grad}
@@ -207,7 +207,7 @@ class ShardedChunkedModel(ChunkedModel):
         spares = self._spares.get((numel, dtype))
         if spares:
             return spares.pop()  # still reserved since it was first made
-        self.manager.reserve_transient(numel * torch.empty(0, dtype=dtype).element_size(), what, self._on_dev)
+        self.manager.reserve_transient(numel * dtype.itemsize, what, self._on_dev)
         return torch.empty(numel, dtype=dtype, device=self._buf_device)
 
     def _give_buffer(self, buf: torch.Tensor) -> None:
