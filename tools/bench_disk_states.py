@@ -12,6 +12,8 @@
     hatch run python tools/bench_disk_states.py --states int8/measure,int8/measure+after --steps 6
     # "torch": plain PyTorch forward + backward of the same model in RAM, the compute bound (#34's target):
     hatch run python tools/bench_disk_states.py --states torch,fp32/fused,int8/fused --rounds 2
+    # bf16 compute (16-bit parameter chunks, an fp32 master; the gradient in its parameter's slot):
+    hatch run python tools/bench_disk_states.py --dtype bf16 --states fp32,int8 --steps 3
 
 Each run is a fresh process (`--one STATES` runs one and prints a JSON line): the reference GPT with
 `memory.offload = "disk"` under a chunk budget, fp32 compute, micro-batch 2 x seq 128. The first step
@@ -46,7 +48,7 @@ VARIANTS = {"": ({"overlap_optimizer": False}, 1.0),  # the plain step after bac
 
 
 def one(states: str, layers: int, d_model: int, budget: str, steps: int, directory: str, lr: float = 1e-4,
-        prefetch: int | None = None) -> dict:
+        prefetch: int | None = None, dtype: str = "fp32") -> dict:
     import torch
 
     from capstan import comm
@@ -62,7 +64,7 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
            "train": {"steps": steps, "micro_batch_size": 2, "lr": lr, "warmup_steps": max(1, steps // 10),
                      "grad_clip": clip},
            "memory": {"offload": "disk", "cpu_budget": budget, "disk_dir": directory, **memory},
-           "precision": {"optimizer_states": moments}}
+           "precision": {"optimizer_states": moments, "dtype": dtype}}
     t0 = time.perf_counter()
     engine = initialize(config=cfg, groups=comm.single_process_groups())
     if prefetch is not None:  # chunks in the read-ahead's window (readahead.py)
@@ -87,12 +89,15 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
     flush_s = time.perf_counter() - t
     disk_file = engine.manager.disk.nbytes() if engine.manager.disk is not None else 0
     chunks = sum(e.chunk.nbytes for e in engine.manager.entries.values())
+    by_kind: dict[str, int] = {}  # what the bytes per parameter are made of (parameter, master, gradient, moments)
+    for e in engine.manager.entries.values():
+        by_kind[e.chunk.kind.name.lower()] = by_kind.get(e.chunk.kind.name.lower(), 0) + e.chunk.nbytes
     from capstan.engine.config.load import reference_param_count
 
     params = reference_param_count(engine.config)  # (chunked parameters not in RAM are empty tensors)
     engine.close()
-    return {"states": states, "params": params, "chunk_bytes": chunks, "build_s": built, "steps": rows,
-            "peak_rss": peak_rss_bytes(), "disk_file": disk_file, "flush_s": flush_s}
+    return {"states": states, "params": params, "chunk_bytes": chunks, "by_kind": by_kind, "build_s": built,
+            "steps": rows, "peak_rss": peak_rss_bytes(), "disk_file": disk_file, "flush_s": flush_s}
 
 
 def forward_backward(layers: int, d_model: int, steps: int) -> dict:
@@ -135,6 +140,8 @@ def main() -> None:
                                                              "loss spike; 1e-5 lets a 4B one's loss fall)")
     ap.add_argument("--prefetch", type=int, default=None,
                     help="chunks in the read-ahead window (default: an eighth of the budget)")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                    help="compute dtype (precision.dtype): bf16 keeps 16-bit parameter chunks and an fp32 master")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one == "torch":
@@ -142,7 +149,7 @@ def main() -> None:
         return
     if args.one:
         print(json.dumps(one(args.one, args.layers, args.d_model, args.budget, args.steps, args.dir, args.lr,
-                             args.prefetch)))
+                             args.prefetch, args.dtype)))
         return
     results: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
@@ -151,7 +158,8 @@ def main() -> None:
             try:
                 out = subprocess.run([sys.executable, __file__, "--one", states, "--layers", str(args.layers),
                                       "--d-model", str(args.d_model), "--budget", args.budget,
-                                      "--steps", str(args.steps), "--dir", chunks, "--lr", str(args.lr)]
+                                      "--steps", str(args.steps), "--dir", chunks, "--lr", str(args.lr),
+                                      "--dtype", args.dtype]
                                      + ([] if args.prefetch is None else ["--prefetch", str(args.prefetch)]),
                                      check=True, capture_output=True, text=True).stdout
             finally:
@@ -164,7 +172,8 @@ def main() -> None:
               f"(runs: {', '.join(' '.join(f'{t:.1f}' for t in r['times']) for r in torch_runs)}; peak RSS "
               f"{torch_runs[0]['peak_rss'] / 2**30:.1f} GiB)\n")
     first = next(iter(results.values()))[0]
-    print(f"### {first['params'] / 1e9:.2f}B-parameter GPT ({args.layers} x {args.d_model}), disk offload under "
+    print(f"### {first['params'] / 1e9:.2f}B-parameter GPT ({args.layers} x {args.d_model}), {args.dtype} compute, "
+          f"disk offload under "
           f"{args.budget}, micro-batch 2 x 128 tokens, {args.rounds} round(s), "
           f"steps {args.skip + 1}-{args.steps} of each\n")
     print("| moments | model states (chunks) | B/param | s/step | vs fp32 | vs forward + backward | moved/step | "
@@ -185,7 +194,9 @@ def main() -> None:
               f"{r['steps'][-1]['loss']:.4f} |")
     for states, runs in results.items():
         for k, r in enumerate(runs):
-            print(f"\n{states}, round {k + 1}: built in {r['build_s']:.0f} s; disk file "
+            kinds = ", ".join(f"{kind} {b / r['params']:.2f}" for kind, b in r.get("by_kind", {}).items())
+            print(f"\n{states}, round {k + 1}: built in {r['build_s']:.0f} s; bytes per parameter by kind: {kinds}; "
+                  f"disk file "
                   f"{r.get('disk_file', 0) / 2**30:.1f} GiB; loss (gradient norm) by step: "
                   + ", ".join(f"{s['loss']:.3f} ({s.get('norm', 0.0):.2f})" for s in r["steps"])
                   + "; seconds by step: " + ", ".join(f"{s['s']:.1f}" for s in r["steps"])

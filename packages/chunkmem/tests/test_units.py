@@ -27,8 +27,10 @@ from capstan.chunkmem import (
     Tier,
     auto_chunk_size,
     list_capacity,
+    packed_lists,
     plan_layout,
     search_chunk_size,
+    split_list_ends,
     utilization,
 )
 from capstan.chunkmem.model.states import chunk_state_of
@@ -105,6 +107,34 @@ def test_auto_chunk_size_least_waste_with_padding() -> None:
     # Sizes are multiples of the step, never below the largest tensor.
     size = auto_chunk_size([_mods((1500, 700), (2200,), (90,))])
     assert size % 1024 == 0 and size >= 2200
+
+
+def test_a_lists_end_slivers_go_to_a_small_side_list() -> None:
+    """A GPT-shaped list: an embedding of 512 elements ahead of three blocks (qkv 12288, proj 4096, fc and
+    proj 16384 each, one module per tensor) and a head of 512, in chunks of 16384. Packed in order, the
+    embedding shifts the first block so its proj takes a chunk alone, and the head takes the last one:
+    11 chunks for 9 chunks' worth. With the two ends aside: 9 full chunks and one side chunk of 2048
+    (the 1024 elements rounded to CAPACITY_ALIGN)."""
+    block = [(12288,), (4096,), (16384,), (16384,)]
+    mods = _mods((512,), *block, *block, *block, (512,))
+    plain = plan_layout(mods, 16384)
+    assert len(plain) == 11
+    main, side = split_list_ends(mods, 16384)
+    assert len(main) == 9 and all(max(o + p.numel for p, o in c) == 16384 for c in main)
+    assert [[p.name for p, _ in c] for c in side] == [["m0.p0", "m13.p0"]] and list_capacity(side, 16384) == 2048
+    assert packed_lists(mods, 16384) == [main, side]
+    assert sorted(p.name for c in main + side for p, _ in c) == sorted(p.name for c in plain for p, _ in c)
+    # ZeRO-3 over 4 ranks pads both lists to 4 chunks: 12 x 16384 + 4 x 2048 is more than 12 x 16384 alone
+    pad4 = lambda n: -(-n // 4) * 4  # noqa: E731
+    assert packed_lists(mods, 16384, pad4) == [plain]
+    # ends more than an eighth of a chunk, or a list of under three chunks: as planned
+    for wide in _mods((4096,), *block, (4096,)), _mods((512,), (8192,), (8192,)):
+        assert packed_lists(wide, 16384) == [plan_layout(wide, 16384)]
+    # one end alone: a head of 512 after a block that fills its chunks takes the side list by itself
+    head_only = packed_lists(_mods((4096,), *block, (512,)), 16384)
+    assert len(head_only) == 2 and [[p.name for p, _ in c] for c in head_only[1]] == [["m5.p0"]]
+    # the chunk size search counts the side list: the least waste is the blocks' own 16384
+    assert auto_chunk_size([mods], max_size=20480) == 16384
 
 
 def test_tier_budget_is_exact() -> None:

@@ -12,7 +12,9 @@ reference with twice the accumulation, so both see the same sequences.
 
 Layouts (dp, tp, pp): (1,2,1) ZeRO-3; (1,1,2) ZeRO-3; on 4 ranks (2,2,1)
 disk with a small cpu budget, (2,1,2) disk (ZeRO-3 over each stage's dp
-group) and (1,2,2) offload cpu. fp16 at (1,1,2) ZeRO-3 from an overflowing
+group) and (1,2,2) offload cpu; and on 2 ranks a wider GPT (d 512) at (2,1,1)
+ZeRO-3 whose decayed list's ends (embedding, head) go to a side list sharded
+beside it (test_chunk_padding.py has the one-process case). fp16 at (1,1,2) ZeRO-3 from an overflowing
 loss scale: both stages skip the same steps (the overflow flag is reduced
 over pp), the scale halves per skip, then training proceeds.
 """
@@ -47,9 +49,12 @@ def _fp16_pipeline() -> dict:
 
 
 # name -> (config, reference config: one process, no chunks)
+ENDS = {"n_layers": 2, "n_heads": 4, "d_model": 512, "seq_len": 16}  # test_chunk_padding.py's model
+ENDS_DP2 = tiny_gpt_config(STEPS, 1, model=ENDS, parallel={"dp": 2, "zero_stage": 3}, memory={"offload": "cpu"})
 TWO = {
     "tp2-zero3": (_cfg(parallel={"dp": 1, "tp": 2, "zero_stage": 3}, memory={"chunk_size": CHUNK}), _cfg()),
     "pp2-zero3": (_cfg(parallel={"dp": 1, "pp": 2, "zero_stage": 3}, memory={"chunk_size": CHUNK}), _cfg()),
+    "dp2-zero3-ends": (ENDS_DP2, tiny_gpt_config(STEPS, 2, model=ENDS)),
 }
 FOUR = {
     "dp2-tp2-disk": (_cfg(1, parallel={"dp": 2, "tp": 2, "zero_stage": 3}, memory=_disk(8)), _cfg()),
@@ -64,6 +69,11 @@ def _layouts(which: str) -> dict:
     out = {name: trajectory(cfg, STEPS, extra=EXTRA) for name, (cfg, _) in (TWO if which == "2" else FOUR).items()}
     if which == "2":
         out["fp16"] = _fp16_pipeline()
+        from capstan.engine import initialize
+
+        engine = initialize(config=ENDS_DP2)
+        out["ends_lists"] = list(engine.module.list_group)  # (sharded: each list padded to 2 chunks)
+        engine.close()
     return out
 
 
@@ -84,6 +94,7 @@ def test_chunked_tp_and_pp_on_two_ranks_equal_one_process() -> None:
     torch.set_num_threads(1)
     results = run_ranks(_layouts, 2, "2", timeout=240)
     _check(results, TWO)
+    assert all(r["ends_lists"] == [0, 1, 2, 3, 0] for r in results)  # the decayed list's side list, last
     a, b = (r["fp16"] for r in results)
     assert a["skipped"] == b["skipped"] and a["loss"] == b["loss"]  # the stages agree on every skip
     first_ok = a["skipped"].index(False)

@@ -237,3 +237,38 @@ def test_int8_moments_resume_bit_for_bit_and_load_into_fp32(tmp_path: Path, memo
     engine, as_fp32, _ = train_steps(_cfg(precision={"optimizer_states": "fp32"}, memory=memory), 6, load=saved)
     engine.close()
     assert as_fp32[0].loss == resumed[0].loss  # the same parameters; from then on each steps its own moments
+
+
+def test_bf16_compute_with_int8_moments_keeps_about_8_bytes_per_parameter_in_chunks(tmp_path: Path) -> None:
+    """Mixed precision past RAM, int8 moments, the fp32 master kept: a 16-bit parameter chunk (2 B), the fp32
+    master (4 B) and two 8-bit moments (1 B each, with their scales), and no gradient chunk: each gradient
+    waits in its parameter's 16-bit slot until the step (PatrickStar's reuse). 8 B per parameter and the
+    scales, against 14 B with fp32 moments and 16 B in fp32 (#34's "<= 10 B"); the chunks go through the disk
+    and the run trains."""
+    from capstan.chunkmem import ChunkKind
+    from capstan.engine import initialize, open_data, train_batches
+
+    cfg = tiny_gpt_config(3, 1, model={"n_layers": 2, "n_heads": 4, "d_model": 256, "seq_len": 16},
+                          precision={"dtype": "bf16", "optimizer_states": "int8"},
+                          memory={"offload": "disk", "cpu_budget": "8MiB", "chunk_size": 262144,
+                                  "disk_dir": str(tmp_path)})
+    engine = initialize(config=cfg)
+    try:
+        it = train_batches(open_data(engine.config), engine.config, 1, 0)
+        losses = [engine.train_batch(it).loss for _ in range(3)]
+        params = sum(h.slot.numel for h in engine.module.homes.values())
+        by_kind: dict = {}
+        for e in engine.manager.entries.values():
+            by_kind[e.chunk.kind] = by_kind.get(e.chunk.kind, 0) + e.chunk.nbytes
+        writes = engine.manager.counters["writes"]
+        pages = sum(len(lst) for lst in engine.module.chunks[ChunkKind.EXP_AVG])  # (at most one a chunk rounds)
+    finally:
+        engine.close()
+    assert set(by_kind) == {ChunkKind.PARAM, ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ}
+    elements = by_kind[ChunkKind.MASTER] / 4  # every chunk's capacity, padding included
+    assert by_kind[ChunkKind.PARAM] == 2 * elements
+    for kind in ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ:  # codes, 4 B of scale per block of 256, 4 KiB pages
+        assert elements <= by_kind[kind] <= elements * (1 + 4 / 256) + (4096 + 64) * pages
+    total = sum(by_kind.values())
+    assert 8 * params <= total <= 10 * params, total / params
+    assert writes > 0 and losses[-1] < losses[0]

@@ -108,9 +108,10 @@ def test_node_presets_state_their_disk_rates() -> None:
      # (WIDE's layers fitted to SHAPE's profiles, plan/fit.py; the step guessed past RAM with clipping since
      # 2026-11-26: micro 2 x accum 2 under 21868531 bytes at 30.3946 tokens/s before, measuring the norm only;
      # 30.5208 until 2026-11-27, when the replay began writing a guessed update's RAM-only chunks to their
-     # slots before it, as chunkmem's rollback.protect does: a few more bytes written)
+     # slots before it, as chunkmem's rollback.protect does: a few more bytes written; 30.5203 until the
+     # same day's side list for a chunk list's ends (chunkmem layout.split_list_ends): less padding to move)
      dict(dp=1, tp=1, pp=1, cp=1, zero_stage=0, offload="disk", micro=4, accum=1, recompute=False,
-          cpu_budget=16972992), 30.520324746929578),
+          cpu_budget=16972992), 30.662390638524933),
     ("gpu preset", MODELS["gpt3-1.3b"], lambda: machine_preset("dgx-h100"), 16, Layout(precision="bf16"),
      dict(dp=2, tp=4, pp=1, cp=1, zero_stage=1, offload="none", micro=8, accum=1, recompute=False),
      317520.4901471567),

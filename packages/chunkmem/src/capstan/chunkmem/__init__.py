@@ -48,8 +48,10 @@ from .model.layout import (
                      ParamSpec,
                      auto_chunk_size,
                      list_capacity,
+                     packed_lists,
                      plan_layout,
                      search_chunk_size,
+                     split_list_ends,
                      utilization,
 )
 from .model.states import ChunkKind, ChunkState, StateError, TensorState
@@ -66,5 +68,6 @@ __all__ = [
     "LossScaleError", "ModuleSpec", "OneBitChunkAdam",
     "ParamSpec", "ReplicatedChunkedModel", "ShardedChunkedModel", "StateError", "TensorSlot", "TensorState", "Tier",
     "make_policy", "plan_layout",
-    "auto_chunk_size", "frozen_variance_step", "list_capacity", "search_chunk_size", "utilization",
+    "auto_chunk_size", "frozen_variance_step", "list_capacity", "packed_lists", "split_list_ends",
+    "search_chunk_size", "utilization",
 ]

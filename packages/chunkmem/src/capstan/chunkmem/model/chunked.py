@@ -39,7 +39,7 @@ from ..memory.manager import BudgetError, ChunkManager
 from . import moment_layout
 from .chunk import Chunk, TensorSlot
 from .hooks import install_hooks
-from .layout import ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, plan_layout
+from .layout import ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, packed_lists
 from .moment_layout import BLOCK as Q8_BLOCK
 from .moment_layout import Q8Layout
 from .order import module_order
@@ -264,8 +264,6 @@ class ChunkedModel(nn.Module):
                 if own[g]:
                     specs[g].append(ModuleSpec(mod_name, tuple(own[g])))
         next_id = 0
-        for kind in self.kinds():
-            self.chunks[kind] = [[] for _ in range(n_groups)]
         sized_here = self.chunk_size is None
         if sized_here:
             self.chunk_size = auto_chunk_size(specs, pad=self._padded_count)
@@ -273,8 +271,21 @@ class ChunkedModel(nn.Module):
         if capacity is not None and capacity < one:
             raise BudgetError(f"cpu budget of {capacity} bytes cannot hold one chunk of {self.chunk_size} "
                               f"elements ({one} bytes{', the size chosen for this model' if sized_here else ''})")
+        # One chunk list per parameter group, and after them a side list for a group whose end chunks hold
+        # slivers (layout.split_list_ends): list l steps with parameter group list_group[l]'s hyper-parameters
+        # and counts in the norm with its weight.
+        mains: list[tuple[int, list]] = []
+        sides: list[tuple[int, list]] = []
         for g in range(n_groups):
-            plan = plan_layout(specs[g], self.chunk_size)
+            main, *side = packed_lists(specs[g], self.chunk_size, self._padded_count)
+            mains.append((g, main))
+            sides += [(g, plan) for plan in side]
+        self.list_group = [g for g, _ in mains] + [g for g, _ in sides]
+        self.n_param_groups = n_groups
+        self.norm_weights = [self.norm_weights[g] for g in self.list_group]
+        for kind in self.kinds():
+            self.chunks[kind] = [[] for _ in self.list_group]
+        for g, (_, plan) in enumerate(mains + sides):
             size = list_capacity(plan, self.chunk_size)  # a small group's chunks are small
             plan += [[] for _ in range(self._padded_count(len(plan)) - len(plan))]
             stateful = self._state_capacities(size)

@@ -69,7 +69,7 @@ class ChunkAdam:
 
     def __init__(self, model: ChunkedModel, groups: list[AdamGroup] | None = None, overlap: bool = False,
                  **defaults: object) -> None:
-        n = len(model.chunks[ChunkKind.PARAM])
+        n = model.n_param_groups  # (a group may have a side list too: model.list_group)
         self.model = model
         self.groups = groups or [AdamGroup(**defaults) for _ in range(n)]  # type: ignore[arg-type]
         if len(self.groups) != n:
@@ -249,10 +249,13 @@ class ChunkAdam:
 
     def _chunk_groups(self, skip: set[tuple[int, int]] | frozenset = frozenset()):  # noqa: ANN202
         """(group, its AdamGroup, chunk index, PARAM chunk, used elements) of every owned chunk group to
-        step, in list order, but padding chunks and those in `skip`; each group's step count advances
-        as the iteration reaches it (so the caller iterates to the end)."""
-        for g, hp in enumerate(self.groups):
+        step, in list order, but padding chunks and those in `skip`; every group's step count advances
+        as the iteration starts (the caller iterates to the end). A parameter group's side list
+        (`ChunkedModel.list_group`) steps with its hyper-parameters."""
+        for hp in self.groups:
             hp.step += 1
+        for g in range(len(self.model.list_group)):
+            hp = self.groups[self.model.list_group[g]]
             for i in self.model.owned_indices(g):
                 p_chunk = self.model.chunks[ChunkKind.PARAM][g][i]
                 if p_chunk.used and (g, i) not in skip:  # (padding of a sharded list; stepped during backward)

@@ -322,7 +322,7 @@ class Speculation:
         return kinds
 
     def _args(self, g: int) -> dict:
-        hp = self.opt.groups[g]
+        hp = self.opt.groups[self.opt.model.list_group[g]]
         return dict(step=hp.step + 1, lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], eps=hp.eps,
                     weight_decay=hp.weight_decay, adamw=True, grad_scale=1.0 / self.loss_scale)
 

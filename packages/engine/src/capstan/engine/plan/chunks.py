@@ -7,7 +7,7 @@ a step moves between RAM and disk under a RAM budget.
 
 `chunk_lists` builds the stage's modules on the meta device (one block stands for all, since every
 block has the same parameters) and hands them to chunkmem's own packing (`auto_chunk_size`,
-`plan_layout`, `list_capacity`) in the engine's parameter groups (tp-sliced or replicated, decayed
+`packed_lists`, `list_capacity`) in the engine's parameter groups (tp-sliced or replicated, decayed
 or not: engine.py `_init_chunks`), so chunk padding and the small lists' smaller chunks are counted
 as the run will allocate them.
 
@@ -38,7 +38,7 @@ from capstan.chunkmem.model.layout import (
     ParamSpec,
     auto_chunk_size,
     list_capacity,
-    plan_layout,
+    packed_lists,
 )
 from capstan.chunkmem.optim.overlap import defer_fits
 from capstan.chunkmem.parallel.replicated import onebit_scratch_bytes
@@ -234,8 +234,8 @@ def _packed(shape: ModelShape, kinds: tuple[str, ...], tp: int, chunk_size: int 
     pad = (lambda n: -(-n // shard) * shard) if shard > 1 else (lambda n: n)
     size = chunk_size or auto_chunk_size([specs[g] for g in used], pad=pad)
     counts, capacities, index_of = [], [], {}
-    for k, g in enumerate(used):
-        plan = plan_layout(specs[g], size)
+    packed = [packed_lists(specs[g], size, pad) for g in used]  # a group's side list after every main one
+    for k, plan in enumerate([lists[0] for lists in packed] + [side for lists in packed for side in lists[1:]]):
         capacities.append(list_capacity(plan, size))
         counts.append(pad(len(plan)))
         for i, members in enumerate(plan):
