@@ -74,7 +74,9 @@ class ChunkedModel(nn.Module):
     chunk_size: elements per chunk; None picks the least-waste size for this model and its chunk
     lists (`layout.auto_chunk_size`, padding included) and `self.chunk_size` then holds it.
     param_groups: optional list of lists of parameter names, one chunk list per group (so each
-    chunk has one set of optimizer hyper-parameters); parameters not listed go to group 0.
+    chunk has one set of optimizer hyper-parameters); parameters not listed go to group 0. A group
+    whose list ends in slivers of a chunk gets a second, small list for them after all the groups'
+    (`layout.split_list_ends`); `list_group[l]` is list l's group.
     order: "modules" packs modules in creation order (`named_modules()`); "trace" in the order
     one forward on `example_inputs` (a tuple of positional arguments, run without gradients, on
     the meta device for a meta-device model) first calls them, uncalled modules last (order.py).

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ParamSpec", "ModuleSpec", "plan_layout", "list_capacity", "split_list_ends", "search_chunk_size",
-           "auto_chunk_size", "utilization", "LayoutError", "DEFAULT_MAX_CHUNK"]
+__all__ = ["ParamSpec", "ModuleSpec", "plan_layout", "list_capacity", "packed_lists", "split_list_ends",
+           "search_chunk_size", "auto_chunk_size", "utilization", "LayoutError", "DEFAULT_MAX_CHUNK"]
 
 
 class LayoutError(ValueError):
