@@ -47,6 +47,7 @@ from .model.layout import (
                      ModuleSpec,
                      ParamSpec,
                      auto_chunk_size,
+                     group_lists,
                      list_capacity,
                      packed_lists,
                      plan_layout,
@@ -68,6 +69,6 @@ __all__ = [
     "LossScaleError", "ModuleSpec", "OneBitChunkAdam",
     "ParamSpec", "ReplicatedChunkedModel", "ShardedChunkedModel", "StateError", "TensorSlot", "TensorState", "Tier",
     "make_policy", "plan_layout",
-    "auto_chunk_size", "frozen_variance_step", "list_capacity", "packed_lists", "split_list_ends",
+    "auto_chunk_size", "frozen_variance_step", "list_capacity", "group_lists", "packed_lists", "split_list_ends",
     "search_chunk_size", "utilization",
 ]

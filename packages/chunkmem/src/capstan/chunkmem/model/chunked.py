@@ -39,7 +39,7 @@ from ..memory.manager import BudgetError, ChunkManager
 from . import moment_layout
 from .chunk import Chunk, TensorSlot
 from .hooks import install_hooks
-from .layout import ModuleSpec, ParamSpec, auto_chunk_size, list_capacity, packed_lists
+from .layout import ModuleSpec, ParamSpec, auto_chunk_size, group_lists, list_capacity
 from .moment_layout import BLOCK as Q8_BLOCK
 from .moment_layout import Q8Layout
 from .order import module_order
@@ -276,18 +276,13 @@ class ChunkedModel(nn.Module):
         # One chunk list per parameter group, and after them a side list for a group whose end chunks hold
         # slivers (layout.split_list_ends): list l steps with parameter group list_group[l]'s hyper-parameters
         # and counts in the norm with its weight.
-        mains: list[tuple[int, list]] = []
-        sides: list[tuple[int, list]] = []
-        for g in range(n_groups):
-            main, *side = packed_lists(specs[g], self.chunk_size, self._padded_count)
-            mains.append((g, main))
-            sides += [(g, plan) for plan in side]
-        self.list_group = [g for g, _ in mains] + [g for g, _ in sides]
+        lists = group_lists(specs, self.chunk_size, self._padded_count)
+        self.list_group = [g for g, _ in lists]
         self.n_param_groups = n_groups
         self.norm_weights = [self.norm_weights[g] for g in self.list_group]
         for kind in self.kinds():
             self.chunks[kind] = [[] for _ in self.list_group]
-        for g, (_, plan) in enumerate(mains + sides):
+        for g, (_, plan) in enumerate(lists):
             size = list_capacity(plan, self.chunk_size)  # a small group's chunks are small
             plan += [[] for _ in range(self._padded_count(len(plan)) - len(plan))]
             stateful = self._state_capacities(size)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ParamSpec", "ModuleSpec", "plan_layout", "list_capacity", "packed_lists", "split_list_ends",
+__all__ = ["ParamSpec", "ModuleSpec", "plan_layout", "list_capacity", "group_lists", "packed_lists", "split_list_ends",
            "search_chunk_size", "auto_chunk_size", "utilization", "LayoutError", "DEFAULT_MAX_CHUNK"]
 
 
@@ -88,6 +88,16 @@ def list_capacity(plan: Sequence[Sequence[tuple[ParamSpec, int]]], chunk_size: i
 
 Plan = list[list[tuple[ParamSpec, int]]]
 END_SLIVER = 8  # the modules at a list's ends holding at most 1/END_SLIVER of the chunk size go aside
+
+
+def group_lists(groups: Sequence[Sequence[ModuleSpec]], chunk_size: int,
+                pad: Callable[[int], int] = lambda n: n) -> list[tuple[int, Plan]]:
+    """(parameter group, plan) of every chunk list of a model: each group's list in group order, then the
+    side lists of those whose ends went aside (`packed_lists`), in group order. ChunkedModel allocates
+    them in this order (`list_group`), and capstan.engine's planner counts them so."""
+    packed = [packed_lists(mods, chunk_size, pad) for mods in groups]
+    return ([(g, lists[0]) for g, lists in enumerate(packed)]
+            + [(g, side) for g, lists in enumerate(packed) for side in lists[1:]])
 
 
 def packed_lists(modules: Sequence[ModuleSpec], chunk_size: int, pad: Callable[[int], int] = lambda n: n) -> list[Plan]:
@@ -180,7 +190,7 @@ def auto_chunk_size(groups: Sequence[Sequence[ModuleSpec]], pad: Callable[[int],
     total = sum(m.numel for mods in groups for m in mods)
     best_size, best_waste = lo, None
     for size in range(lo, hi + 1, stride):
-        plans = [plan for mods in groups for plan in packed_lists(mods, size, pad)]
+        plans = [plan for _, plan in group_lists(groups, size, pad)]
         allocated = sum(pad(len(plan)) * list_capacity(plan, size) for plan in plans)
         waste = allocated - total
         if best_waste is None or waste < best_waste:

@@ -7,7 +7,7 @@ a step moves between RAM and disk under a RAM budget.
 
 `chunk_lists` builds the stage's modules on the meta device (one block stands for all, since every
 block has the same parameters) and hands them to chunkmem's own packing (`auto_chunk_size`,
-`packed_lists`, `list_capacity`) in the engine's parameter groups (tp-sliced or replicated, decayed
+`group_lists`, `list_capacity`) in the engine's parameter groups (tp-sliced or replicated, decayed
 or not: engine.py `_init_chunks`), so chunk padding and the small lists' smaller chunks are counted
 as the run will allocate them.
 
@@ -32,13 +32,14 @@ from functools import lru_cache
 
 import torch
 
+from capstan.chunkmem.memory.disk import ALIGN  # DiskStore's slots are whole pages
 from capstan.chunkmem.memory.eviction import make_policy
 from capstan.chunkmem.model.layout import (
     ModuleSpec,
     ParamSpec,
     auto_chunk_size,
+    group_lists,
     list_capacity,
-    packed_lists,
 )
 from capstan.chunkmem.optim.overlap import defer_fits
 from capstan.chunkmem.parallel.replicated import onebit_scratch_bytes
@@ -234,8 +235,7 @@ def _packed(shape: ModelShape, kinds: tuple[str, ...], tp: int, chunk_size: int 
     pad = (lambda n: -(-n // shard) * shard) if shard > 1 else (lambda n: n)
     size = chunk_size or auto_chunk_size([specs[g] for g in used], pad=pad)
     counts, capacities, index_of = [], [], {}
-    packed = [packed_lists(specs[g], size, pad) for g in used]  # a group's side list after every main one
-    for k, plan in enumerate([lists[0] for lists in packed] + [side for lists in packed for side in lists[1:]]):
+    for k, (_, plan) in enumerate(group_lists([specs[g] for g in used], size, pad)):  # as ChunkedModel's lists
         capacities.append(list_capacity(plan, size))
         counts.append(pad(len(plan)))
         for i, members in enumerate(plan):
@@ -557,7 +557,5 @@ def _disk_traffic(lists: ChunkLists, budget: int, micro: int, recompute: bool, c
                 clean = where == "disk" and clean
             state[cid] = ("ram", clean and not write)
         protected.clear()  # the step stood (chunkmem's overlap.py _settle commits)
-    from capstan.chunkmem.memory.disk import ALIGN  # DiskStore's slots are whole pages
-
     file_bytes = sum(-(-nbytes[c] // ALIGN) * ALIGN for held in (slots, second) for c in held)
     return Traffic(read_bytes=moved[0], write_bytes=moved[1], file_bytes=file_bytes)
