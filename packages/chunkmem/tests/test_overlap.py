@@ -48,7 +48,8 @@ def _alternating(step: int) -> float:
 
 
 def _run(overlap: bool, dtype: torch.dtype, accum: int, fp16_overflow_steps: tuple[int, ...] = (),
-         clips=_alternating, disk_dir=None, budget: int = PAST_RAM_BUDGET, read_states: bool = True) -> tuple:
+         clips=_alternating, disk_dir=None, budget: int = PAST_RAM_BUDGET, read_states: bool = True,
+         copy_room=None) -> tuple:
     """disk_dir: chunks past RAM, a `budget` over a disk tier there (the step streams). read_states: the
     states after every step (which runs the updates a measuring step left to the next forward, adam.py);
     else once, after the last."""
@@ -59,7 +60,7 @@ def _run(overlap: bool, dtype: torch.dtype, accum: int, fp16_overflow_steps: tup
     manager = ChunkManager(None, audit=True) if disk_dir is None else ChunkManager(
         budget, DiskStore(disk_dir), audit=True, prefetch_evicts=False)
     model = ChunkedModel(_net(), manager, CHUNK, dtype=dtype, accumulate_grads=accum > 1, report_grads=overlap)
-    opt = ChunkAdam(model, lr=1e-2, weight_decay=0.1, overlap=overlap)
+    opt = ChunkAdam(model, lr=1e-2, weight_decay=0.1, overlap=overlap, copy_room=copy_room)
     scaler = DynamicLossScaler(initial_scale=2.0**8, hysteresis=1) if dtype == torch.float16 else None
     norms, states, moved = [], [], []
     stepped = 0  # bytes the steps moved, without the state reads between them
@@ -191,6 +192,48 @@ def test_without_clipping_or_scaling_nothing_is_copied() -> None:
     assert peak == [] and not overflow and norm is not None and opt.speculation.stepped_early > 0
 
 
+def _rss_growth_in_backward(copy_room) -> tuple[int, int, object]:
+    """One step of a 21M-parameter net whose clip never fires (a guessing step): how much the process's RSS
+    grew during backward (the copies are made then, and every job waited for), the copies' bytes, and the
+    speculation. Chunks of 32 MiB, so each copy is a mapping of its own that RSS shows and frees."""
+    from capstan.comm.procmem import rss_bytes
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 2048),
+                              torch.nn.Linear(2048, 2048))
+    manager = ChunkManager(None, audit=True)
+    model = ChunkedModel(net, manager, 1 << 23, report_grads=True)
+    opt = ChunkAdam(model, lr=1e-3, overlap=True, copy_room=copy_room)
+    x = torch.randn(4, 2048, generator=torch.Generator().manual_seed(1))
+    manager.begin_step()
+    opt.arm(grad_clip=1e9)
+    before = rss_bytes()
+    model.backward(model(x).square().mean())
+    for job in opt.speculation.jobs.values():
+        job.future.result()
+    grown = rss_bytes() - before
+    copies = sum(job.backup_bytes for job in opt.speculation.jobs.values())
+    opt.step(grad_clip=1e9)
+    manager.end_step()
+    return grown, copies, opt.speculation
+
+
+def test_a_step_whose_copies_ram_cannot_hold_measures_instead_and_takes_no_ram_for_them() -> None:
+    """copy_room (the bytes RAM can still take): a guess only where the copies take at most half of it; else
+    the step measures during backward and updates after it, the same step, and RSS does not grow by the
+    copies (an H200's largest offload model was killed by the out-of-memory killer in its first step)."""
+    grown_guess, copies, spec = _rss_growth_in_backward(lambda: 1 << 40)
+    assert spec.stepped_early > 0 and spec.no_room == 0 and copies > 200 << 20
+    grown_measure, none, spec = _rss_growth_in_backward(lambda: 2 * spec.copy_bytes() - 1)
+    assert spec.no_room == 1 and spec.stepped_early == 0 and spec.measured_early > 0 and none == 0
+    assert grown_guess - grown_measure > 0.9 * copies, (grown_guess, grown_measure, copies)
+    # the same step either way (a clip that never fires: no redo), on the small net
+    want_norms, want_states, _, _ = _run(False, torch.float32, 1)
+    got_norms, got_states, opt, _ = _run(True, torch.float32, 1, copy_room=lambda: 0)
+    assert got_norms == want_norms and opt.speculation.stepped_early == 0 and opt.speculation.no_room > 0
+    assert all(torch.equal(a, b) for got, want in zip(got_states, want_states) for a, b in zip(got, want))
+
+
 def test_overlap_needs_reported_gradients() -> None:
     with pytest.raises(ValueError, match="report_grads=True"):
         ChunkAdam(ChunkedModel(_net(), ChunkManager(None), CHUNK), overlap=True)
@@ -220,6 +263,28 @@ def test_past_ram_without_clipping_each_group_steps_in_backward_and_its_gradient
 
 def _always(step: int) -> float:
     return 1e-3
+
+
+def test_past_ram_a_step_whose_second_slots_the_disk_cannot_take_measures_instead(tmp_path, monkeypatch) -> None:
+    """A guess past RAM writes its updates to second disk slots (up to once more the states' bytes): where
+    the disk's free bytes cannot take them, the step measures instead (on disk its update then runs in the
+    next forward), the plain step's trajectory bit for bit, and the file never grows second slots."""
+    from capstan.chunkmem import DiskStore
+
+    never = lambda step: 1e9  # noqa: E731  (a clip that never fires: every step would guess)
+    want_norms, want_states, _, _ = _run(False, torch.float32, 1, clips=never, disk_dir=tmp_path / "a")
+    roomy = _run(True, torch.float32, 1, clips=never, disk_dir=tmp_path / "b")[2]
+    assert roomy.speculation.no_room == 0 and roomy.speculation.streamed > 0
+    first_only = sum(c.nbytes for lst_of in roomy.model.chunks.values() for lst in lst_of for c in lst)
+    assert roomy.model.manager._disk().nbytes() > first_only  # guessing grew second slots
+    monkeypatch.setattr(DiskStore, "free_bytes", lambda self: first_only)  # room for the first slots only
+    got_norms, got_states, opt, _ = _run(True, torch.float32, 1, clips=never, disk_dir=tmp_path / "c")
+    spec = opt.speculation
+    assert spec.no_room == STEPS and spec.streamed == 0 and spec.rollbacks == 0 and spec.measured_early > 0
+    assert opt.model.manager._disk().nbytes() <= first_only
+    assert got_norms == want_norms
+    for step, (got, want) in enumerate(zip(got_states, want_states)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"step {step} differs"
 
 
 @pytest.mark.parametrize("dtype,clips", [(torch.float32, _alternating), (torch.float16, _alternating),

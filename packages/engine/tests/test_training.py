@@ -90,6 +90,27 @@ def test_overlapped_optimizer_step_is_the_plain_step() -> None:
     engine.close()
 
 
+def test_overlapped_optimizer_measures_instead_of_guessing_where_ram_cannot_hold_its_copies(monkeypatch) -> None:
+    """The engine tells the overlapped step how much RAM is left (ram_budget.ram_room): where the rollback
+    copies would take more than half of it, no step guesses (they measure), the trajectory unchanged."""
+    from capstan.engine import ram_budget
+
+    cfg = _cfg(memory={"offload": "cpu", "chunk_size": 8192, "overlap_optimizer": True})
+    roomy = _trajectory(cfg, steps=4)
+    monkeypatch.setattr(ram_budget, "available_ram", lambda: (64 << 10, "test"))
+    assert ram_budget.ram_room() == 64 << 10
+    assert _trajectory(cfg, steps=4) == roomy
+    engine = initialize(config=cfg)
+    it = train_batches(open_data(engine.config), engine.config, 1, 0)
+    for _ in range(4):
+        engine.train_batch(it)
+    spec = engine.optimizer.speculation
+    assert spec.copy_bytes() > 32 << 10  # more than half of the 64 KiB left
+    assert spec.no_room > 0 and spec.stepped_early == 0 and spec.rollbacks == 0
+    assert spec.no_room + spec.declined == 4 and spec.measured_early > 0
+    engine.close()
+
+
 def test_overlapped_optimizer_past_ram_is_the_plain_step(tmp_path: Path) -> None:
     """memory.overlap_optimizer with chunks on disk under a cpu budget: the step streams (chunkmem's
     overlap.py, "Past RAM"), the same trajectory bit for bit. Without clipping each chunk group is updated

@@ -50,8 +50,8 @@ from .config.load import ConfigError
 from .config.schema import Config
 from .metrics import human_bytes
 
-__all__ = ["RamBudget", "with_default_cpu_budget", "derive_budget", "available_ram", "cgroup_room", "HEADROOM",
-           "ACTIVATION_SHARE"]
+__all__ = ["RamBudget", "with_default_cpu_budget", "derive_budget", "available_ram", "cgroup_room", "ram_room",
+           "HEADROOM", "ACTIVATION_SHARE"]
 
 log = comm.get_logger(__name__)
 
@@ -115,6 +115,16 @@ def available_ram() -> tuple[int, str]:
     if room is not None and (not avail or room < avail):
         return room, "the memory cgroup's limit less its working set"
     return avail, source
+
+
+def ram_room() -> int:
+    """This rank's share of the RAM still free (`available_ram` over the ranks on this node): what the
+    overlapped optimizer's rollback copies may take, read at every step (chunkmem's overlap.py; unbounded
+    where it cannot be read)."""
+    avail, _ = available_ram()
+    if not avail:
+        return 1 << 62
+    return avail // max(1, comm.launch().local_world_size if comm.is_initialized() else 1)
 
 
 def cgroup_room() -> int | None:

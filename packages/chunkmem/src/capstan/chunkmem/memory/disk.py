@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -121,6 +122,17 @@ class DiskStore:
     def nbytes(self) -> int:
         """Bytes of the file's slots (second slots included)."""
         return self._end
+
+    def growth(self, chunks: dict[int, int], second: set[int]) -> int:
+        """Bytes the file would grow by to give each chunk (id -> bytes) a slot, and those in `second` a
+        second slot too: what a speculative update past RAM may still need of the disk (optim/overlap.py)."""
+        with self._lock:
+            first = sum(-(-n // ALIGN) * ALIGN for cid, n in chunks.items() if cid not in self._slots)
+            return first + sum(-(-chunks[cid] // ALIGN) * ALIGN for cid in second if cid not in self._second)
+
+    def free_bytes(self) -> int:
+        """Bytes free on the file system of the directory."""
+        return shutil.disk_usage(self.dir).free
 
     def protect(self, chunk_id: int) -> None:
         """Keep the slot's current data until `commit` or `restore`: writes go to the other slot."""

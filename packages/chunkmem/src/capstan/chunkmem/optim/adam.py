@@ -41,6 +41,7 @@ same bytes as after backward, so the trajectory is the same, bit for bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -68,7 +69,7 @@ class ChunkAdam:
     """AdamW (decoupled weight decay) for a `ChunkedModel`; one `AdamGroup` per parameter group."""
 
     def __init__(self, model: ChunkedModel, groups: list[AdamGroup] | None = None, overlap: bool = False,
-                 **defaults: object) -> None:
+                 copy_room: Callable[[], int] | None = None, **defaults: object) -> None:
         n = model.n_param_groups  # (a group may have a side list too: model.list_group)
         self.model = model
         self.groups = groups or [AdamGroup(**defaults) for _ in range(n)]  # type: ignore[arg-type]
@@ -89,7 +90,9 @@ class ChunkAdam:
                 raise ValueError(f"ChunkAdam(overlap=True) cannot overlap this model's step with backward: {why}")
             if not model.report_grads:
                 raise ValueError("ChunkAdam(overlap=True) needs ChunkedModel(..., report_grads=True)")
-            self.speculation = Speculation(self)
+            # copy_room: the bytes RAM can still take, read each step; a step whose rollback copies would
+            # take more than half of it measures instead of guessing (overlap.py)
+            self.speculation = Speculation(self, copy_room=copy_room)
 
     def arm(self, grad_clip: float | None = None, loss_scale: float = 1.0, check_overflow: bool = False,
             arrivals: int = 1) -> None:

@@ -39,7 +39,14 @@ copies). Both paths give the same step, bit for bit. The copies cost RAM: 12 byt
 per parameter with fp32 moments (14 where the gradient shares the 16-bit slot; 8 and 6 with bf16 and
 8-bit moments, and the 8-bit ones' scales) while a step is
 in flight, counted in the cpu tier; with grad_clip 0 and no loss scaling no
-guess can be wrong and nothing is copied.
+guess can be wrong and nothing is copied. Where the machine's RAM cannot hold
+the copies (`copy_room`, the bytes RAM can still take, read at each step: a
+guess only where the copies take at most half of it; past RAM, where the
+disk cannot take the second slots below) the step does not guess
+but measures, bit for bit the same: without this, the largest model
+that fits RAM once was killed by the host's out-of-memory killer in its first
+step, which guessed (an H200's scale probe, 6.9B parameters with 134 GB of
+RAM free: docs/benchmarks.md, "GPU").
 
 Threads: the worker only runs native kernels (which release the GIL) on chunk
 buffers pinned before the job is queued; every manager call (access,
@@ -103,6 +110,7 @@ budget stays what either needs alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -197,11 +205,14 @@ class Speculation:
     measuring: bool = False  # armed to measure only: this step does not guess (`expect_wrong`)
     last_wrong: bool = False  # the last step clipped or overflowed: a guess now would likely be wrong too
 
+    copy_room: Callable[[], int] | None = None  # bytes RAM can still take (None: unlimited); see the docstring
+    no_room: int = 0  # steps that measured instead of guessing: RAM could not hold their copies
     streamed: int = 0  # chunk groups updated during backward past RAM (streaming: never guesses)
     deferred: int = 0  # ... and left to the step after backward: they did not fit beside backward's chunks
 
     def __post_init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capstan-adam")
+        self._disk_ids: tuple[dict[int, int], set[int]] | None = None  # (`_disk_fits`)
         self._overflowed = False
         self.streaming = streams(self.opt.model)
         # past RAM a guess is taken back from disk slots: a cpu budget without a disk tier never guesses
@@ -255,6 +266,9 @@ class Speculation:
         self.arrivals, self.armed, self.measuring = arrivals, True, not update
         if self.streaming and not self.guesses_on_disk:
             self.measuring = self.measuring or self._may_roll_back()
+        elif not self.measuring and self._may_roll_back() and not (
+                self._disk_fits() if self.streaming else self._copies_fit()):
+            self.measuring, self.no_room = True, self.no_room + 1
         self._overflowed = False  # set by the worker at the first inf/NaN gradient it meets
         model = self.opt.model
         self.missing = {}
@@ -309,6 +323,36 @@ class Speculation:
         job.spans = model.moment_layout(g, i)  # (main thread: the model's bookkeeping stays here)
         job.future = self._pool.submit(self._work, job, views, self._args(g), model.mixed)
         self.jobs[(g, i)] = job
+
+    def copy_bytes(self) -> int:
+        """Bytes a guessing step copies in RAM at most: each chunk group's master, both moments and, where
+        the 16-bit slot holds the gradient, that slot (whole chunks: an upper bound by their padding)."""
+        model = self.opt.model
+        master = ChunkKind.MASTER if model.mixed else ChunkKind.PARAM
+        kinds = [master, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ]
+        if model.mixed and not model.grad_chunks:
+            kinds.append(ChunkKind.PARAM)
+        return sum(c.nbytes for k in kinds for lst in model.chunks[k] for c in lst)
+
+    def _copies_fit(self) -> bool:
+        """Whether RAM can take this step's copies: at most half of what it can still take (the rest is
+        left to what the step lands in RAM meanwhile and to the rest of the process)."""
+        return self.copy_room is None or 2 * self.copy_bytes() <= self.copy_room()
+
+    def _disk_fits(self) -> bool:
+        """Past RAM: whether the disk can take the second slots a guess writes its updates to (and the first
+        slots not written yet), at most 90% of its free bytes; else the step measures (the module
+        docstring: without this, a disk probe of 5.2B parameters on 69 GB free ran out of disk)."""
+        model = self.opt.model
+        if self._disk_ids is None:  # every chunk's bytes, and the chunks a guess protects (fixed at build)
+            grad_kind = self.opt._grad_kind()
+            chunks = {c.chunk_id: c.nbytes for lst_of in model.chunks.values() for lst in lst_of for c in lst}
+            second = {model.chunks[k][g][i].chunk_id for g, lst in enumerate(model.chunks[ChunkKind.PARAM])
+                      for i in range(len(lst)) for k in self._kinds(g, i)
+                      if k != grad_kind or not model.grad_chunks}
+            self._disk_ids = (chunks, second)
+        disk = model.manager._disk()
+        return disk.growth(*self._disk_ids) <= 0.9 * disk.free_bytes()
 
     def _kinds(self, g: int, i: int) -> list[ChunkKind]:
         """The chunks a group's update reads and writes: master, gradient, both moments, and the 16-bit
