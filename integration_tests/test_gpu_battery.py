@@ -142,3 +142,17 @@ def test_scale_search_finds_the_largest_and_says_when_it_was_cut() -> None:
 
     cut = bench.search_largest(slow, 1, deadline=250.0, clock=lambda: now[0])
     assert cut["end"] == "deadline" and cut["layers"] == 2 and len(cut["probes"]) == 2, cut
+    # From a good estimate, steps of the resolution bracket the answer in two probes (the scale section's
+    # way: a GPU lease has time for a few probes of billions of parameters), up or down.
+    for start, want in ((30, [(30, True), (45, False)]), (45, [(45, False), (30, True)])):
+        near = bench.search_largest(lambda n: n <= 37, start, 10_000, resolution=1.5, clock=clock, grow=1.5)
+        assert [p[:2] for p in near["probes"]] == want and near["end"] == "found", near
+        assert near["layers"] == 30 and near["fails_at"] == 45
+    # ... and walk there from a poor one, a step of the resolution at a time
+    far = bench.search_largest(lambda n: n <= 37, 4, 10_000, resolution=1.5, clock=clock, grow=1.5)
+    assert far["end"] == "found" and far["fails_at"] / far["layers"] <= 1.5 and far["layers"] <= 37 < far["fails_at"]
+
+
+def test_scale_systems_are_picked_by_name() -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--sections", "scale", "--scale-systems", "cpu,gpu"])

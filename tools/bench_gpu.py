@@ -22,11 +22,12 @@ Sections (`--sections`, default speed,peers):
   DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, DeepSpeedCPUAdam) where deepspeed imports
   (carry its wheel in; its CPU Adam builds at first use), target: capstan >= 1.5x; on the same model
   and batch.
-* ``scale``: the largest GPT (d_model fixed, layers searched from an estimate by doubling or halving,
-  then bisection to `--scale-resolution`) that trains one step: plain PyTorch (all on the device) and
-  capstan with offload cpu and disk (`--disk DIR`); FSDP2 and DeepSpeed too with `--scale-peers`.
-  Each system gets a share of the time left; a search cut short says so ("end": "deadline") and
-  gives the bounds it had.
+* ``scale``: the largest GPT (d_model fixed, layers searched from an estimate of what each system's
+  memory holds, a step of `--scale-resolution` up or down until the answer changes, then bisection to
+  it) that trains one step: plain PyTorch (all on the device) and capstan with offload cpu and disk
+  (`--disk DIR`, RAM as the engine's default budget unless `--cpu-budget`); FSDP2 and DeepSpeed too
+  with `--scale-peers`; `--scale-systems` picks some (a lease's calls split them). Each system gets a
+  share of the time left; a search cut short says so ("end": "deadline") and gives the bounds it had.
 
 ``--device standin`` runs all of it on the CPU suite's stand-in accelerator (capstan.native.standin,
 loaded in each subprocess before anything else) with `--tiny` sizes, in fp32 (torch's autocast has no
@@ -208,9 +209,11 @@ def peers(args: argparse.Namespace, run: Runner, report: dict) -> None:
 
 
 def search_largest(fits, start: int, deadline: float, resolution: float = 1.25, cap: int = 1 << 16,
-                   clock=time.monotonic) -> dict:
-    """The largest n >= 1 with fits(n) true, assuming fits is monotone: from `start`, doubling (or
-    halving) until the answer changes, then bisecting until hi / lo <= `resolution`. A probe is started
+                   clock=time.monotonic, grow: float = 2.0) -> dict:
+    """The largest n >= 1 with fits(n) true, assuming fits is monotone: from `start`, times `grow` (or
+    over it) until the answer changes, then bisecting until hi / lo <= `resolution`. From a good
+    estimate, `grow` = `resolution` brackets the answer in two probes (a probe of billions of parameters
+    takes a minute or more on a GPU machine: docs/benchmarks.md, "GPU"). A probe is started
     only when the last one's time fits before `deadline` (clock() seconds); n never passes `cap`.
     Returns lo ("layers": the largest that fit, 0 if none), hi ("fails_at": the smallest that failed,
     None if none), the probes (n, fit, seconds), and how the search ended ("end": "found", "none fits",
@@ -231,12 +234,12 @@ def search_largest(fits, start: int, deadline: float, resolution: float = 1.25, 
             if n >= cap:
                 end = "cap"
                 break
-            n = min(cap, n * 2)
+            n = min(cap, max(n + 1, math.ceil(n * grow)))
         elif lo == 0:
             if n == 1:
                 end = "none fits"
                 break
-            n = max(1, n // 2)
+            n = max(1, min(n - 1, int(n / grow)))
         elif hi - lo <= 1 or hi / lo <= resolution:
             end = "found"
             break
@@ -261,14 +264,21 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
     Path(disk_dir).mkdir(parents=True, exist_ok=True)
     disk = shutil.disk_usage(disk_dir).free
     # Starting points: plain holds fp32 parameters, gradients and two moments on the device (16 bytes a
-    # parameter, plus activations); capstan offload keeps ~20 bytes a parameter in RAM (masters, moments,
-    # gradients, the 16-bit copies) and, with disk, the masters and moments (12) on disk.
-    starts = {"plain": 0.7 * free / (18 * per_layer), "cpu": 0.6 * ram / (24 * per_layer),
-              "disk": 0.6 * (ram + disk) / (24 * per_layer)}
+    # parameter) and autocast's bf16 copies of the weights (2); capstan offload keeps 14 bytes a parameter
+    # of chunks in RAM in bf16 (masters, moments, the 16-bit copy, which holds the gradient), 15.5 of RSS
+    # measured (the stand-in, 0.4B: docs/benchmarks.md, "GPU"); with disk, its budget (0.9 x RAM by
+    # default) and the disk together hold them.
+    budget = args.cpu_budget if args.cpu_budget is not None else 0.9 * ram
+    starts = {"plain": 0.85 * free / (18 * per_layer), "cpu": 0.8 * ram / (16 * per_layer),
+              "disk": 0.8 * (budget + disk) / (16 * per_layer)}
+    on_disk = {"offload": "disk", "disk_dir": disk_dir}
+    if args.cpu_budget is not None:
+        on_disk["cpu_budget"] = args.cpu_budget
     systems = {"plain PyTorch": ("run_plain", {}, starts["plain"]),
                "capstan offload cpu": ("run_capstan", {"offload": "cpu"}, starts["cpu"]),
-               "capstan offload disk": ("run_capstan", {"offload": "disk", "disk_dir": disk_dir,
-                                                        "cpu_budget": args.cpu_budget}, starts["disk"])}
+               "capstan offload disk": ("run_capstan", on_disk, starts["disk"])}
+    short = {"plain": "plain PyTorch", "cpu": "capstan offload cpu", "disk": "capstan offload disk",
+             "fsdp": "FSDP2 CPUOffloadPolicy", "deepspeed": "DeepSpeed ZeRO-Offload"}
     skips = peer_skips(args.device) if args.scale_peers else {}
     if args.scale_peers:
         for name, kind in (("FSDP2 CPUOffloadPolicy", "run_fsdp"), ("DeepSpeed ZeRO-Offload", "run_deepspeed")):
@@ -276,6 +286,9 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
                 report["skipped"][f"scale: {name}"] = skips[name]
             else:
                 systems[name] = (kind, {}, starts["cpu"])
+    if args.scale_systems:
+        keep = {short[k] for k in args.scale_systems.split(",") if k}
+        systems = {n: v for n, v in systems.items() if n in keep}
     out = report["scale"] = {"d_model": d, "device": info, "ram_available": ram, "disk_free": disk, "systems": {}}
     shares = {"plain PyTorch": 1.0, "FSDP2 CPUOffloadPolicy": 1.0, "DeepSpeed ZeRO-Offload": 1.0,
               "capstan offload cpu": 2.0, "capstan offload disk": 2.0}
@@ -300,7 +313,8 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
                 why[layers] = result.get("error", "?")[-300:]
             return "step_s" in result
 
-        found = search_largest(fits, max(1, int(start)), until, args.scale_resolution, args.scale_max_layers)
+        found = search_largest(fits, max(1, int(start)), until, args.scale_resolution, args.scale_max_layers,
+                               grow=args.scale_resolution)
         # A failure other than running out of memory (or time) is a defect, not a size limit: named apart
         found["failures"] = {str(n): e for n, e in why.items()}
         found["not_memory"] = sorted(n for n, e in why.items()
@@ -367,13 +381,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-resolution", type=float, default=1.25, help="stop bisecting at hi / lo <= this")
     ap.add_argument("--scale-max-layers", type=int, default=4096)
     ap.add_argument("--scale-peers", action="store_true", help="FSDP2 and DeepSpeed in the scale search too")
+    ap.add_argument("--scale-systems", default="",
+                    help="comma-separated, of plain, cpu, disk (and fsdp, deepspeed with --scale-peers); default all")
     ap.add_argument("--disk", help="the scale section's directory for offload disk (default: under $TMPDIR)")
-    ap.add_argument("--cpu-budget", type=int, default=32 << 30, help="offload disk: bytes of chunks in RAM")
+    ap.add_argument("--cpu-budget", type=int, help="offload disk: bytes of chunks in RAM (default: the engine's)")
     ap.add_argument("--standin-memory", type=int, default=96 << 20, help="bytes of the stand-in device")
     ap.add_argument("--timeout", type=float, default=600, help="seconds for one measurement")
     ap.add_argument("--deadline", type=float, default=0, help="seconds for the whole run (0: none)")
     ap.add_argument("--json", help="write the report here (rewritten after every section)")
     args = ap.parse_args(argv)
+    bad = set(args.scale_systems.split(",")) - {"", "plain", "cpu", "disk", "fsdp", "deepspeed"}
+    if bad:
+        ap.error(f"--scale-systems: unknown {sorted(bad)}; choose from plain, cpu, disk, fsdp, deepspeed")
     if args.quick:
         args.d_model, args.layers, args.seq, args.micro, args.steps = 768, 8, 512, 8, 6
     if args.tiny:
