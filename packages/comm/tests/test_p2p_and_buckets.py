@@ -112,6 +112,23 @@ def test_plan_buckets_respects_size_dtype_and_order() -> None:
     assert plan_buckets(ts, bucket_bytes=10_000) == [[0, 1, 3, 4], [2]]
 
 
+def test_coalesced_all_reduce_over_a_group_of_one_copies_nothing(monkeypatch) -> None:
+    """dp = 1: the engine's stage-0 reduction of every gradient is the identity; it must not copy them into
+    buckets and back (a kernel per parameter on a GPU)."""
+    from capstan import comm
+    from capstan.comm import bucketing
+
+    def no_copy(*args: object) -> None:
+        raise AssertionError("copied into a bucket")
+
+    monkeypatch.setattr(bucketing, "flatten", no_copy)
+    monkeypatch.setattr(bucketing, "unflatten", no_copy)
+    grads = [torch.arange(5.0), torch.ones(3, 2)]
+    want = [g.clone() for g in grads]
+    comm.all_reduce_coalesced(grads, op="avg", group=comm.single_process_groups().replicas)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want))
+
+
 def test_flatten_round_trip() -> None:
     ts = [torch.arange(6.0).view(2, 3), torch.arange(4.0)]
     flat = flatten(ts)

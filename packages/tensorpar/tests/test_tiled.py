@@ -160,3 +160,35 @@ def test_tiled_mlp_holds_one_tile_of_hidden_activations_on_the_device_not_all(de
     assert peaks[0] >= 2 * hidden_bytes, peaks
     assert peaks[64] < hidden_bytes // 2, peaks
     assert rel_err(grads[64], grads[0]) <= TOL
+
+
+def test_under_autocast_the_head_and_its_input_are_cast_once_not_in_every_tile() -> None:
+    """Autocast casts a matmul's fp32 inputs at every call, and a view such as w.t() misses its weight cache:
+    four tiles cast the whole head 8 times (an H200 step launched ~740 kernels, host-bound: docs/benchmarks.md
+    "GPU"). The tiled loss casts the head and its input once, and the losses and gradients are the same bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.numels: list[int] = []  # of the fp32 tensors cast
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32:
+                self.numels.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    group = single_process_groups().tp
+    torch.manual_seed(0)
+    h0, w0, t = torch.randn(96, 32), torch.randn(500, 32), torch.randint(0, 500, (96,))
+    got = []
+    for tile in (24, 96):  # four tiles, one
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with Casts() as casts, torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = tiled_head_cross_entropy(h, w, t, group, 500, tile=tile, uniform_grad=True)
+        assert casts.numels.count(w0.numel()) == 1, casts.numels  # the head, once
+        assert casts.numels.count(h0.numel()) == 1 and 24 * 32 not in casts.numels, casts.numels  # its input, whole
+        losses.mean().backward()
+        got.append((losses.detach(), h.grad, w.grad))
+    (l4, gh4, gw4), (l1, gh1, gw1) = got
+    assert torch.equal(l4, l1) and rel_err(gh4, gh1) < 1e-6 and rel_err(gw4, gw1) < 1e-2

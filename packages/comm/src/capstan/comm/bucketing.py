@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import state
 from .collectives import all_reduce
 from .groups import Group
 
@@ -57,7 +58,11 @@ def all_reduce_coalesced(
     tensors: Sequence[torch.Tensor], op: str = "sum", group: Group | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> None:
-    """All-reduce every tensor in place, one collective per bucket."""
+    """All-reduce every tensor in place, one collective per bucket. Over a group of one it is the identity
+    and copies nothing (dp = 1: the engine's stage-0 reduction would otherwise copy every gradient into
+    a bucket and back, a launch per parameter on a GPU: docs/benchmarks.md, "GPU")."""
+    if (state.world() if group is None else group).size == 1:
+        return
     for bucket in plan_buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in bucket]
         flat = flatten(members)

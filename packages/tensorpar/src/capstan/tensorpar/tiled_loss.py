@@ -62,6 +62,17 @@ def _tile_softmax(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, group: Grou
     return loss, p, local, outside
 
 
+def _compute_dtype(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h and w in autocast's dtype, cast once for all tiles: autocast would cast them again in every tile's
+    two matmuls (a view such as w.t() misses its weight cache), four launches and a cast of the whole head
+    a tile; the matmuls see the same values either way. Outside autocast: as they are."""
+    kind = h.device.type
+    if not torch.is_autocast_enabled(kind):
+        return h, w
+    dtype = torch.get_autocast_dtype(kind)
+    return h.to(dtype), w.to(dtype)
+
+
 class _TiledHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, group: Group, vocab: int | None,  # type: ignore[override]
@@ -73,13 +84,14 @@ class _TiledHeadCrossEntropy(torch.autograd.Function):
         losses = torch.empty(n, dtype=torch.float32, device=h.device)
         dh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        hc, wc = _compute_dtype(h, w)
         for a in range(0, n, tile):
             b = min(n, a + tile)
-            loss, p, local, outside = _tile_softmax(h[a:b], w, t[a:b], group, start, valid)
+            loss, p, local, outside = _tile_softmax(hc[a:b], wc, t[a:b], group, start, valid)
             losses[a:b] = loss
             p.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(p.dtype).unsqueeze(-1))  # d loss / d z
-            dh[a:b] = torch.matmul(p.to(w.dtype), w).float()
-            dw += torch.matmul(p.t().to(h.dtype), h[a:b]).float()
+            dh[a:b] = torch.matmul(p.to(wc.dtype), wc).float()
+            dw += torch.matmul(p.t().to(hc.dtype), hc[a:b]).float()
         ctx.save_for_backward(h, w, t, dh, dw)
         ctx.group, ctx.vocab, ctx.tile, ctx.uniform_grad = group, vocab, tile, uniform_grad
         return losses
