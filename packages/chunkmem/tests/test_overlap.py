@@ -234,6 +234,33 @@ def test_a_step_whose_copies_ram_cannot_hold_measures_instead_and_takes_no_ram_f
     assert all(torch.equal(a, b) for got, want in zip(got_states, want_states) for a, b in zip(got, want))
 
 
+def test_the_copies_of_a_guess_are_kept_for_the_next_and_freed_by_a_step_that_does_not_guess() -> None:
+    """Guesses that stand step after step reuse their copies (made once, counted in the cpu tier all along):
+    making and freeing 12 B a parameter a step cost the stand-in's 134M offload step 2.6 s against 0.9 s.
+    A step that does not guess gives their RAM back; the next guess makes them again."""
+    manager = ChunkManager(None, audit=True)
+    model = ChunkedModel(_net(), manager, CHUNK, report_grads=True)
+    opt = ChunkAdam(model, lr=1e-2, overlap=True)
+    made: list[int] = []
+    real = manager.reserve_transient
+    manager.reserve_transient = lambda n, what: (made.append(n), real(n, what))  # type: ignore[method-assign]
+    spec = opt.speculation
+    for step, clip in enumerate([1e9, 1e9, 1e9, 1e-3, 1e9, 1e9]):  # the 4th clips: the 5th does not guess
+        manager.begin_step()
+        opt.arm(grad_clip=clip)
+        model.backward(_loss(model, step, 0))
+        opt.step(grad_clip=clip)
+        manager.end_step()
+        held = sum(n for _, n in spec._spare.values())
+        if step < 3:
+            assert len(made) == len(spec._spare) and held == manager.transient > 0, step  # made at step 0 only
+        if step == 4:
+            assert spec._spare == {} and manager.transient == 0  # the measuring step let them go
+    assert sum(made) == 2 * held  # made twice: at the first guess and at the first after the measuring step
+    opt.speculation.close()
+    assert manager.transient == 0
+
+
 def test_overlap_needs_reported_gradients() -> None:
     with pytest.raises(ValueError, match="report_grads=True"):
         ChunkAdam(ChunkedModel(_net(), ChunkManager(None), CHUNK), overlap=True)
