@@ -192,3 +192,14 @@ def test_under_autocast_the_head_and_its_input_are_cast_once_not_in_every_tile()
         got.append((losses.detach(), h.grad, w.grad))
     (l4, gh4, gw4), (l1, gh1, gw1) = got
     assert torch.equal(l4, l1) and rel_err(gh4, gh1) < 1e-6 and rel_err(gw4, gw1) < 1e-2
+
+
+def test_the_tiled_loss_runs_on_the_meta_device() -> None:
+    """The planner counts a forward on the meta device, head and loss included: asking autocast about a
+    device type it does not know raises there, so the one-time cast must not ask."""
+    group = single_process_groups().tp
+    h = torch.empty(8, 4, device="meta", requires_grad=True)
+    w = torch.empty(10, 4, device="meta", requires_grad=True)
+    losses = tiled_head_cross_entropy(h, w, torch.zeros(8, dtype=torch.long, device="meta"), group, 10, tile=3,
+                                      uniform_grad=True)
+    assert losses.shape == (8,) and losses.is_meta

@@ -67,7 +67,11 @@ def _compute_dtype(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torc
     two matmuls (a view such as w.t() misses its weight cache), four launches and a cast of the whole head
     a tile; the matmuls see the same values either way. Outside autocast: as they are."""
     kind = h.device.type
-    if not torch.is_autocast_enabled(kind):
+    try:
+        enabled = torch.is_autocast_enabled(kind)
+    except RuntimeError:  # a device type autocast does not know (meta: the planner's counting forward)
+        return h, w
+    if not enabled:
         return h, w
     dtype = torch.get_autocast_dtype(kind)
     return h.to(dtype), w.to(dtype)
