@@ -153,6 +153,14 @@ def test_scale_search_finds_the_largest_and_says_when_it_was_cut() -> None:
     assert far["end"] == "found" and far["fails_at"] / far["layers"] <= 1.5 and far["layers"] <= 37 < far["fails_at"]
 
 
+def test_a_scale_search_split_over_two_runs_keeps_the_first_runs_systems() -> None:
+    earlier = {"scale": {"d_model": 2048, "systems": {"plain PyTorch": {"layers": 115, "params": 6, "end": "found"},
+                                                      "capstan offload disk": {"layers": 1, "end": "deadline"}}}}
+    kept = bench.earlier_scale(earlier, 2048, {"capstan offload disk"})
+    assert kept == {"plain PyTorch": {"layers": 115, "params": 6, "end": "found", "earlier": True}}
+    assert bench.earlier_scale(earlier, 1024, set()) == {} and bench.earlier_scale({}, 2048, set()) == {}
+
+
 def test_scale_systems_are_picked_by_name() -> None:
     with pytest.raises(SystemExit):
         bench.main(["--sections", "scale", "--scale-systems", "cpu,gpu"])

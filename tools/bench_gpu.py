@@ -75,6 +75,7 @@ class Runner:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.earlier: dict = {}  # the --scale-earlier report (main)
         self.deadline = time.monotonic() + args.deadline if args.deadline else math.inf
 
     def left(self) -> float:
@@ -290,6 +291,9 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
         keep = {short[k] for k in args.scale_systems.split(",") if k}
         systems = {n: v for n, v in systems.items() if n in keep}
     out = report["scale"] = {"d_model": d, "device": info, "ram_available": ram, "disk_free": disk, "systems": {}}
+    # A lease splits the searches over its calls (CAPSTAN_SCALE_SYSTEMS) on the same warm machine: what an
+    # earlier run found (--scale-earlier) for the systems not searched now stays, and counts in the ratios.
+    out["systems"].update(earlier_scale(run.earlier, d, set(systems)))
     shares = {"plain PyTorch": 1.0, "FSDP2 CPUOffloadPolicy": 1.0, "DeepSpeed ZeRO-Offload": 1.0,
               "capstan offload cpu": 1.0, "capstan offload disk": 2.0}  # (disk probes move the states through the disk)
     names = list(systems)
@@ -331,6 +335,15 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
     for key, value in report["ratios"].items():
         if key.startswith("scale:"):
             print(f"  {key}: {value:.2f}x")
+
+
+def earlier_scale(earlier: dict, d_model: int, searched: set[str]) -> dict[str, dict]:
+    """The systems an earlier report (the --json file as this run found it) searched at the same d_model and
+    this run does not, marked "earlier"."""
+    scale = earlier.get("scale") or {}
+    if scale.get("d_model") != d_model:
+        return {}
+    return {name: {**r, "earlier": True} for name, r in (scale.get("systems") or {}).items() if name not in searched}
 
 
 def _scale_ratios(systems: dict) -> dict[str, float]:
@@ -383,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-peers", action="store_true", help="FSDP2 and DeepSpeed in the scale search too")
     ap.add_argument("--scale-systems", default="",
                     help="comma-separated, of plain, cpu, disk (and fsdp, deepspeed with --scale-peers); default all")
+    ap.add_argument("--scale-earlier", help="an earlier run's JSON report: its scale results for the systems "
+                    "this run does not search are kept (a search split over calls)")
     ap.add_argument("--disk", help="the scale section's directory for offload disk (default: under $TMPDIR)")
     ap.add_argument("--cpu-budget", type=int, help="offload disk: bytes of chunks in RAM (default: the engine's)")
     ap.add_argument("--standin-memory", type=int, default=96 << 20, help="bytes of the stand-in device")
@@ -407,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
     run = Runner(args)
+    try:  # the scale section keeps what an earlier run found for the systems it does not search
+        run.earlier = json.loads(Path(args.scale_earlier).read_text()) if args.scale_earlier else {}
+    except (OSError, ValueError):
+        run.earlier = {}
     report: dict = {"args": vars(args), "device": args.device, "sections": {}, "skipped": {}, "ratios": {}}
     for name in sections:
         t0 = time.monotonic()

@@ -114,7 +114,8 @@ def _result(name: str, result: dict) -> list[str]:
                   "| system | layers | parameters | search ended | fails at | non-memory failures |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for system, r in sc["systems"].items():
-            lines.append(f"| {system} | {r['layers']} | {r['params'] / 1e9:.3f}B | {r['end']} | "
+            end = r["end"] + (" (an earlier call)" if r.get("earlier") else "")
+            lines.append(f"| {system} | {r['layers']} | {r['params'] / 1e9:.3f}B | {end} | "
                          f"{_fmt(r['fails_at'])} | {r.get('not_memory') or ''} |")
         lines.append("")
     ratios = {k: v for k, v in result.get("ratios", {}).items() if v is not None}
