@@ -142,6 +142,11 @@ def test_scale_search_finds_the_largest_and_says_when_it_was_cut() -> None:
 
     cut = bench.search_largest(slow, 1, deadline=250.0, clock=lambda: now[0])
     assert cut["end"] == "deadline" and cut["layers"] == 2 and len(cut["probes"]) == 2, cut
+    # A probe stopped by the deadline says nothing of its size: not a failure (a fails_at would be wrong)
+    timed_out = bench.search_largest(lambda n: True if n < 40 else None, 30, 10_000, resolution=1.5, clock=clock,
+                                     grow=1.5)
+    assert (timed_out["layers"], timed_out["fails_at"], timed_out["end"]) == (30, None, "deadline"), timed_out
+    assert timed_out["probes"][-1][:2] == (45, None)
     # From a good estimate, steps of the resolution bracket the answer in two probes (the scale section's
     # way: a GPU lease has time for a few probes of billions of parameters), up or down.
     for start, want in ((30, [(30, True), (45, False)]), (45, [(45, False), (30, True)])):

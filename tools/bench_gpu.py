@@ -216,10 +216,12 @@ def search_largest(fits, start: int, deadline: float, resolution: float = 1.25, 
     estimate, `grow` = `resolution` brackets the answer in two probes (a probe of billions of parameters
     takes a minute or more on a GPU machine: docs/benchmarks.md, "GPU"). A probe is started
     only when the last one's time fits before `deadline` (clock() seconds); n never passes `cap`.
-    Returns lo ("layers": the largest that fit, 0 if none), hi ("fails_at": the smallest that failed,
-    None if none), the probes (n, fit, seconds), and how the search ended ("end": "found", "none fits",
-    "cap" (lo is the cap: at least this) or "deadline" (cut short: lo is a lower bound))."""
-    probes: list[tuple[int, bool, float]] = []
+    fits(n) may return None: that probe ran out of time, which says nothing of n (the search ends there, at
+    the deadline). Returns lo ("layers": the largest that fit, 0 if none), hi ("fails_at": the smallest
+    that failed, None if none), the probes (n, fit (None: cut), seconds), and how the search ended
+    ("end": "found", "none fits", "cap" (lo is the cap: at least this) or "deadline" (cut short: lo is a
+    lower bound))."""
+    probes: list[tuple[int, bool | None, float]] = []
     lo, hi = 0, None
     n, last = max(1, min(start, cap)), 0.0
     while True:
@@ -227,8 +229,13 @@ def search_largest(fits, start: int, deadline: float, resolution: float = 1.25, 
             end = "deadline"
             break
         t0 = clock()
-        ok = bool(fits(n))
+        verdict = fits(n)
         last = clock() - t0
+        if verdict is None:  # the probe itself was cut by the deadline: it says nothing of the size
+            probes.append((n, None, round(last, 1)))
+            end = "deadline"
+            break
+        ok = bool(verdict)
         probes.append((n, ok, round(last, 1)))
         lo, hi = (n, hi) if ok else (lo, n)
         if hi is None:
@@ -304,7 +311,7 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
 
         why: dict[int, str] = {}
 
-        def fits(layers: int, kind=kind, memory=memory, why=why) -> bool:
+        def fits(layers: int, kind=kind, memory=memory, why=why) -> bool | None:
             cfg = _gpt_config(args, layers, d)
             cfg["train"]["steps"] = 1
             cfg["memory"] = dict(memory)
@@ -313,16 +320,18 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
             result = run(kind, cfg, until - time.monotonic())
             if "disk_dir" in memory:
                 shutil.rmtree(cfg["memory"]["disk_dir"], ignore_errors=True)
-            if "step_s" not in result:
-                why[layers] = result.get("error", "?")[-300:]
-            return "step_s" in result
+            if "step_s" in result:
+                return True
+            why[layers] = result.get("error", "?")[-300:]
+            # out of time (not started, or stopped at the deadline) is no answer; anything else is a failure
+            return None if _cut(why[layers]) else False
 
         found = search_largest(fits, max(1, int(start)), until, args.scale_resolution, args.scale_max_layers,
                                grow=args.scale_resolution)
         # A failure other than running out of memory (or time) is a defect, not a size limit: named apart
         found["failures"] = {str(n): e for n, e in why.items()}
         found["not_memory"] = sorted(n for n, e in why.items()
-                                     if not e.startswith("out of memory") and "timed out" not in e)
+                                     if not e.startswith("out of memory") and not _cut(e))
         found["params"] = _params(found["layers"], d, args.vocab)
         out["systems"][name] = found
         bound = {"found": "", "none fits": "", "cap": " (the search's cap: at least this)",
