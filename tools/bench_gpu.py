@@ -417,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(args.scale_systems.split(",")) - {"", "plain", "cpu", "disk", "fsdp", "deepspeed"}
     if bad:
         ap.error(f"--scale-systems: unknown {sorted(bad)}; choose from plain, cpu, disk, fsdp, deepspeed")
+    peers = set(args.scale_systems.split(",")) & {"fsdp", "deepspeed"}
+    if peers and not args.scale_peers:
+        ap.error(f"--scale-systems {','.join(sorted(peers))} needs --scale-peers")
     if args.quick:
         args.d_model, args.layers, args.seq, args.micro, args.steps = 768, 8, 512, 8, 6
     if args.tiny:

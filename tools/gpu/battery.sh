@@ -171,7 +171,8 @@ part2() {
   step profile-peers 90 - -- "$PY" tools/gpu/profile_step.py --device "$DEVICE" --offload cpu "${PROFILE_PEERS[@]}"
   # CAPSTAN_SCALE_SYSTEMS (plain,cpu,disk): some of the searches only, where a lease's calls split them; the
   # last run's results in this $OUT are kept for the systems not searched now (scale.earlier.json)
-  if [[ -n ${CAPSTAN_SCALE_SYSTEMS:-} && -f $OUT/scale.json ]] && (( ! DRY )); then
+  if [[ -n ${CAPSTAN_SCALE_SYSTEMS:-} && -f $OUT/scale.json && ( -z $ONLY || ",$ONLY," == *",scale,"* ) ]] \
+      && (( ! DRY )); then
     mv "$OUT/scale.json" "$OUT/scale.earlier.json"
   fi
   step scale 600 "$OUT/scale.json" -- "$PY" tools/bench_gpu.py --device "$DEVICE" --sections scale "${SCALE[@]}" \

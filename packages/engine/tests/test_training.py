@@ -111,6 +111,26 @@ def test_overlapped_optimizer_measures_instead_of_guessing_where_ram_cannot_hold
     engine.close()
 
 
+def test_the_room_a_guess_may_take_is_this_ranks_share_and_a_full_cgroup_has_none(monkeypatch, tmp_path) -> None:
+    """ram_room / disk_room (what the overlapped step's copies and second disk slots may take): the RAM or
+    disk still free over the ranks on the node; a memory cgroup at its limit is 0, not "unreadable"."""
+    import shutil
+    from types import SimpleNamespace
+
+    from capstan import comm
+    from capstan.engine import ram_budget
+
+    monkeypatch.setattr(ram_budget, "available_ram", lambda: (0, "the memory cgroup's limit less its working set"))
+    assert ram_budget.ram_room() == 0
+    monkeypatch.setattr(ram_budget, "available_ram", lambda: (0, "MemAvailable"))  # not Linux: no reading
+    assert ram_budget.ram_room() == 1 << 62
+    monkeypatch.setattr(ram_budget, "available_ram", lambda: (8 << 30, "MemAvailable"))
+    monkeypatch.setattr(comm, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm, "launch", lambda: SimpleNamespace(local_world_size=4))
+    assert ram_budget.ram_room() == 2 << 30
+    assert abs(ram_budget.disk_room(tmp_path) - shutil.disk_usage(tmp_path).free // 4) < 64 << 20
+
+
 def test_overlapped_optimizer_past_ram_is_the_plain_step(tmp_path: Path) -> None:
     """memory.overlap_optimizer with chunks on disk under a cpu budget: the step streams (chunkmem's
     overlap.py, "Past RAM"), the same trajectory bit for bit. Without clipping each chunk group is updated

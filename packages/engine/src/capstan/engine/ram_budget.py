@@ -37,6 +37,7 @@ once, on rank 0; an explicit ``memory.cpu_budget`` is used as given.
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from .config.schema import Config
 from .metrics import human_bytes
 
 __all__ = ["RamBudget", "with_default_cpu_budget", "derive_budget", "available_ram", "cgroup_room", "ram_room",
-           "HEADROOM", "ACTIVATION_SHARE"]
+           "disk_room", "HEADROOM", "ACTIVATION_SHARE"]
 
 log = comm.get_logger(__name__)
 
@@ -120,11 +121,21 @@ def available_ram() -> tuple[int, str]:
 def ram_room() -> int:
     """This rank's share of the RAM still free (`available_ram` over the ranks on this node): what the
     overlapped optimizer's rollback copies may take, read at every step (chunkmem's overlap.py; unbounded
-    where it cannot be read)."""
-    avail, _ = available_ram()
-    if not avail:
+    where MemAvailable cannot be read, but a full memory cgroup is 0)."""
+    avail, source = available_ram()
+    if not avail and source == "MemAvailable":
         return 1 << 62
-    return avail // max(1, comm.launch().local_world_size if comm.is_initialized() else 1)
+    return avail // _local_ranks()
+
+
+def disk_room(directory: str | Path) -> int:
+    """This rank's share of the free bytes of `directory`'s file system (the ranks on this node keep their
+    disk tiers' files there side by side): what a guess's second disk slots may take (overlap.py)."""
+    return shutil.disk_usage(directory).free // _local_ranks()
+
+
+def _local_ranks() -> int:
+    return max(1, comm.launch().local_world_size if comm.is_initialized() else 1)
 
 
 def cgroup_room() -> int | None:

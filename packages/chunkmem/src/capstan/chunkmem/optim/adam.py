@@ -69,7 +69,8 @@ class ChunkAdam:
     """AdamW (decoupled weight decay) for a `ChunkedModel`; one `AdamGroup` per parameter group."""
 
     def __init__(self, model: ChunkedModel, groups: list[AdamGroup] | None = None, overlap: bool = False,
-                 copy_room: Callable[[], int] | None = None, **defaults: object) -> None:
+                 copy_room: Callable[[], int] | None = None, disk_room: Callable[[], int] | None = None,
+                 **defaults: object) -> None:
         n = model.n_param_groups  # (a group may have a side list too: model.list_group)
         self.model = model
         self.groups = groups or [AdamGroup(**defaults) for _ in range(n)]  # type: ignore[arg-type]
@@ -91,8 +92,9 @@ class ChunkAdam:
             if not model.report_grads:
                 raise ValueError("ChunkAdam(overlap=True) needs ChunkedModel(..., report_grads=True)")
             # copy_room: the bytes RAM can still take, read each step; a step whose rollback copies would
-            # take more than half of it measures instead of guessing (overlap.py)
-            self.speculation = Speculation(self, copy_room=copy_room)
+            # take more than half of it measures instead of guessing; disk_room: the same for the disk's
+            # second slots past RAM (default: the disk tier's free bytes) (overlap.py)
+            self.speculation = Speculation(self, copy_room=copy_room, disk_room=disk_room)
 
     def arm(self, grad_clip: float | None = None, loss_scale: float = 1.0, check_overflow: bool = False,
             arrivals: int = 1) -> None:

@@ -206,6 +206,7 @@ class Speculation:
     last_wrong: bool = False  # the last step clipped or overflowed: a guess now would likely be wrong too
 
     copy_room: Callable[[], int] | None = None  # bytes RAM can still take (None: unlimited); see the docstring
+    disk_room: Callable[[], int] | None = None  # bytes the disk can still take (None: the disk tier's free bytes)
     no_room: int = 0  # steps that measured instead of guessing: RAM could not hold their copies
     streamed: int = 0  # chunk groups updated during backward past RAM (streaming: never guesses)
     deferred: int = 0  # ... and left to the step after backward: they did not fit beside backward's chunks
@@ -356,8 +357,9 @@ class Speculation:
 
     def _disk_fits(self) -> bool:
         """Past RAM: whether the disk can take the second slots a guess writes its updates to (and the first
-        slots not written yet), at most 90% of its free bytes; else the step measures (the module
-        docstring: without this, a disk probe of 5.2B parameters on 69 GB free ran out of disk)."""
+        slots not written yet), at most 90% of its free bytes (`disk_room`: this rank's share of them); else
+        the step measures (the module docstring: a disk probe of 5.2B parameters on 69 GB free ran out of
+        disk without this)."""
         model = self.opt.model
         if self._disk_ids is None:  # every chunk's bytes, and the chunks a guess protects (fixed at build)
             grad_kind = self.opt._grad_kind()
@@ -367,7 +369,8 @@ class Speculation:
                       if k != grad_kind or not model.grad_chunks}
             self._disk_ids = (chunks, second)
         disk = model.manager._disk()
-        return disk.growth(*self._disk_ids) <= 0.9 * disk.free_bytes()
+        room = self.disk_room() if self.disk_room is not None else disk.free_bytes()
+        return disk.growth(*self._disk_ids) <= 0.9 * room
 
     def _kinds(self, g: int, i: int) -> list[ChunkKind]:
         """The chunks a group's update reads and writes: master, gradient, both moments, and the 16-bit

@@ -24,7 +24,7 @@ from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_p
 from ..config.load import check_states_fit
 from ..config.schema import Config
 from ..precision import moment_dtype
-from ..ram_budget import ram_room
+from ..ram_budget import disk_room, ram_room
 from ..zero.optimizer import group_order
 from .base import ModelStates, UpdateScale, overflowed
 
@@ -134,7 +134,8 @@ class ChunkedStates(ModelStates):
                                                   quantized=p.compression == "int8", **kwargs)
             else:
                 self.module = ChunkedModel(model, self.manager, mem.chunk_size, report_grads=overlap, **kwargs)
-            self.optimizer = ChunkAdam(self.module, groups=adam, overlap=overlap, copy_room=ram_room)
+            room = (lambda: disk_room(mem.disk_dir)) if disk is not None else None
+            self.optimizer = ChunkAdam(self.module, groups=adam, overlap=overlap, copy_room=ram_room, disk_room=room)
         comm.reset_wire_bytes()
         if gpu is not None:
             buffers_to(model, gpu)
