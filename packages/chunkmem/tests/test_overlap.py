@@ -304,11 +304,14 @@ def test_past_ram_a_step_whose_second_slots_the_disk_cannot_take_measures_instea
     assert roomy.speculation.no_room == 0 and roomy.speculation.streamed > 0
     first_only = sum(c.nbytes for lst_of in roomy.model.chunks.values() for lst in lst_of for c in lst)
     assert roomy.model.manager._disk().nbytes() > first_only  # guessing grew second slots
-    monkeypatch.setattr(DiskStore, "free_bytes", lambda self: first_only)  # room for the first slots only
+    # a disk with room for the first slots only: what the file holds is taken from it
+    monkeypatch.setattr(DiskStore, "free_bytes", lambda self: first_only - self.nbytes())
     got_norms, got_states, opt, _ = _run(True, torch.float32, 1, clips=never, disk_dir=tmp_path / "c")
     spec = opt.speculation
     assert spec.no_room == STEPS and spec.streamed == 0 and spec.rollbacks == 0 and spec.measured_early > 0
     assert opt.model.manager._disk().nbytes() <= first_only
+    # ... and they ran on a measuring step's trace (decided where the trace is chosen), not the guessing one
+    assert opt.model.manager.trace_key in ("measure", "deferred measure")
     assert got_norms == want_norms
     for step, (got, want) in enumerate(zip(got_states, want_states)):
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"step {step} differs"

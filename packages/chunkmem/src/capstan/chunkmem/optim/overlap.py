@@ -214,6 +214,7 @@ class Speculation:
     def __post_init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capstan-adam")
         self._disk_ids: tuple[dict[int, int], set[int]] | None = None  # (`_disk_fits`)
+        self._disk_short: bool | None = None  # `_retrace`'s verdict for the next step (`_disk_room_now`)
         # (group, index) -> the last guess's copies and their bytes, reused by the next guess: a guess that
         # stands every step made and freed 12 B a parameter each step, and the free alone (the pages given
         # back) took ~120 ms of the main thread's step at 134M parameters (the stand-in; the H200's
@@ -257,7 +258,11 @@ class Speculation:
     def _retrace(self, now: bool = False) -> None:
         """The next step's trace: whether it measures or guesses, and whether its forward runs updates."""
         if self.guesses_on_disk:
-            key = ("deferred " if self.opt.pending else "") + ("measure" if self.last_wrong else "guess")
+            # a step that would guess but finds no disk room for its second slots measures: decided here,
+            # where its trace is chosen, and kept for `arm`, so the step runs on the trace of its kind
+            self._disk_short = not self.last_wrong and self._may_roll_back() and not self._disk_fits()
+            measure = self.last_wrong or self._disk_short
+            key = ("deferred " if self.opt.pending else "") + ("measure" if measure else "guess")
             self.opt.model.manager.use_trace(None if key == "guess" else key, now=now)
 
     # ---- arming and the gradient hook ----------------------------------------------------------------
@@ -273,7 +278,7 @@ class Speculation:
         if self.streaming and not self.guesses_on_disk:
             self.measuring = self.measuring or self._may_roll_back()
         elif not self.measuring and self._may_roll_back() and not (
-                self._disk_fits() if self.streaming else self._copies_fit()):
+                self._disk_room_now() if self.streaming else self._copies_fit()):
             self.measuring, self.no_room = True, self.no_room + 1
         if self.measuring or not self._may_roll_back():
             self.drop_spares()  # no copies this step: their RAM back
@@ -354,6 +359,11 @@ class Speculation:
         left to what the step lands in RAM meanwhile and to the rest of the process)."""
         held = sum(nbytes for _, nbytes in self._spare.values())  # (already taken from what RAM has)
         return self.copy_room is None or 2 * (self.copy_bytes() - held) <= self.copy_room()
+
+    def _disk_room_now(self) -> bool:
+        """`_disk_fits` as `_retrace` decided it when it chose this step's trace (else asked now)."""
+        short, self._disk_short = self._disk_short, None
+        return not short if short is not None else self._disk_fits()
 
     def _disk_fits(self) -> bool:
         """Past RAM: whether the disk can take the second slots a guess writes its updates to (and the first
