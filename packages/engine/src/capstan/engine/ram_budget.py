@@ -237,7 +237,7 @@ def derive_budget(cfg: Config, groups: comm.Groups, device: torch.device, refere
                           f"available ({MEMINFO}: MemAvailable), which cannot be read here: set memory.cpu_budget")
     if available < mine:
         source = "the least RAM available to any rank"
-    ranks = max(1, comm.launch().local_world_size if comm.is_initialized() else 1)
+    ranks = _local_ranks()
     mem = cfg.memory
     floor = (mem.chunk_size or 1024) * 4, "one chunk (chunkmem checks this model's minimum when it is chunked)"
     gpu = is_accelerator(device)

@@ -214,6 +214,7 @@ class Speculation:
     def __post_init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capstan-adam")
         self._disk_ids: tuple[dict[int, int], set[int]] | None = None  # (`_disk_fits`)
+        self._copy_bytes: int | None = None  # (`copy_bytes`)
         self._disk_short: bool | None = None  # `_retrace`'s verdict for the next step (`_disk_room_now`)
         # (group, index) -> the last guess's copies and their bytes, reused by the next guess: a guess that
         # stands every step made and freed 12 B a parameter each step, and the free alone (the pages given
@@ -347,12 +348,14 @@ class Speculation:
     def copy_bytes(self) -> int:
         """Bytes a guessing step copies in RAM at most: each chunk group's master, both moments and, where
         the 16-bit slot holds the gradient, that slot (whole chunks: an upper bound by their padding)."""
-        model = self.opt.model
-        master = ChunkKind.MASTER if model.mixed else ChunkKind.PARAM
-        kinds = [master, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ]
-        if model.mixed and not model.grad_chunks:
-            kinds.append(ChunkKind.PARAM)
-        return sum(c.nbytes for k in kinds for lst in model.chunks[k] for c in lst)
+        if self._copy_bytes is None:  # (the chunks are fixed at build)
+            model = self.opt.model
+            master = ChunkKind.MASTER if model.mixed else ChunkKind.PARAM
+            kinds = [master, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ]
+            if model.mixed and not model.grad_chunks:
+                kinds.append(ChunkKind.PARAM)
+            self._copy_bytes = sum(c.nbytes for k in kinds for lst in model.chunks[k] for c in lst)
+        return self._copy_bytes
 
     def _copies_fit(self) -> bool:
         """Whether RAM can take this step's copies: at most half of what it can still take (the rest is
