@@ -104,6 +104,9 @@ void fill_adam_args(AdamArgs* a, float* param, const void* grad, int grad_dtype,
   a->bc2_sqrt = (float)pow(1.0 - pow(beta2, (double)step), 0.5);
   a->eps = (float)eps;
   a->neg_step = (float)(-(lr / (1.0 - pow(beta1, (double)step))));
+  const double bc2_sqrt = pow(1.0 - pow(beta2, (double)step), 0.5);
+  a->neg_step_r = (float)(-(lr / (1.0 - pow(beta1, (double)step))) * bc2_sqrt);
+  a->eps_r = (float)(eps * bc2_sqrt);
 }
 
 // 8-bit moments: the same pattern over block ids (AdamQ8Args).

@@ -98,7 +98,8 @@ CAPSTAN_API int capstan_adam_step(float* param, const void* grad, int grad_dtype
  * seg_offset[k], cut into ceil(n / block) blocks of `block` elements (a power of two in 16..4096; the
  * last block short). exp_avg and exp_avg_sq are uint8 codes, scale_m and scale_v one fp32 per block,
  * the segments' blocks in order (segment 0's first). Each element's moments are decoded with its
- * block's scales, updated as capstan_adam_step updates fp32 ones (the parameter from the fp32 values),
+ * block's scales, updated as capstan_adam_step updates fp32 ones (the parameter from the fp32 values,
+ * with sqrt(1 - beta2^step) folded into the step size and eps: one division, not two),
  * then each block gets new scales -- the absmax of exp_avg and the max of sqrt(exp_avg_sq) -- and both
  * are re-encoded with stochastic rounding whose random bits hash (seed, seg_index[k] + element index in
  * the segment). Elements between segments are not touched. check_overflow, out: as capstan_adam_step. */

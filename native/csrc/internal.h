@@ -37,6 +37,10 @@ struct AdamArgs {
   float bc2_sqrt;     // sqrt(1 - beta2^step)
   float eps;
   float neg_step;     // -lr / (1 - beta1^step)
+  // 8-bit moments: the same update with sqrt(1 - beta2^step) moved out of the denominator
+  // (p + neg_step_r * m / (sqrt(v) + eps_r)), one division a value instead of two.
+  float neg_step_r;   // neg_step * sqrt(1 - beta2^step)
+  float eps_r;        // eps * sqrt(1 - beta2^step)
 };
 
 // 8-bit moments (capstan_adam_step_q8): the buffers of one call, cut into segments (one parameter

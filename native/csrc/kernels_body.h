@@ -153,19 +153,25 @@ static void adam_range_m(const AdamArgs* a, int64_t begin, int64_t end) {
   }
 }
 
-static void adam_range(const AdamArgs* a, int64_t begin, int64_t end) {
+// The kernels read the arguments from a local copy: stores through the float buffers could alias the
+// caller's AdamArgs, and the compiler reloads every scalar and flag after each store (on AVX2 the
+// fp32 kernel in L2 ran 1.31x faster with the copy; adam_q8_t likewise).
+static void adam_range(const AdamArgs* args, int64_t begin, int64_t end) {
+  const AdamArgs local = *args;
+  const AdamArgs* a = &local;
   if (a->mdt == CAPSTAN_BF16) return adam_range_m<CAPSTAN_BF16>(a, begin, end);
   return adam_range_m<CAPSTAN_F32>(a, begin, end);
 }
 
 // ---- Adam with 8-bit moments (capstan_adam_step_q8) ----
 // adam_math cut in two for a block held in L1: the moments first (decode with the block's old scales,
-// update, sqrt(v)), kept in fp32 (mb, rb at j) for the block's new scales; then the parameter from them.
-// Each element sees the same operations in the same order as adam_math (the decoupled decay of p is
-// independent of the moments), so the bits are the same; what changes is the loop bodies. One pass
-// carrying decode, sqrt and two divisions was too long for the out-of-order window to overlap many
-// iterations; split in two, and the codes packed four vectors at a time, the kernel runs 1.19x faster
-// on AVX2 (Zen 3, docs/benchmarks.md).
+// update, sqrt(v)), kept in fp32 (mb, rb at j) for the block's new scales; then, in the pass that
+// encodes them, the parameter. The moments see the same operations in the same order as adam_math;
+// the parameter's update takes one division, not two (adam_q8_param). One pass carrying decode, sqrt
+// and two divisions was too long for the out-of-order window to overlap many iterations; split, and
+// the codes packed four vectors at a time, the kernel ran 1.19x faster on AVX2 (Zen 3); the parameter
+// moved into the encoding pass with one division, and AdamArgs copied to a local, 1.12x more
+// (docs/benchmarks.md, "The bf16 and 8-bit kernels on an AVX2 machine").
 template <class V, int GD>
 static inline void adam_q8_moments(const AdamArgs& a, int64_t i, float sm, float sv, float* mb, float* rb,
                                    int64_t j, V& max_m, V& max_r) {
@@ -185,12 +191,15 @@ static inline void adam_q8_moments(const AdamArgs& a, int64_t i, float sm, float
   max_r = V::max(max_r, r);
 }
 
+// The parameter from its updated moments (m, r = sqrt(v) in registers): p + neg_step_r * m / (r + eps_r),
+// torch.optim's update with sqrt(1 - beta2^step) taken out of the denominator into the step: one division
+// a value where adam_math has two (their rounding differs in the last bits of the update, below what
+// 8-bit moments keep). Run in the encoding pass, whose integer work hides the division.
 template <class V, int OD>
-static inline void adam_q8_param(const AdamArgs& a, int64_t i, const float* mb, const float* rb, int64_t j) {
+static inline void adam_q8_param(const AdamArgs& a, int64_t i, V m, V r) {
   V p = V::load(a.p + i);
   if (a.has_wd && a.adamw) p = p * V::set1(a.decay);
-  V denom = V::load(rb + j) / V::set1(a.bc2_sqrt) + V::set1(a.eps);
-  p = p + (V::set1(a.neg_step) * V::load(mb + j)) / denom;
+  p = p + (V::set1(a.neg_step_r) * m) / (r + V::set1(a.eps_r));
   V::store(a.p + i, p);
   if (OD != CAPSTAN_NONE) store_from_f32<V>(a.out, OD, i, p);
 }
@@ -203,7 +212,9 @@ template <int GD, int OD>
 static void adam_q8_t(const AdamQ8Args* q, int64_t begin, int64_t end) {
   alignas(64) float mb[capstan::kQ8MaxBlock];
   alignas(64) float rb[capstan::kQ8MaxBlock];
-  const AdamArgs& a = q->a;
+  // A copy, not a reference: stores through the float buffers could alias q->a, and the compiler would
+  // reload every scalar and flag after each store; a local it can keep in registers and hoist.
+  const AdamArgs a = q->a;
   int s = 0;
   while (q->seg_first_block[s + 1] <= begin) ++s;
   for (int64_t b = begin; b < end; ++b) {
@@ -230,9 +241,6 @@ static void adam_q8_t(const AdamQ8Args* q, int64_t begin, int64_t end) {
     }
     for (; j < n; ++j)
       adam_q8_moments<SVec, GD>(a, lo + j, q->scale_m[b], q->scale_v[b], mb, rb, j, tmax_m, tmax_r);
-    j = 0;
-    for (; j + KV::W <= n; j += KV::W) adam_q8_param<KV, OD>(a, lo + j, mb, rb, j);
-    for (; j < n; ++j) adam_q8_param<SVec, OD>(a, lo + j, mb, rb, j);
     const float am = capstan::q8_scale(SVec::max(SVec::set1(KV::hmax(max_m)), tmax_m).v);
     const float ar = capstan::q8_scale(SVec::max(SVec::set1(KV::hmax(max_r)), tmax_r).v);
     q->scale_m[b] = am;
@@ -244,6 +252,10 @@ static void adam_q8_t(const AdamQ8Args* q, int64_t begin, int64_t end) {
     j = 0;
     using B = typename KV::Bits;
     for (; j + 4 * KV::W <= n; j += 4 * KV::W) {  // four vectors at a time: fewer shuffles to pack the codes
+      // The parameters first, then the codes, each reading mb and rb from L1: holding the eight vectors
+      // across both spilled them (16 registers on AVX2), and ran no faster.
+      for (int k = 0; k < 4; ++k)
+        adam_q8_param<KV, OD>(a, lo + j + k * KV::W, KV::load(mb + j + k * KV::W), KV::load(rb + j + k * KV::W));
       const B r0 = KV::hash_lanes(key, j), r1 = KV::hash_lanes(key, j + KV::W);
       const B r2 = KV::hash_lanes(key, j + 2 * KV::W), r3 = KV::hash_lanes(key, j + 3 * KV::W);
       const KV vm = KV::set1(im), vr = KV::set1(ir);
@@ -258,13 +270,17 @@ static void adam_q8_t(const AdamQ8Args* q, int64_t begin, int64_t end) {
     }
     for (; j + KV::W <= n; j += KV::W) {
       const typename KV::Bits r = KV::hash_lanes(key, j);
-      KV::template store_q8_sr<capstan::Q8M>(cm + j, KV::load(mb + j) * KV::set1(im), KV::hi16(r));
-      KV::template store_q8_sr<capstan::Q8V>(cv + j, KV::load(rb + j) * KV::set1(ir), KV::lo16(r));
+      const KV m = KV::load(mb + j), rt = KV::load(rb + j);
+      KV::template store_q8_sr<capstan::Q8M>(cm + j, m * KV::set1(im), KV::hi16(r));
+      KV::template store_q8_sr<capstan::Q8V>(cv + j, rt * KV::set1(ir), KV::lo16(r));
+      adam_q8_param<KV, OD>(a, lo + j, m, rt);
     }
     for (; j < n; ++j) {
       const uint32_t r = SVec::hash_lanes(key, j);
-      SVec::store_q8_sr<capstan::Q8M>(cm + j, SVec::load(mb + j) * SVec::set1(im), SVec::hi16(r));
-      SVec::store_q8_sr<capstan::Q8V>(cv + j, SVec::load(rb + j) * SVec::set1(ir), SVec::lo16(r));
+      const SVec m = SVec::load(mb + j), rt = SVec::load(rb + j);
+      SVec::store_q8_sr<capstan::Q8M>(cm + j, m * SVec::set1(im), SVec::hi16(r));
+      SVec::store_q8_sr<capstan::Q8V>(cv + j, rt * SVec::set1(ir), SVec::lo16(r));
+      adam_q8_param<SVec, OD>(a, lo + j, m, rt);
     }
   }
 }

@@ -101,8 +101,12 @@ def reference_step(p, g, cm, cv, sm, sv, *, step, block, segments, seed, lr, bet
     p, cm, cv, sm, sv = p.clone(), cm.clone(), cv.clone(), sm.clone(), sv.clone()
     key, _ = fallback.sr_keys(seed)
     w1 = f32(1.0 - beta1)
-    bc2 = f32((1.0 - beta2**step) ** 0.5)
-    neg_step = f32(-(lr / (1.0 - beta1**step)))
+    # torch.optim's p + (-step_size * m) / (sqrt(v) / bc2 + eps) with bc2 = sqrt(1 - beta2^step) moved
+    # out of the denominator: p + (-step_size * bc2) * m / (sqrt(v) + eps * bc2), each constant
+    # rounded to fp32 once from double (one division a value; capstan::AdamArgs::neg_step_r).
+    bc2 = (1.0 - beta2**step) ** 0.5
+    neg_step_r = f32(-(lr / (1.0 - beta1**step)) * bc2)
+    eps_r = f32(eps * bc2)
     k = 0
     for off, n, index in segments:
         for b0 in range(0, n, block):
@@ -125,7 +129,7 @@ def reference_step(p, g, cm, cv, sm, sv, *, step, block, segments, seed, lr, bet
                 m = fma(w1.expand_as(m), gr - m, m)
             v = fma(f32(1.0 - beta2) * gr, gr, v * f32(beta2))
             root = v.double().sqrt().to(F32)  # correctly rounded, as sqrtps is (torch's may be off by an ulp)
-            x = x + (neg_step * m) / (root / bc2 + f32(eps))
+            x = x + (neg_step_r * m) / (root + eps_r)
             p[lo:hi] = x
             am, ar = scale_of(m.abs().max()), scale_of(root.max())
             sm[k], sv[k] = am, ar

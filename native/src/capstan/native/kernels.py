@@ -218,9 +218,10 @@ def adam_update_q8(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     element's canonical number, from which (with `seed`) the stochastic rounding draws its bits. The
     scales are the segments' blocks in order: q8_blocks([numel, ...], block) of them. Elements outside
     the segments are not touched. A fresh state is all zeros (codes and scales). The parameter is
-    updated from the decoded-then-updated fp32 moments, exactly as `adam_update` would from those; the
-    moments are then stored against each block's new absmax. check_overflow, grad_scale and out as in
-    `adam_update_and_cast`; returns True (nothing changed) on overflow."""
+    updated from the decoded-then-updated fp32 moments as `adam_update` would from those, with
+    sqrt(1 - beta2^step) folded into the step size and eps (one division, not two: the last bits of
+    the update differ); the moments are then stored against each block's new absmax. check_overflow,
+    grad_scale and out as in `adam_update_and_cast`; returns True (nothing changed) on overflow."""
     dev = _where("param", param)
     check_tensor("param", param, (torch.float32,), device=dev)
     n = param.numel()
