@@ -82,12 +82,10 @@ void fill_adam_args(AdamArgs* a, float* param, const void* grad, int grad_dtype,
   a->gdt = grad_dtype;
   a->mdt = moment_dtype;
   a->odt = out ? out_dtype : CAPSTAN_NONE;
-  // Two streams from the 64-bit seed: each key hashes one half mixed with the other.
+  // One stream from the 64-bit seed: its key hashes one half mixed with the other.
   a->key_m = sr_hash((uint32_t)seed ^ sr_hash((uint32_t)(seed >> 32)));
-  a->key_v = sr_hash(a->key_m ^ 0x9e3779b9u);
-  // Element i hashes key + index_base + i: the kernels add i, so fold the base into the keys (mod 2^32).
+  // Element i hashes key + index_base + i: the kernels add i, so fold the base into the key (mod 2^32).
   a->key_m += (uint32_t)index_base;
-  a->key_v += (uint32_t)index_base;
   a->grad_scale = (float)grad_scale;
   a->unscale = grad_scale != 1.0;
   a->adamw = adamw != 0;

@@ -23,7 +23,7 @@ struct AdamArgs {
   void* v;
   void* out;
   int gdt, odt, mdt;
-  uint32_t key_m, key_v;  // stochastic rounding: the hash streams of m and v (from the call's seed)
+  uint32_t key_m;      // stochastic rounding: the hash stream of both moments (from the call's seed)
   float grad_scale;   // multiply grads by this (1/loss_scale)
   int unscale;        // grad_scale != 1
   int adamw;          // decoupled weight decay
@@ -137,16 +137,17 @@ static inline uint32_t sr_hash(uint32_t x) {
   x ^= x >> 16;
   return x;
 }
-// fp32 -> bf16 with stochastic rounding: add 16 random bits below the kept
-// ones and truncate, so x rounds up with probability (its distance from the
-// lower bf16) / (the bf16 step) and the rounding is unbiased. The random bits
-// are the top half of sr_hash(key + index). NaN becomes 0xFFFF as in
-// f32_to_bf16; inf stays inf (its low half is zero, the carry never reaches
-// the exponent).
-static inline uint16_t f32_to_bf16_sr(float f, uint32_t key, int64_t i) {
+// fp32 -> bf16 with stochastic rounding: add 16 random bits (r16 < 2^16) below
+// the kept ones and truncate, so x rounds up with probability (its distance
+// from the lower bf16) / (the bf16 step) and the rounding is unbiased. Adam's
+// bf16 moments take one sr_hash(key + index) word per element, its top half
+// for exp_avg and its low half for exp_avg_sq (as the 8-bit codes do). NaN
+// becomes 0xFFFF as in f32_to_bf16; inf stays inf (its low half is zero, the
+// carry never reaches the exponent).
+static inline uint16_t f32_to_bf16_sr(float f, uint32_t r16) {
   uint32_t u = f32_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0xFFFFu;
-  return (uint16_t)((u + (sr_hash(key + (uint32_t)i) >> 16)) >> 16);
+  return (uint16_t)((u + r16) >> 16);
 }
 static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 // Round to nearest even on the bit pattern. Every NaN becomes 0xFFFF: that is

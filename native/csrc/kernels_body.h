@@ -11,6 +11,10 @@
 using capstan::AdamArgs;
 using capstan::AdamQ8Args;
 
+// The per-vector helpers below must inline into their loops: gcc left adam_math, once it served two
+// moment formats, as a call per vector in the fp32 kernel (twice as slow).
+#define CAPSTAN_KERNEL_INLINE inline __attribute__((always_inline))
+
 template <class V>
 static inline V load_as_f32(const void* base, int dt, int64_t i) {
   if (dt == CAPSTAN_F32) return V::load((const float*)base + i);
@@ -36,17 +40,21 @@ static inline void store_from_f32(void* base, int dt, int64_t i, V x) {
 // Kingma & Ba 2015, Algorithm 1, bias corrections folded into step_size and
 // the denominator; Loshchilov & Hutter 2019 for the decoupled decay.
 // Moments in bf16 (MD): loaded to fp32, updated by the same operations, the
-// parameter updated from the fp32 values, then stored with stochastic rounding.
-template <class V, int MD>
-static inline void store_moment(void* base, uint32_t key, int64_t i, V x) {
-  if (MD == CAPSTAN_F32) V::store((float*)base + i, x);
-  else V::store_bf16_sr((uint16_t*)base + i, x, key, i);
+// parameter updated from the fp32 values with sqrt(1 - beta2^t) folded into the
+// step and eps (one division, not two: `p + neg_step_r * m / (sqrt(v) + eps_r)`,
+// as the 8-bit moments), then the moments stored with stochastic rounding, one
+// random word per element (its top half for m, its low half for v). fp32
+// moments keep torch.optim's two divisions and its bits.
+template <class V>
+static CAPSTAN_KERNEL_INLINE void store_moments_bf16(const AdamArgs& a, int64_t i, V m, V v) {
+  const typename V::Bits r = V::hash_lanes(a.key_m, i);
+  V::store_bf16_sr((uint16_t*)a.m + i, m, V::hi16(r));
+  V::store_bf16_sr((uint16_t*)a.v + i, v, V::lo16(r));
 }
 
-// The update of one vector of elements, in registers: p, m and v (loaded as fp32) in place; returns
-// sqrt(v), the denominator's root (8-bit moments store it).
-template <class V>
-static inline V adam_math(const AdamArgs& a, V& p, V g, V& m, V& v) {
+// The update of one vector of elements, in registers: p, m and v (loaded as fp32) in place.
+template <class V, int MD>
+static CAPSTAN_KERNEL_INLINE void adam_math(const AdamArgs& a, V& p, V g, V& m, V& v) {
   if (a.unscale) g = g * V::set1(a.grad_scale);
   if (a.has_wd) {
     if (a.adamw) p = p * V::set1(a.decay);
@@ -55,21 +63,27 @@ static inline V adam_math(const AdamArgs& a, V& p, V g, V& m, V& v) {
   if (a.lerp_hi) m = V::fma(V::set1(a.w1m1), g - m, g);
   else m = V::fma(V::set1(a.w1), g - m, m);
   v = V::fma(V::set1(a.c2) * g, g, v * V::set1(a.b2));
-  V root = V::sqrt(v);
-  V denom = root / V::set1(a.bc2_sqrt) + V::set1(a.eps);
-  p = p + (V::set1(a.neg_step) * m) / denom;
-  return root;
+  if (MD == CAPSTAN_F32) {
+    V denom = V::sqrt(v) / V::set1(a.bc2_sqrt) + V::set1(a.eps);
+    p = p + (V::set1(a.neg_step) * m) / denom;
+  } else {
+    p = p + (V::set1(a.neg_step_r) * m) / (V::sqrt(v) + V::set1(a.eps_r));
+  }
 }
 
 template <class V, int GD, int OD, int MD>
-static inline void adam_one(const AdamArgs& a, int64_t i) {
+static CAPSTAN_KERNEL_INLINE void adam_one(const AdamArgs& a, int64_t i) {
   V p = V::load(a.p + i);
   V m = load_as_f32<V>(a.m, MD, i);
   V v = load_as_f32<V>(a.v, MD, i);
-  adam_math<V>(a, p, load_as_f32<V>(a.g, GD, i), m, v);
+  adam_math<V, MD>(a, p, load_as_f32<V>(a.g, GD, i), m, v);
   V::store(a.p + i, p);
-  store_moment<V, MD>(a.m, a.key_m, i, m);
-  store_moment<V, MD>(a.v, a.key_v, i, v);
+  if (MD == CAPSTAN_F32) {
+    V::store((float*)a.m + i, m);
+    V::store((float*)a.v + i, v);
+  } else {
+    store_moments_bf16<V>(a, i, m, v);
+  }
   if (OD != CAPSTAN_NONE) store_from_f32<V>(a.out, OD, i, p);
 }
 
@@ -107,16 +121,21 @@ static void adam_tiles_bf16(const AdamArgs* a, int64_t begin, int64_t end) {
       KV p = KV::load(a->p + i0 + j);
       KV m = KV::load_bf16((const uint16_t*)a->m + i0 + j);
       KV v = KV::load_bf16((const uint16_t*)a->v + i0 + j);
-      adam_math<KV>(*a, p, load_as_f32<KV>(a->g, GD, i0 + j), m, v);
+      adam_math<KV, CAPSTAN_BF16>(*a, p, load_as_f32<KV>(a->g, GD, i0 + j), m, v);
       KV::store(a->p + i0 + j, p);
       if (OD != CAPSTAN_NONE) store_from_f32<KV>(a->out, OD, i0 + j, p);
       KV::store(mb + j, m);
       KV::store(vb + j, v);
     }
-    for (int64_t j = 0; j < n; j += KV::W) {
-      store_moment<KV, CAPSTAN_BF16>(a->m, a->key_m, i0 + j, KV::load(mb + j));
-      store_moment<KV, CAPSTAN_BF16>(a->v, a->key_v, i0 + j, KV::load(vb + j));
+    int64_t j = 0;
+    for (; j + 2 * KV::W <= n; j += 2 * KV::W) {  // two vectors a store: one pack where two took two each
+      const typename KV::Bits r0 = KV::hash_lanes(a->key_m, i0 + j), r1 = KV::hash_lanes(a->key_m, i0 + j + KV::W);
+      KV::store_bf16_sr2((uint16_t*)a->m + i0 + j, KV::load(mb + j), KV::load(mb + j + KV::W), KV::hi16(r0),
+                         KV::hi16(r1));
+      KV::store_bf16_sr2((uint16_t*)a->v + i0 + j, KV::load(vb + j), KV::load(vb + j + KV::W), KV::lo16(r0),
+                         KV::lo16(r1));
     }
+    for (; j < n; j += KV::W) store_moments_bf16<KV>(*a, i0 + j, KV::load(mb + j), KV::load(vb + j));
   }
 }
 

@@ -42,16 +42,22 @@ struct VVec {
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
     return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   }
-  // Stochastic rounding of elements i..i+7: the lane-wise form of capstan::f32_to_bf16_sr.
-  static void store_bf16_sr(uint16_t* p, VVec a, uint32_t key, int64_t i) {
-    __m256i x = hash_lanes(key, i);
-    __m256i u = _mm256_castps_si256(a.v);
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(x, 16)), 16);
-    __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                       _mm256_set1_epi32(0x7f800000));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), isnan);
+  // Stochastic rounding with the random bits r16 per lane: the lane-wise form of capstan::f32_to_bf16_sr.
+  static void store_bf16_sr(uint16_t* p, VVec a, __m256i r16) {
+    __m256i r = round_sr(a, r16);
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+  }
+  // Two vectors (a at p, b at p + 8) in one pack and one store.
+  static void store_bf16_sr2(uint16_t* p, VVec a, VVec b, __m256i ra, __m256i rb) {
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round_sr(a, ra), round_sr(b, rb)), 0xD8);
+    _mm256_storeu_si256((__m256i*)p, packed);
+  }
+  // The rounded bf16 patterns as 32-bit lanes, NaN as 0xFFFF.
+  static __m256i round_sr(VVec a, __m256i r16) {
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(a.v), r16), 16);
+    __m256i isnan = _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), isnan);
   }
   // 8-bit moment codes: the lane-wise forms of SVec::load_q8 / store_q8_sr.
   template <class F>

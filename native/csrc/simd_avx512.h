@@ -59,13 +59,16 @@ struct VVec {
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   }
-  // Stochastic rounding of elements i..i+15: the lane-wise form of capstan::f32_to_bf16_sr.
-  static void store_bf16_sr(uint16_t* p, VVec a, uint32_t key, int64_t i) {
-    __m512i x = hash_lanes(key, i);
-    __m512i r = _mm512_add_epi32(_mm512_castps_si512(a.v), _mm512_srli_epi32(x, 16));
+  // Stochastic rounding with the random bits r16 per lane: the lane-wise form of capstan::f32_to_bf16_sr.
+  static void store_bf16_sr(uint16_t* p, VVec a, __m512i r16) {
+    __m512i r = _mm512_add_epi32(_mm512_castps_si512(a.v), r16);
     __mmask16 isnan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, isnan, _mm512_set1_epi32(-1));
     _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+  static void store_bf16_sr2(uint16_t* p, VVec a, VVec b, __m512i ra, __m512i rb) {
+    store_bf16_sr(p, a, ra);
+    store_bf16_sr(p + W, b, rb);
   }
   // 8-bit moment codes: the lane-wise forms of SVec::load_q8 / store_q8_sr.
   template <class F>

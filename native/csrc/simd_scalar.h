@@ -14,9 +14,11 @@ struct SVec {
   static void store(float* p, SVec a) { *p = a.v; }
   static void store_bf16(uint16_t* p, SVec a) { *p = capstan::f32_to_bf16(a.v); }
   static void store_f16(uint16_t* p, SVec a) { *p = capstan::f32_to_f16(a.v); }
-  // Stochastic rounding of element i (capstan::f32_to_bf16_sr).
-  static void store_bf16_sr(uint16_t* p, SVec a, uint32_t key, int64_t i) {
-    *p = capstan::f32_to_bf16_sr(a.v, key, i);
+  // Stochastic rounding with the random bits r16 (capstan::f32_to_bf16_sr).
+  static void store_bf16_sr(uint16_t* p, SVec a, uint32_t r16) { *p = capstan::f32_to_bf16_sr(a.v, r16); }
+  static void store_bf16_sr2(uint16_t* p, SVec a, SVec b, uint32_t ra, uint32_t rb) {
+    store_bf16_sr(p, a, ra);
+    store_bf16_sr(p + 1, b, rb);
   }
   // No non-temporal stores in the scalar unit: plain stores, no fence.
   static void stream2(float* p, SVec a, SVec b) { store(p, a); store(p + 1, b); }

@@ -99,7 +99,7 @@ def reference_step(p, g, cm, cv, sm, sv, *, step, block, segments, seed, lr, bet
                    weight_decay, adamw, grad_scale=1.0):
     """The whole call on copies; returns (p, codes m, codes v, scales m, scales v)."""
     p, cm, cv, sm, sv = p.clone(), cm.clone(), cv.clone(), sm.clone(), sv.clone()
-    key, _ = fallback.sr_keys(seed)
+    key = fallback.sr_key(seed)
     w1 = f32(1.0 - beta1)
     # torch.optim's p + (-step_size * m) / (sqrt(v) / bc2 + eps) with bc2 = sqrt(1 - beta2^step) moved
     # out of the denominator: p + (-step_size * bc2) * m / (sqrt(v) + eps * bc2), each constant

@@ -13,7 +13,7 @@ import torch
 
 from .q8 import Q8_EXP_AVG, Q8_EXP_AVG_SQ, per_element, q8_decode, q8_encode, q8_inverse, q8_scale
 
-__all__ = ["adam_step", "adam_step_q8", "cast_", "copy_", "sum_", "sumsq", "has_nonfinite", "sr_keys", "to_bf16_sr"]
+__all__ = ["adam_step", "adam_step_q8", "cast_", "copy_", "sum_", "sumsq", "has_nonfinite", "sr_key", "to_bf16_sr"]
 
 _M32 = 0xFFFFFFFF
 
@@ -31,17 +31,19 @@ def _hash_int(x: int) -> int:
     return int(_hash32(torch.tensor([x & _M32], dtype=torch.int64))[0])
 
 
-def sr_keys(seed: int) -> tuple[int, int]:
-    """The two hash streams (exp_avg's, exp_avg_sq's) the native kernel derives from a 64-bit seed."""
-    key_m = _hash_int((seed & _M32) ^ _hash_int(seed >> 32))
-    return key_m, _hash_int(key_m ^ 0x9E3779B9)
+def sr_key(seed: int) -> int:
+    """The hash stream the native kernel derives from a 64-bit seed for the moments' rounding: element i
+    draws the word _hash32(key + i), its top 16 bits for exp_avg and its low 16 for exp_avg_sq."""
+    return _hash_int((seed & _M32) ^ _hash_int(seed >> 32))
 
 
-def to_bf16_sr(x: torch.Tensor, key: int, index_base: int = 0) -> torch.Tensor:
-    """capstan::f32_to_bf16_sr of every element of fp32 `x` (index = `index_base` + position in `x`):
-    bit for bit the native kernel's stochastic rounding."""
+def to_bf16_sr(x: torch.Tensor, key: int, index_base: int = 0, half: str = "hi") -> torch.Tensor:
+    """capstan::f32_to_bf16_sr of every element of fp32 `x` (index = `index_base` + position in `x`)
+    with the `half` ("hi": exp_avg's, "lo": exp_avg_sq's) of its random word: bit for bit the native
+    kernel's stochastic rounding."""
     idx = torch.arange(x.numel(), dtype=torch.int64, device=x.device) + (index_base & _M32)
-    r = _hash32((idx + key) & _M32) >> 16
+    word = _hash32((idx + key) & _M32)
+    r = word >> 16 if half == "hi" else word & 0xFFFF
     u = x.reshape(-1).view(torch.int32).to(torch.int64) & _M32
     out = ((u + r) >> 16) & 0xFFFF
     out = torch.where(torch.isnan(x.reshape(-1)), torch.full_like(out, 0xFFFF), out)
@@ -84,12 +86,15 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         m, v = exp_avg.to(f32), exp_avg_sq.to(f32)
     m.lerp_(g, 1.0 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = (v.sqrt() / (1.0 - beta2**step) ** 0.5).add_(eps)
-    param.addcdiv_(m, denom, value=-(lr / (1.0 - beta1**step)))
-    if exp_avg.dtype != f32:
-        key_m, key_v = sr_keys(seed)
-        exp_avg.copy_(to_bf16_sr(m, key_m, index_base))
-        exp_avg_sq.copy_(to_bf16_sr(v, key_v, index_base))
+    bc2 = (1.0 - beta2**step) ** 0.5
+    if exp_avg.dtype == f32:
+        param.addcdiv_(m, (v.sqrt() / bc2).add_(eps), value=-(lr / (1.0 - beta1**step)))
+    else:  # the kernel's one division (capstan::AdamArgs::neg_step_r, eps_r)
+        neg_step_r = float(torch.tensor(-(lr / (1.0 - beta1**step)) * bc2, dtype=f32))
+        param.addcdiv_(m, v.sqrt().add_(float(torch.tensor(eps * bc2, dtype=f32))), value=neg_step_r)
+        key = sr_key(seed)
+        exp_avg.copy_(to_bf16_sr(m, key, index_base, "hi"))
+        exp_avg_sq.copy_(to_bf16_sr(v, key, index_base, "lo"))
     if out is not None:
         out.copy_(param)
     return False
@@ -105,7 +110,7 @@ def adam_step_q8(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     decoded, stepped as `adam_step` steps fp32 moments, then re-encoded against new scales."""
     if check_overflow and any(has_nonfinite(grad[o:o + n], grad_scale) for o, n, _ in segments):
         return True
-    key, _ = sr_keys(seed)
+    key = sr_key(seed)
     first = 0
     for off, n, index in segments:
         nb = -(-n // block)
