@@ -108,7 +108,9 @@ static inline void adam_prefetch(const AdamArgs* a, int64_t i) {
 // stochastic rounding, the same operations per element as adam_one. One loop carrying the update's
 // sqrt and two divisions and both moments' hashes and roundings ran at half the fp32 kernel's pace on
 // AVX2 (Zen 3): too long a body for the out-of-order window to overlap iterations (one division fewer
-// made it 1.4x faster, where the fp32 kernel did not change). Tiled, it is 1.7x faster.
+// made it 1.4x faster, where the fp32 kernel did not change). Tiled, it is 1.7x faster; with one
+// division in the update, one random word for both moments and two vectors to a store, 1.38x more
+// (in L2; at 100M parameters 93-101% of a copy of its bytes, docs/benchmarks.md).
 constexpr int64_t kAdamTile = 512;
 template <int GD, int OD>
 static void adam_tiles_bf16(const AdamArgs* a, int64_t begin, int64_t end) {
