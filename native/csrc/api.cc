@@ -69,7 +69,7 @@ void adam_chunk(void* p, int64_t b, int64_t e, int) {
 }
 
 // One Adam step's buffers and scalars, the scalars rounded where torch.optim's single-tensor AdamW rounds
-// them, and the stochastic rounding's two hash streams.
+// them, and the stochastic rounding's hash stream.
 void fill_adam_args(AdamArgs* a, float* param, const void* grad, int grad_dtype, void* exp_avg,
                     void* exp_avg_sq, int moment_dtype, void* out, int out_dtype, int64_t step, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int adamw, double grad_scale,

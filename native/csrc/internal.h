@@ -37,7 +37,7 @@ struct AdamArgs {
   float bc2_sqrt;     // sqrt(1 - beta2^step)
   float eps;
   float neg_step;     // -lr / (1 - beta1^step)
-  // 8-bit moments: the same update with sqrt(1 - beta2^step) moved out of the denominator
+  // 8-bit and bf16 moments: the same update with sqrt(1 - beta2^step) moved out of the denominator
   // (p + neg_step_r * m / (sqrt(v) + eps_r)), one division a value instead of two.
   float neg_step_r;   // neg_step * sqrt(1 - beta2^step)
   float eps_r;        // eps * sqrt(1 - beta2^step)

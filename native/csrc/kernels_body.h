@@ -214,7 +214,7 @@ static inline void adam_q8_moments(const AdamArgs& a, int64_t i, float sm, float
 
 // The parameter from its updated moments (m, r = sqrt(v) in registers): p + neg_step_r * m / (r + eps_r),
 // torch.optim's update with sqrt(1 - beta2^step) taken out of the denominator into the step: one division
-// a value where adam_math has two (their rounding differs in the last bits of the update, below what
+// a value where fp32 moments take torch.optim's two (their rounding differs in the last bits of the update, below what
 // 8-bit moments keep). Run in the encoding pass, whose integer work hides the division.
 template <class V, int OD>
 static inline void adam_q8_param(const AdamArgs& a, int64_t i, V m, V r) {

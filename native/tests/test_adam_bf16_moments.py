@@ -161,3 +161,8 @@ def test_slices_with_their_offsets_equal_one_whole_call(isa, gen, cuts):
     kernels.adam_update(nat[0][lo:hi], g[lo:hi], nat[1][lo:hi], nat[2][lo:hi], step=2, seed=77, index_base=lo,
                         **dict(HP, beta1=0.0, beta2=0.0))
     assert torch.equal(bits(fb[1]), bits(nat[1])) and torch.equal(bits(fb[2]), bits(nat[2]))
+
+
+def test_a_rounding_half_other_than_hi_or_lo_is_refused():
+    with pytest.raises(ValueError, match="half must be 'hi' .exp_avg. or 'lo' .exp_avg_sq., got 'high'"):
+        fallback.to_bf16_sr(torch.ones(2), 0, half="high")

@@ -215,7 +215,7 @@ def test_same_bits_for_any_thread_count(gen):
 
 
 def test_fallback_follows_the_kernel(gen):
-    """fallback.adam_step_q8 (torch ops: the accelerator's path) keeps torch.optim's roundings, not the
+    """fallback.adam_step_q8 (torch ops: the accelerator's path) keeps ATen's roundings, not the
     kernel's fused ones, so it agrees to the last bits of the parameter and nearly every code."""
     a = fresh(gen)
     b = [t.clone() for t in a]

@@ -113,9 +113,11 @@ def test_bf16_moments_are_saved_as_they_are_and_load_into_either_setting(tmp_pat
         engine, infos, _ = train_steps(_cfg(precision={"optimizer_states": states}), 6, load=saved)
         engine.close()
         resumed[states] = [i.loss for i in infos]
-    # the same parameters and moments (flat buffers this time), so the same step 4 and, as both update the
-    # parameters from the unrounded moments, the same step 5; from then on each steps its own moments
-    assert resumed["fp32"][:2] == resumed["bf16"][:2]
+    # the same parameters and moments (flat buffers this time), so the same step 4; both update the parameters
+    # from the unrounded moments (bf16's update with one division, fp32's with torch.optim's two: the last
+    # bits apart), so step 5 agrees to 1e-6; from then on each steps its own moments
+    assert resumed["fp32"][0] == resumed["bf16"][0]
+    assert abs(resumed["fp32"][1] - resumed["bf16"][1]) <= 1e-6 * abs(resumed["fp32"][1])
     assert resumed["fp32"][2] != resumed["bf16"][2]
 
 

@@ -42,6 +42,8 @@ def to_bf16_sr(x: torch.Tensor, key: int, index_base: int = 0, half: str = "hi")
     with the `half` ("hi": exp_avg's, "lo": exp_avg_sq's) of its random word: bit for bit the native
     kernel's stochastic rounding."""
     idx = torch.arange(x.numel(), dtype=torch.int64, device=x.device) + (index_base & _M32)
+    if half not in ("hi", "lo"):
+        raise ValueError(f"half must be 'hi' (exp_avg) or 'lo' (exp_avg_sq), got {half!r}")
     word = _hash32((idx + key) & _M32)
     r = word >> 16 if half == "hi" else word & 0xFFFF
     u = x.reshape(-1).view(torch.int32).to(torch.int64) & _M32
@@ -63,9 +65,11 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, adamw: bool, grad_scale: float = 1.0,
               check_overflow: bool = False, out: torch.Tensor | None = None, seed: int = 0,
-              index_base: int = 0) -> bool:
+              index_base: int = 0, fold: bool | None = None) -> bool:
     """Same contract as capstan_adam_step: returns True (and changes nothing) on overflow. bf16
-    moments are updated in fp32 copies and stored back with the kernel's stochastic rounding."""
+    moments are updated in fp32 copies and stored back with the kernel's stochastic rounding. `fold`:
+    the parameter's update with sqrt(1 - beta2^step) folded into the step size and eps (one division),
+    as the kernel updates bf16 and 8-bit moments; default, where the moments are bf16."""
     f32 = torch.float32
     scale = torch.tensor(grad_scale, dtype=f32)  # the kernel multiplies by float(grad_scale)
     if check_overflow and has_nonfinite(grad, float(scale)):
@@ -87,11 +91,12 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     m.lerp_(g, 1.0 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     bc2 = (1.0 - beta2**step) ** 0.5
-    if exp_avg.dtype == f32:
-        param.addcdiv_(m, (v.sqrt() / bc2).add_(eps), value=-(lr / (1.0 - beta1**step)))
-    else:  # the kernel's one division (capstan::AdamArgs::neg_step_r, eps_r)
+    if exp_avg.dtype != f32 if fold is None else fold:  # the kernel's one division (AdamArgs::neg_step_r, eps_r)
         neg_step_r = float(torch.tensor(-(lr / (1.0 - beta1**step)) * bc2, dtype=f32))
         param.addcdiv_(m, v.sqrt().add_(float(torch.tensor(eps * bc2, dtype=f32))), value=neg_step_r)
+    else:
+        param.addcdiv_(m, (v.sqrt() / bc2).add_(eps), value=-(lr / (1.0 - beta1**step)))
+    if exp_avg.dtype != f32:
         key = sr_key(seed)
         exp_avg.copy_(to_bf16_sr(m, key, index_base, "hi"))
         exp_avg_sq.copy_(to_bf16_sr(v, key, index_base, "lo"))
@@ -124,7 +129,7 @@ def adam_step_q8(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         v = r * r
         p = param[sl]
         adam_step(p, grad[sl], m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                  weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale)
+                  weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, fold=True)
         r = v.sqrt()
         pad = nb * block - n
         new_m = q8_scale(torch.nn.functional.pad(m.abs(), (0, pad)).view(nb, block).amax(1))
