@@ -70,8 +70,9 @@ def test_the_battery_parity_part_on_the_standin(tmp_path: Path) -> None:
                     reason="no stand-in device here (it needs torch's C++ headers and a C++ compiler)")
 def test_the_battery_profiles_a_step_in_both_parts(tmp_path: Path) -> None:
     """`--only profile,profile-peers`: each part profiles capstan's step on the device (offload none and
-    cpu in part 1, cpu in part 2) and its log names the phases that take the time. The first lease's
-    profile, run beside the battery, died on `import capstan`: now it is a step of its own."""
+    cpu in part 1, beside plain PyTorch's step on the same model; cpu in part 2) and its log names the
+    phases that take the time. The first lease's profile, run beside the battery, died on `import capstan`:
+    now it is a step of its own."""
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env.update(OUT=str(out), PYTHON=sys.executable)
@@ -87,6 +88,11 @@ def test_the_battery_profiles_a_step_in_both_parts(tmp_path: Path) -> None:
     for log in (first, second):
         assert "capstan phases" in log and "capstan::Engine.step" in log, log[-2000:]
     assert "capstan::ChunkAdam._update" in second, second[-2000:]  # the chunked step's own phases
+    # plain PyTorch's step profiled alike in part 1, its phases labelled, host time and launches counted
+    assert "=== plain PyTorch on standin:0" in first and "plain PyTorch" not in second, first[-2000:]
+    for phase in ("plain::forward", "plain::backward", "plain::step"):
+        assert phase in first, first[-3000:]
+    assert first.count("kernel launches a step") == 3, first[-3000:]
 
 
 def _traj(losses: list[float], device: str = "standin:0") -> dict:

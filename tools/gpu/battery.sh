@@ -159,8 +159,9 @@ part1() {
     --json "$OUT/parity.json" ${PARITY_EXTRA[@]+"${PARITY_EXTRA[@]}"}
   step speed 240 "$OUT/speed.json" -- "$PY" tools/bench_gpu.py --device "$DEVICE" --sections speed "${SPEED[@]}" \
     --timeout 150 --deadline @LEFT@ --json "$OUT/speed.json"
-  # why the speed point is what it is: host and device time by operator and by capstan phase (log only)
-  step profile 90 - -- "$PY" tools/gpu/profile_step.py --device "$DEVICE" --offload none,cpu ${PROFILE[@]+"${PROFILE[@]}"}
+  # why the speed point is what it is: host and device time by operator and by phase, plain PyTorch's step
+  # beside capstan's (log only)
+  step profile 90 - -- "$PY" tools/gpu/profile_step.py --device "$DEVICE" --offload plain,none,cpu ${PROFILE[@]+"${PROFILE[@]}"}
 }
 
 part2() {

@@ -5,9 +5,13 @@ speed point's model (bench_gpu.py --quick: a ~0.1B GPT, bf16; or the peers' ~0.9
 --layers 16 --seq 1024 --micro 4) through capstan with each `memory.offload` asked for, warms up,
 profiles `--steps` steps, and prints the operators that take the most host time (the Python and launch
 overhead a GPU step hides nothing of) and the most device time, plus the step time with and without the
-profiler. One run of a few seconds per layout; a stand-in run checks the script:
+profiler. `--offload plain` profiles the speed point's plain PyTorch loop on the same model (bf16
+autocast, fused AdamW, clip_grad_norm_; bench_gpu's `run_plain`) with its phases labelled alike, so
+capstan's host time per phase and its kernel launches a step read against plain PyTorch's from the same
+run (the third lease profiled capstan's 0.73x step alone: 33 ms of host time, with nothing to hold it
+against). One run of a few seconds per layout; a stand-in run checks the script:
 
-    python tools/gpu/profile_step.py --device cuda --offload none,cpu
+    python tools/gpu/profile_step.py --device cuda --offload plain,none,cpu
     python tools/gpu/profile_step.py --device standin --tiny     # the CPU suite's stand-in, tiny sizes
 
 The battery runs it as its `profile` step (part 1, the speed point's model) and `profile-peers` (part 2,
@@ -75,23 +79,73 @@ def label_phases() -> None:
             setattr(owner, name, functools.wraps(fn)(wrapped))
 
 
+def _plain_step(cfg: dict, device: object):  # noqa: ANN202
+    """bench_gpu's plain PyTorch step (systems._torch_loop's body) on the speed point's model, its phases
+    labelled as capstan's are: `plain::forward` (the loss included), `plain::backward`, `plain::step`
+    (clip_grad_norm_, AdamW(fused=True), zero_grad)."""
+    import contextlib
+
+    import torch
+    from torch.profiler import record_function
+
+    from capstan import comm
+    from capstan.engine.config import resolve
+    from capstan.engine.models import build_reference_model
+
+    c, _ = resolve(cfg)
+    model = build_reference_model(c, comm.single_process_groups()).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    # torch's autocast has no stand-in kernels: there the plain loop runs in fp32 (bench_gpu.py's note)
+    autocast = device.type == "cuda" and cfg["precision"]["dtype"] == "bf16"
+
+    def run(b: torch.Tensor) -> None:
+        x, y = b[:, :-1].to(device), b[:, 1:].to(device)
+        with record_function("plain::forward"):
+            with torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+                out = model(x)
+            loss = model.loss(out.float(), y)
+        with record_function("plain::backward"):
+            loss.backward()
+        with record_function("plain::step"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return run, False
+
+
+def _capstan_step(cfg: dict):  # noqa: ANN202
+    import torch
+
+    from capstan.engine import initialize
+
+    engine = initialize(config=cfg)
+
+    def run(b: torch.Tensor) -> None:
+        engine.train_batch(iter([(b[:, :-1], b[:, 1:])]))
+
+    run.engine = engine  # type: ignore[attr-defined]
+    return run, True
+
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
 def profile(args: argparse.Namespace, offload: str) -> None:
     import torch
     from systems import _device_setup, _tokens
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from capstan.engine import initialize
-
-    cfg = _config(args, offload)
+    cfg = _config(args, "none" if offload == "plain" else offload)
     device, dm = _device_setup(cfg)
-    engine = initialize(config=cfg)
+    run, is_capstan = _capstan_step(cfg) if offload != "plain" else _plain_step(cfg, device)
     batches = _tokens(cfg, args.warmup + 2 * args.steps)
 
     def step(b: torch.Tensor) -> float:
         dm.synchronize(device)
         t0 = time.perf_counter()
-        engine.train_batch(iter([(b[:, :-1], b[:, 1:])]))
+        run(b)
         dm.synchronize(device)
         return time.perf_counter() - t0
 
@@ -101,13 +155,20 @@ def profile(args: argparse.Namespace, offload: str) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         profiled = sorted(step(b) for b in batches[args.warmup + args.steps:])
-    engine.close()
-    print(f"\n=== offload {offload} on {device}: step {plain[len(plain) // 2] * 1e3:.1f} ms "
-          f"({profiled[len(profiled) // 2] * 1e3:.1f} ms under the profiler), chunked {engine.chunked}")
+    what = "plain PyTorch" if offload == "plain" else f"offload {offload}"
+    chunked = f", chunked {run.engine.chunked}" if is_capstan else ""  # type: ignore[attr-defined]
+    if is_capstan:
+        run.engine.close()  # type: ignore[attr-defined]
+    print(f"\n=== {what} on {device}: step {plain[len(plain) // 2] * 1e3:.1f} ms "
+          f"({profiled[len(profiled) // 2] * 1e3:.1f} ms under the profiler){chunked}")
     table = prof.key_averages()
-    print("capstan phases (host time, ms per step; threads' time included):")
+    launches = sum(ev.count for ev in table if ev.key in LAUNCHES) / args.steps
+    host = sum(ev.self_cpu_time_total for ev in table) / 1e3 / args.steps
+    print(f"host time {host:.1f} ms a step (every operator's self time), {launches:g} kernel launches a step")
+    prefix = "capstan::" if is_capstan else "plain::"
+    print(f"{'capstan' if is_capstan else 'plain PyTorch'} phases (host time, ms per step; threads' time included):")
     for ev in sorted(table, key=lambda e: -e.cpu_time_total):
-        if ev.key.startswith("capstan::") and ev.cpu_time_total > 0:  # (not the device-side twin rows)
+        if ev.key.startswith(prefix) and ev.cpu_time_total > 0:  # (not the device-side twin rows)
             print(f"  {ev.key:48s} {ev.cpu_time_total / 1e3 / args.steps:9.1f} ms  x{ev.count / args.steps:g}")
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     if device.type == "cuda":
@@ -117,7 +178,8 @@ def profile(args: argparse.Namespace, offload: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "standin"))
-    ap.add_argument("--offload", default="none,cpu", help="comma-separated memory.offload values")
+    ap.add_argument("--offload", default="plain,none,cpu",
+                    help="comma-separated memory.offload values for capstan, and `plain` for the plain PyTorch loop")
     ap.add_argument("--tiny", action="store_true", help="stand-in sizes")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
