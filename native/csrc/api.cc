@@ -99,11 +99,12 @@ void fill_adam_args(AdamArgs* a, float* param, const void* grad, int grad_dtype,
   a->c2 = (float)(1.0 - beta2);
   // pow(x, 0.5), not sqrt: torch.optim computes bias_correction2**0.5, and the
   // two may differ in the last bit of the double.
-  a->bc2_sqrt = (float)pow(1.0 - pow(beta2, (double)step), 0.5);
-  a->eps = (float)eps;
-  a->neg_step = (float)(-(lr / (1.0 - pow(beta1, (double)step))));
   const double bc2_sqrt = pow(1.0 - pow(beta2, (double)step), 0.5);
-  a->neg_step_r = (float)(-(lr / (1.0 - pow(beta1, (double)step))) * bc2_sqrt);
+  const double neg_step = -(lr / (1.0 - pow(beta1, (double)step)));
+  a->bc2_sqrt = (float)bc2_sqrt;
+  a->eps = (float)eps;
+  a->neg_step = (float)neg_step;
+  a->neg_step_r = (float)(neg_step * bc2_sqrt);
   a->eps_r = (float)(eps * bc2_sqrt);
 }
 

@@ -131,7 +131,8 @@ static void adam_tiles_bf16(const AdamArgs* a, int64_t begin, int64_t end) {
     }
     int64_t j = 0;
     for (; j + 2 * KV::W <= n; j += 2 * KV::W) {  // two vectors a store: one pack where two took two each
-      const typename KV::Bits r0 = KV::hash_lanes(a->key_m, i0 + j), r1 = KV::hash_lanes(a->key_m, i0 + j + KV::W);
+      const typename KV::Bits r0 = KV::hash_lanes(a->key_m, i0 + j);
+      const typename KV::Bits r1 = KV::hash_lanes(a->key_m, i0 + j + KV::W);
       KV::store_bf16_sr2((uint16_t*)a->m + i0 + j, KV::load(mb + j), KV::load(mb + j + KV::W), KV::hi16(r0),
                          KV::hi16(r1));
       KV::store_bf16_sr2((uint16_t*)a->v + i0 + j, KV::load(vb + j), KV::load(vb + j + KV::W), KV::lo16(r0),
@@ -214,8 +215,8 @@ static inline void adam_q8_moments(const AdamArgs& a, int64_t i, float sm, float
 
 // The parameter from its updated moments (m, r = sqrt(v) in registers): p + neg_step_r * m / (r + eps_r),
 // torch.optim's update with sqrt(1 - beta2^step) taken out of the denominator into the step: one division
-// a value where fp32 moments take torch.optim's two (their rounding differs in the last bits of the update, below what
-// 8-bit moments keep). Run in the encoding pass, whose integer work hides the division.
+// a value where fp32 moments take torch.optim's two (the rounding differs in the last bits of the update,
+// below what 8-bit moments keep). Run in the encoding pass, whose integer work hides the division.
 template <class V, int OD>
 static inline void adam_q8_param(const AdamArgs& a, int64_t i, V m, V r) {
   V p = V::load(a.p + i);
@@ -275,8 +276,10 @@ static void adam_q8_t(const AdamQ8Args* q, int64_t begin, int64_t end) {
     for (; j + 4 * KV::W <= n; j += 4 * KV::W) {  // four vectors at a time: fewer shuffles to pack the codes
       // The parameters first, then the codes, each reading mb and rb from L1: holding the eight vectors
       // across both spilled them (16 registers on AVX2), and ran no faster.
-      for (int k = 0; k < 4; ++k)
-        adam_q8_param<KV, OD>(a, lo + j + k * KV::W, KV::load(mb + j + k * KV::W), KV::load(rb + j + k * KV::W));
+      for (int k = 0; k < 4; ++k) {
+        const int64_t o = j + k * KV::W;
+        adam_q8_param<KV, OD>(a, lo + o, KV::load(mb + o), KV::load(rb + o));
+      }
       const B r0 = KV::hash_lanes(key, j), r1 = KV::hash_lanes(key, j + KV::W);
       const B r2 = KV::hash_lanes(key, j + 2 * KV::W), r3 = KV::hash_lanes(key, j + 3 * KV::W);
       const KV vm = KV::set1(im), vr = KV::set1(ir);

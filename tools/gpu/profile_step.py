@@ -79,67 +79,34 @@ def label_phases() -> None:
             setattr(owner, name, functools.wraps(fn)(wrapped))
 
 
-def _plain_step(cfg: dict, device: object):  # noqa: ANN202
-    """bench_gpu's plain PyTorch step (systems._torch_loop's body) on the speed point's model, its phases
-    labelled as capstan's are: `plain::forward` (the loss included), `plain::backward`, `plain::step`
-    (clip_grad_norm_, AdamW(fused=True), zero_grad)."""
-    import contextlib
-
-    import torch
-    from torch.profiler import record_function
-
-    from capstan import comm
-    from capstan.engine.config import resolve
-    from capstan.engine.models import build_reference_model
-
-    c, _ = resolve(cfg)
-    model = build_reference_model(c, comm.single_process_groups()).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    # torch's autocast has no stand-in kernels: there the plain loop runs in fp32 (bench_gpu.py's note)
-    autocast = device.type == "cuda" and cfg["precision"]["dtype"] == "bf16"
-
-    def run(b: torch.Tensor) -> None:
-        x, y = b[:, :-1].to(device), b[:, 1:].to(device)
-        with record_function("plain::forward"):
-            with torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-                out = model(x)
-            loss = model.loss(out.float(), y)
-        with record_function("plain::backward"):
-            loss.backward()
-        with record_function("plain::step"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    return run, False
-
-
-def _capstan_step(cfg: dict):  # noqa: ANN202
-    import torch
-
-    from capstan.engine import initialize
-
-    engine = initialize(config=cfg)
-
-    def run(b: torch.Tensor) -> None:
-        engine.train_batch(iter([(b[:, :-1], b[:, 1:])]))
-
-    run.engine = engine  # type: ignore[attr-defined]
-    return run, True
-
-
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
 def profile(args: argparse.Namespace, offload: str) -> None:
     import torch
-    from systems import _device_setup, _tokens
-    from torch.profiler import ProfilerActivity
+    from systems import _device_setup, _tokens, plain_model, torch_step
+    from torch.profiler import ProfilerActivity, record_function
     from torch.profiler import profile as torch_profile
+
+    from capstan.engine import initialize
 
     cfg = _config(args, "none" if offload == "plain" else offload)
     device, dm = _device_setup(cfg)
-    run, is_capstan = _capstan_step(cfg) if offload != "plain" else _plain_step(cfg, device)
+    engine = None
+    if offload == "plain":  # bench_gpu's run_plain step, its phases labelled as capstan's are
+        model, opt = plain_model(cfg, device)
+        # torch's autocast has no stand-in kernels: there the plain loop runs in fp32 (bench_gpu.py's note)
+        autocast = device.type == "cuda" and cfg["precision"]["dtype"] == "bf16"
+
+        def run(b: torch.Tensor) -> None:
+            torch_step(model, opt, b[:, :-1].to(device), b[:, 1:].to(device), autocast,
+                       phase=lambda name: record_function(f"plain::{name}"))
+    else:
+        engine = initialize(config=cfg)
+
+        def run(b: torch.Tensor) -> None:
+            engine.train_batch(iter([(b[:, :-1], b[:, 1:])]))
+
     batches = _tokens(cfg, args.warmup + 2 * args.steps)
 
     def step(b: torch.Tensor) -> float:
@@ -155,18 +122,18 @@ def profile(args: argparse.Namespace, offload: str) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         profiled = sorted(step(b) for b in batches[args.warmup + args.steps:])
-    what = "plain PyTorch" if offload == "plain" else f"offload {offload}"
-    chunked = f", chunked {run.engine.chunked}" if is_capstan else ""  # type: ignore[attr-defined]
-    if is_capstan:
-        run.engine.close()  # type: ignore[attr-defined]
+    what = "plain PyTorch" if engine is None else f"offload {offload}"
+    chunked = "" if engine is None else f", chunked {engine.chunked}"
+    if engine is not None:
+        engine.close()
     print(f"\n=== {what} on {device}: step {plain[len(plain) // 2] * 1e3:.1f} ms "
           f"({profiled[len(profiled) // 2] * 1e3:.1f} ms under the profiler){chunked}")
     table = prof.key_averages()
     launches = sum(ev.count for ev in table if ev.key in LAUNCHES) / args.steps
     host = sum(ev.self_cpu_time_total for ev in table) / 1e3 / args.steps
     print(f"host time {host:.1f} ms a step (every operator's self time), {launches:g} kernel launches a step")
-    prefix = "capstan::" if is_capstan else "plain::"
-    print(f"{'capstan' if is_capstan else 'plain PyTorch'} phases (host time, ms per step; threads' time included):")
+    prefix, who = ("plain::", "plain PyTorch") if engine is None else ("capstan::", "capstan")
+    print(f"{who} phases (host time, ms per step; threads' time included):")
     for ev in sorted(table, key=lambda e: -e.cpu_time_total):
         if ev.key.startswith(prefix) and ev.cpu_time_total > 0:  # (not the device-side twin rows)
             print(f"  {ev.key:48s} {ev.cpu_time_total / 1e3 / args.steps:9.1f} ms  x{ev.count / args.steps:g}")

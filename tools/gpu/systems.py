@@ -59,27 +59,49 @@ def run_capstan(cfg: dict) -> dict:
 
 
 def run_plain(cfg: dict) -> dict:
+    device, _ = _device_setup(cfg)
+    model, opt = plain_model(cfg, device)
+    return _torch_loop(cfg, model, opt, autocast=cfg["precision"]["dtype"] == "bf16")
+
+
+def plain_model(cfg: dict, device: object) -> tuple:
+    """The plain loop's model (the reference GPT of `cfg` on `device`) and its torch.optim.AdamW(fused=True)."""
     import torch
 
     from capstan import comm
     from capstan.engine.config import resolve
     from capstan.engine.models import build_reference_model
 
-    device, _ = _device_setup(cfg)
     c, _ = resolve(cfg)
     # Built on the CPU, then moved: the reference GPT's init draws from a CPU generator into tensors made
     # where it runs, which CUDA refuses (the stand-in, drawing from the CPU generator, would not show it).
     model = build_reference_model(c, comm.single_process_groups()).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    return _torch_loop(cfg, model, opt, autocast=cfg["precision"]["dtype"] == "bf16")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
 
 
-def _torch_loop(cfg: dict, model: object, opt: object, autocast: bool) -> dict:
-    """Time a plain torch training loop (bf16 autocast, or the model's own precision policy)."""
+def torch_step(model: object, opt: object, x: object, y: object, autocast: bool, phase=None) -> None:  # noqa: ANN001
+    """One step of the plain torch loop: forward (bf16 autocast, or the model's own precision policy) and
+    the loss, backward, clip_grad_norm_, the optimizer. `phase(name)`, a context manager around each of
+    "forward", "backward" and "step" (profile_step.py labels them for the profiler)."""
     import contextlib
 
     import torch
 
+    phase = phase or (lambda name: contextlib.nullcontext())
+    with phase("forward"):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            out = model(x)
+        loss = model.loss(out.float(), y)
+    with phase("backward"):
+        loss.backward()
+    with phase("step"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _torch_loop(cfg: dict, model: object, opt: object, autocast: bool) -> dict:
+    """Time a plain torch training loop (torch_step)."""
     device, dm = _device_setup(cfg)
     params = sum(p.numel() for p in model.parameters())
     times = []
@@ -87,13 +109,7 @@ def _torch_loop(cfg: dict, model: object, opt: object, autocast: bool) -> dict:
         x, y = b[:, :-1].to(device, non_blocking=True), b[:, 1:].to(device, non_blocking=True)
         dm.synchronize(device)
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            out = model(x)
-        loss = model.loss(out.float(), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        torch_step(model, opt, x, y, autocast)
         dm.synchronize(device)
         times.append(time.perf_counter() - t0)
     return {"params": params, "step_s": _median(times[2:] or times), "peak_device": dm.max_memory_allocated(device)}
