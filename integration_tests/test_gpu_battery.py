@@ -69,19 +69,21 @@ def test_the_battery_parity_part_on_the_standin(tmp_path: Path) -> None:
 @pytest.mark.skipif(not standin.available(),
                     reason="no stand-in device here (it needs torch's C++ headers and a C++ compiler)")
 def test_the_battery_profiles_a_step_in_both_parts(tmp_path: Path) -> None:
-    """`--only profile,profile-peers`: each part profiles capstan's step on the device (offload none and
-    cpu in part 1, beside plain PyTorch's step on the same model; cpu in part 2) and its log names the
-    phases that take the time. The first lease's profile, run beside the battery, died on `import capstan`:
-    now it is a step of its own."""
+    """`--only profile,profile-peers,cpu-kernels`: each part profiles capstan's step on the device (offload
+    none and cpu in part 1, beside plain PyTorch's step on the same model; cpu in part 2) and its log names
+    the phases that take the time. The first lease's profile, run beside the battery, died on `import
+    capstan`: now it is a step of its own. Part 1 also tests and times the host's CPU Adam kernels (the
+    offload steps' optimizer) on every ISA the CPU has: a GPU host's AVX-512 paths run nowhere else."""
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env.update(OUT=str(out), PYTHON=sys.executable)
     done = subprocess.run(["bash", str(ROOT / "tools" / "gpu" / "battery.sh"), "--device", "standin",
-                           "--only", "profile,profile-peers"], capture_output=True, text=True, timeout=110,
+                           "--only", "profile,profile-peers,cpu-kernels"], capture_output=True, text=True, timeout=110,
                           env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     parts = json.loads((out / "summary.json").read_text())["parts"]
-    assert list(parts["1"]["steps"]) == ["profile"] and list(parts["2"]["steps"]) == ["profile-peers"], parts
+    assert list(parts["1"]["steps"]) == ["profile", "cpu-kernels"], parts
+    assert list(parts["2"]["steps"]) == ["profile-peers"], parts
     first, second = (out / "profile.log").read_text(), (out / "profile-peers.log").read_text()
     assert "=== offload none on standin:0" in first and "=== offload cpu on standin:0" in first, first[-2000:]
     assert "=== offload cpu on standin:0" in second and "offload none" not in second, second[-2000:]
@@ -93,6 +95,11 @@ def test_the_battery_profiles_a_step_in_both_parts(tmp_path: Path) -> None:
     for phase in ("plain::forward", "plain::backward", "plain::step"):
         assert phase in first, first[-3000:]
     assert first.count("kernel launches a step") == 3, first[-3000:]
+    kernels = (out / "cpu-kernels.log").read_text()
+    assert parts["1"]["steps"]["cpu-kernels"]["status"] == "ok", kernels[-3000:]
+    assert "test_adam_q8.py" in kernels and " passed" in kernels and " failed" not in kernels, kernels[-3000:]
+    for variant in ("fp32 moments", "bf16 moments", "8-bit moments", "copy_ of 16 B/param"):
+        assert variant in kernels, kernels[-3000:]
 
 
 def _traj(losses: list[float], device: str = "standin:0") -> dict:

@@ -3,7 +3,7 @@
 # at most 10 minutes each (docs/gpu.md, "The GPU battery"). From the repository root:
 #
 #   bash tools/gpu/battery.sh --part 1     # build libcapstan, capstan info, pytest -m cuda, parity, speed point,
-#                                          # its profile
+#                                          # its profile, the host's CPU Adam kernels (tests per ISA, timing)
 #   bash tools/gpu/battery.sh --part 2     # peers (FSDP2, DeepSpeed) throughput and profile, scale probe
 #   bash tools/gpu/battery.sh              # both parts, one after the other (each within its own budget)
 #   bash tools/gpu/battery.sh --device standin            # on the CPU's stand-in accelerator, tiny sizes
@@ -88,9 +88,11 @@ if [[ $DEVICE == cuda ]]; then
   SPEED=(--quick); PEERS=(--d-model 2048 --layers 16 --seq 1024 --micro 4 --steps 5)
   SCALE=(--scale-d-model 2048 --seq 1024 --micro 1 --scale-resolution 1.5)  # a probe of billions: ~a minute
   PROFILE=(); PROFILE_PEERS=(--d-model 2048 --layers 16 --seq 1024 --micro 4)
+  KERNELS=(--params 100000000 --reps 5)
   BUILD=("$PY" native/build_native.py -j "$(nproc)")
 else
   SPEED=(--tiny); PEERS=(--tiny); SCALE=(--tiny); PROFILE=(--tiny); PROFILE_PEERS=(--tiny)
+  KERNELS=(--params 1000000 --reps 3)
   # the stand-in proves the build step, into a scratch directory: the library in the tree stays as it is
   BUILD=("$PY" native/build_native.py -j "$(nproc)" --out /tmp/capstan-battery-native)
 fi
@@ -162,6 +164,12 @@ part1() {
   # why the speed point is what it is: host and device time by operator and by phase, plain PyTorch's step
   # beside capstan's (log only)
   step profile 90 - -- "$PY" tools/gpu/profile_step.py --device "$DEVICE" --offload plain,none,cpu ${PROFILE[@]+"${PROFILE[@]}"}
+  # The offload steps' CPU Adam on the GPU host's own CPU (likely AVX-512, which this project's 2-core
+  # machines may lack): the kernels bit for bit against the scalar path on every ISA the CPU has, then
+  # fp32, bf16 and 8-bit moments timed against copies of the bytes each touches (log only)
+  step cpu-kernels 45 - -- bash -c '"$0" -m pytest -p no:cacheprovider -q -rN native/tests/test_adam.py \
+    native/tests/test_adam_bf16_moments.py native/tests/test_adam_q8.py -k "isa or slices or thread" \
+    && "$0" tools/bench_native.py --only moments "${@}"' "$PY" "${KERNELS[@]}"
 }
 
 part2() {
