@@ -126,7 +126,9 @@ def bench_moments(n: int, reps: int, peers: bool = False) -> list[tuple[str, flo
     """capstan's AdamW with fp32, bf16 (stochastic rounding) and 8-bit block-wise moments, interleaved
     with copies of the bytes each touches: fp32 moments 28 B/param (param, exp_avg, exp_avg_sq read and
     written, fp32 grad read), bf16 moments 20 B/param (the moments 2 + 2 each way), 8-bit moments
-    16 B/param (1 + 1 each way; the fp32 scales, 8 B per 256 values, round to nothing). With `peers`,
+    16 B/param (1 + 1 each way; the fp32 scales, 8 B per 256 values, round to nothing); with a bf16
+    master (stochastic rounding, no fp32 copy) the parameter's 4 + 4 become 2 + 2: bf16 moments 16 B/param,
+    8-bit ones 12 B/param. With `peers`,
     bitsandbytes' and torchao's 8-bit AdamW on their own tensors of the same size in the same rounds.
     Returns (name, s, bytes)."""
     gen = torch.Generator().manual_seed(0)
@@ -137,28 +139,33 @@ def bench_moments(n: int, reps: int, peers: bool = False) -> list[tuple[str, flo
     m8, v8 = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
     blocks = kernels.q8_blocks([n], 256)
     sm, sv = torch.zeros(blocks), torch.zeros(blocks)
+    p16 = p.to(torch.bfloat16)  # a bf16 master (its moments share the fp32 master's: the same bytes)
     step = [0]
 
-    def adam(m: torch.Tensor, v: torch.Tensor):
+    def adam(m: torch.Tensor, v: torch.Tensor, param: torch.Tensor = p):
         def run() -> None:
             step[0] += 1
-            kernels.adam_update(p, g, m, v, step=step[0], seed=step[0], **HP)
+            kernels.adam_update(param, g, m, v, step=step[0], seed=step[0], **HP)
         return run
 
-    def adam_q8() -> None:
-        step[0] += 1
-        kernels.adam_update_q8(p, g, m8, v8, sm, sv, step=step[0], seed=step[0], **HP)
+    def adam_q8(param: torch.Tensor = p):
+        def run() -> None:
+            step[0] += 1
+            kernels.adam_update_q8(param, g, m8, v8, sm, sv, step=step[0], seed=step[0], **HP)
+        return run
 
     copies = {}
-    for nbytes in (28, 20, 16):
+    for nbytes in (28, 20, 16, 12):
         src = torch.empty(n * nbytes // 2, dtype=torch.uint8)
         src.fill_(1)
         copies[nbytes] = (src, torch.empty_like(src))
     fns = [("capstan adam_update, fp32 moments", adam(m32, v32), 28),
            ("capstan adam_update, bf16 moments (stochastic rounding)", adam(m16, v16), 20),
-           ("capstan adam_update_q8, 8-bit moments (block 256, stochastic rounding)", adam_q8, 16)]
+           ("capstan adam_update_q8, 8-bit moments (block 256, stochastic rounding)", adam_q8(), 16),
+           ("capstan adam_update, bf16 master and moments (stochastic rounding)", adam(m16, v16, p16), 16),
+           ("capstan adam_update_q8, bf16 master, 8-bit moments", adam_q8(p16), 12)]
     fns += [(f"capstan copy_ of {nb} B/param", (lambda c=copies[nb]: kernels.copy_(c[1], c[0])), nb)
-            for nb in (28, 20, 16)]
+            for nb in (28, 20, 16, 12)]
     if peers:
         fns += [(name, fn, 16) for name, fn in _peer_8bit(n, g)]
     times = interleaved([(name, fn) for name, fn, _ in fns], reps)
@@ -459,7 +466,7 @@ def main() -> None:
               "|---|---|---|---|---|")
         rows = bench_moments(n, args.reps, peers="peers" in only)
         copy_bw = {nb: nb / t for name, t, nb in rows if "copy_" in name}
-        q8 = next(t for name, t, _ in rows if "q8" in name)
+        q8 = next(t for name, t, _ in rows if "q8" in name)  # (the fp32 master's: the first q8 row)
         for name, t, nb in rows:
             print(f"| {name} | {t:.3f} | {nb / t / 1e9:.2f} | {nb / t / copy_bw[nb]:.0%} | {t / q8:.2f}x |")
     if "adam-shared" in only:

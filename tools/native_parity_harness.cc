@@ -114,7 +114,8 @@ int main(int argc, char** argv) {
         }
         const int out_dtype = step % 2 ? CAPSTAN_BF16 : CAPSTAN_F16;
         int overflow = -1;
-        check(capstan_adam_step(p.data(), g, gd, m.data(), v.data(), n, step, 1e-3, 0.9, 0.999,
+        check(capstan_adam_step(p.data(), CAPSTAN_F32, g, gd, m.data(), v.data(), CAPSTAN_F32, 0, 0, n, step,
+                                1e-3, 0.9, 0.999,
                                 1e-8, adamw ? 0.01 : 0.001, adamw, 0.5, 1, out.data(), out_dtype,
                                 &overflow),
               "adam_step");

@@ -70,11 +70,12 @@ void adam_chunk(void* p, int64_t b, int64_t e, int) {
 
 // One Adam step's buffers and scalars, the scalars rounded where torch.optim's single-tensor AdamW rounds
 // them, and the stochastic rounding's hash stream.
-void fill_adam_args(AdamArgs* a, float* param, const void* grad, int grad_dtype, void* exp_avg,
+void fill_adam_args(AdamArgs* a, void* param, int param_dtype, const void* grad, int grad_dtype, void* exp_avg,
                     void* exp_avg_sq, int moment_dtype, void* out, int out_dtype, int64_t step, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int adamw, double grad_scale,
                     uint64_t seed, int64_t index_base) {
   a->p = param;
+  a->pdt = param_dtype;
   a->g = grad;
   a->m = exp_avg;
   a->v = exp_avg_sq;
@@ -84,8 +85,11 @@ void fill_adam_args(AdamArgs* a, float* param, const void* grad, int grad_dtype,
   a->odt = out ? out_dtype : CAPSTAN_NONE;
   // One stream from the 64-bit seed: its key hashes one half mixed with the other.
   a->key_m = sr_hash((uint32_t)seed ^ sr_hash((uint32_t)(seed >> 32)));
+  // A bf16 parameter's stream: the moments' key hashed once more with a constant (fallback.sr_key_param).
+  a->key_p = sr_hash(a->key_m ^ 0x9E3779B9u);
   // Element i hashes key + index_base + i: the kernels add i, so fold the base into the key (mod 2^32).
   a->key_m += (uint32_t)index_base;
+  a->key_p += (uint32_t)index_base;
   a->grad_scale = (float)grad_scale;
   a->unscale = grad_scale != 1.0;
   a->adamw = adamw != 0;
@@ -167,7 +171,12 @@ void sumsq_chunk(void* p, int64_t b, int64_t e, int chunk) {
 
 extern "C" {
 
-int capstan_adam_step(float* param, const void* grad, int grad_dtype, void* exp_avg,
+// A parameter is fp32, or a bf16 master, which is its own 16-bit copy (no out).
+bool valid_param(int param_dtype, const void* out) {
+  return param_dtype == CAPSTAN_F32 || (param_dtype == CAPSTAN_BF16 && out == nullptr);
+}
+
+int capstan_adam_step(void* param, int param_dtype, const void* grad, int grad_dtype, void* exp_avg,
                       void* exp_avg_sq, int moment_dtype, uint64_t seed, int64_t index_base, int64_t n,
                       int64_t step,
                       double lr, double beta1, double beta2, double eps, double weight_decay, int adamw,
@@ -175,7 +184,7 @@ int capstan_adam_step(float* param, const void* grad, int grad_dtype, void* exp_
                       int* overflow) {
   if (!param || !grad || !exp_avg || !exp_avg_sq || !overflow || n < 0 || step < 1)
     return CAPSTAN_EINVAL;
-  if (!valid_dtype(grad_dtype)) return CAPSTAN_EDTYPE;
+  if (!valid_dtype(grad_dtype) || !valid_param(param_dtype, out)) return CAPSTAN_EDTYPE;
   if (moment_dtype != CAPSTAN_F32 && moment_dtype != CAPSTAN_BF16) return CAPSTAN_EDTYPE;
   if (out ? !valid_dtype(out_dtype) : out_dtype != CAPSTAN_NONE) return CAPSTAN_EDTYPE;
   *overflow = 0;
@@ -190,13 +199,14 @@ int capstan_adam_step(float* param, const void* grad, int grad_dtype, void* exp_
   }
   AdamCtx c;
   c.k = k;
-  fill_adam_args(&c.a, param, grad, grad_dtype, exp_avg, exp_avg_sq, moment_dtype, out, out_dtype, step, lr,
+  fill_adam_args(&c.a, param, param_dtype, grad, grad_dtype, exp_avg, exp_avg_sq, moment_dtype, out, out_dtype,
+                 step, lr,
                  beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, index_base);
   parallel_for(n, kGrain, adam_chunk, &c);
   return CAPSTAN_OK;
 }
 
-int capstan_adam_step_q8(float* param, const void* grad, int grad_dtype, uint8_t* exp_avg,
+int capstan_adam_step_q8(void* param, int param_dtype, const void* grad, int grad_dtype, uint8_t* exp_avg,
                          uint8_t* exp_avg_sq, float* scale_m, float* scale_v, int64_t block, int nseg,
                          const int64_t* seg_offset, const int64_t* seg_numel, const int64_t* seg_index,
                          uint64_t seed, int64_t step, double lr, double beta1, double beta2, double eps,
@@ -208,7 +218,7 @@ int capstan_adam_step_q8(float* param, const void* grad, int grad_dtype, uint8_t
   if (block < 16 || block > kQ8MaxBlock || (block & (block - 1)) != 0) return CAPSTAN_EINVAL;
   for (int s = 0; s < nseg; ++s)
     if (seg_offset[s] < 0 || seg_numel[s] < 0 || seg_index[s] < 0) return CAPSTAN_EINVAL;
-  if (!valid_dtype(grad_dtype)) return CAPSTAN_EDTYPE;
+  if (!valid_dtype(grad_dtype) || !valid_param(param_dtype, out)) return CAPSTAN_EDTYPE;
   if (out ? !valid_dtype(out_dtype) : out_dtype != CAPSTAN_NONE) return CAPSTAN_EDTYPE;
   *overflow = 0;
   const KernelTable* k = active_kernels();
@@ -232,7 +242,8 @@ int capstan_adam_step_q8(float* param, const void* grad, int grad_dtype, uint8_t
   if (first[nseg] == 0) return CAPSTAN_OK;
   AdamQ8Ctx c;
   c.k = k;
-  fill_adam_args(&c.q.a, param, grad, grad_dtype, exp_avg, exp_avg_sq, CAPSTAN_NONE, out, out_dtype, step, lr,
+  fill_adam_args(&c.q.a, param, param_dtype, grad, grad_dtype, exp_avg, exp_avg_sq, CAPSTAN_NONE, out, out_dtype,
+                 step, lr,
                  beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, 0);
   c.q.scale_m = scale_m;
   c.q.scale_v = scale_v;

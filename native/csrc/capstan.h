@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define CAPSTAN_ABI_VERSION 4
+#define CAPSTAN_ABI_VERSION 5
 
 /* The library is built with -fvisibility=hidden; only the ABI is exported. */
 #define CAPSTAN_API __attribute__((visibility("default")))
@@ -77,7 +77,9 @@ CAPSTAN_API int capstan_get_num_threads(void);
 CAPSTAN_API const char* capstan_strerror(int code);
 
 /* ---- kernels (api.cc) ---- */
-/* One Adam/AdamW step over n fp32 master params.
+/* One Adam/AdamW step over n master params: param_dtype CAPSTAN_F32, or CAPSTAN_BF16 (a bf16 master,
+ * updated in fp32 and stored with stochastic rounding from its own hash stream of (seed, index_base +
+ * element index); it is its own 16-bit copy, so out must be NULL).
  * grad has dtype grad_dtype; it is multiplied by grad_scale (1/loss_scale)
  * first. The moments exp_avg and exp_avg_sq have moment_dtype: CAPSTAN_F32, or
  * CAPSTAN_BF16, updated in fp32 and stored with stochastic rounding whose
@@ -87,7 +89,7 @@ CAPSTAN_API const char* capstan_strerror(int code);
  * scaled grads are checked for inf/NaN before anything is written: on overflow
  * *overflow = 1 and no buffer changes.
  * With out != NULL the updated param is also written to out (out_dtype). */
-CAPSTAN_API int capstan_adam_step(float* param, const void* grad, int grad_dtype, void* exp_avg,
+CAPSTAN_API int capstan_adam_step(void* param, int param_dtype, const void* grad, int grad_dtype, void* exp_avg,
                       void* exp_avg_sq, int moment_dtype, uint64_t seed, int64_t index_base, int64_t n,
                       int64_t step,
                       double lr, double beta1, double beta2, double eps, double weight_decay, int adamw,
@@ -102,8 +104,9 @@ CAPSTAN_API int capstan_adam_step(float* param, const void* grad, int grad_dtype
  * with sqrt(1 - beta2^step) folded into the step size and eps: one division, not two),
  * then each block gets new scales -- the absmax of exp_avg and the max of sqrt(exp_avg_sq) -- and both
  * are re-encoded with stochastic rounding whose random bits hash (seed, seg_index[k] + element index in
- * the segment). Elements between segments are not touched. check_overflow, out: as capstan_adam_step. */
-CAPSTAN_API int capstan_adam_step_q8(float* param, const void* grad, int grad_dtype, uint8_t* exp_avg,
+ * the segment). Elements between segments are not touched. param_dtype, check_overflow, out: as
+ * capstan_adam_step (a bf16 parameter's random bits hash the same canonical index as the moments'). */
+CAPSTAN_API int capstan_adam_step_q8(void* param, int param_dtype, const void* grad, int grad_dtype, uint8_t* exp_avg,
                          uint8_t* exp_avg_sq, float* scale_m, float* scale_v, int64_t block, int nseg,
                          const int64_t* seg_offset, const int64_t* seg_numel, const int64_t* seg_index,
                          uint64_t seed, int64_t step, double lr, double beta1, double beta2, double eps,

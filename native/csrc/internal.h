@@ -17,13 +17,14 @@ namespace capstan {
 // to float exactly where torch.optim's single-tensor AdamW rounds them (a
 // Python float becomes a float32 scalar inside the ATen kernel).
 struct AdamArgs {
-  float* p;
+  void* p;            // the parameter: fp32, or a bf16 master (pdt) stored with stochastic rounding
   const void* g;
   void* m;            // moments: fp32, or bf16 (mdt) stored with stochastic rounding
   void* v;
   void* out;
-  int gdt, odt, mdt;
+  int gdt, odt, mdt, pdt;
   uint32_t key_m;      // stochastic rounding: the hash stream of both moments (from the call's seed)
+  uint32_t key_p;      // and the bf16 parameter's stream (another hash of the seed)
   float grad_scale;   // multiply grads by this (1/loss_scale)
   int unscale;        // grad_scale != 1
   int adamw;          // decoupled weight decay

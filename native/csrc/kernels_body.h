@@ -52,6 +52,23 @@ static CAPSTAN_KERNEL_INLINE void store_moments_bf16(const AdamArgs& a, int64_t 
   V::store_bf16_sr((uint16_t*)a.v + i, v, V::lo16(r));
 }
 
+// The parameter: fp32, or a bf16 master (PD) loaded as fp32 and stored with stochastic rounding from a
+// stream of its own (key_p: the top half of its element's word), so that small updates still move it
+// in expectation where nearest rounding would drop every update below half a bf16 ulp.
+template <class V, int PD>
+static CAPSTAN_KERNEL_INLINE V load_param(const AdamArgs& a, int64_t i) {
+  if (PD == CAPSTAN_BF16) return V::load_bf16((const uint16_t*)a.p + i);
+  return V::load((const float*)a.p + i);
+}
+
+// `key` + `r` hashes the element's word: key_p and i where i counts from the stream's base (adam_range),
+// a block's key and the element's place in it (the 8-bit kernel).
+template <class V, int PD>
+static CAPSTAN_KERNEL_INLINE void store_param(const AdamArgs& a, int64_t i, V p, uint32_t key, int64_t r) {
+  if (PD == CAPSTAN_BF16) V::store_bf16_sr((uint16_t*)a.p + i, p, V::hi16(V::hash_lanes(key, r)));
+  else V::store((float*)a.p + i, p);
+}
+
 // The update of one vector of elements, in registers: p, m and v (loaded as fp32) in place.
 template <class V, int MD>
 static CAPSTAN_KERNEL_INLINE void adam_math(const AdamArgs& a, V& p, V g, V& m, V& v) {
@@ -71,13 +88,13 @@ static CAPSTAN_KERNEL_INLINE void adam_math(const AdamArgs& a, V& p, V g, V& m, 
   }
 }
 
-template <class V, int GD, int OD, int MD>
+template <class V, int GD, int OD, int MD, int PD>
 static CAPSTAN_KERNEL_INLINE void adam_one(const AdamArgs& a, int64_t i) {
-  V p = V::load(a.p + i);
+  V p = load_param<V, PD>(a, i);
   V m = load_as_f32<V>(a.m, MD, i);
   V v = load_as_f32<V>(a.v, MD, i);
   adam_math<V, MD>(a, p, load_as_f32<V>(a.g, GD, i), m, v);
-  V::store(a.p + i, p);
+  store_param<V, PD>(a, i, p, a.key_p, i);
   if (MD == CAPSTAN_F32) {
     V::store((float*)a.m + i, m);
     V::store((float*)a.v + i, v);
@@ -90,14 +107,14 @@ static CAPSTAN_KERNEL_INLINE void adam_one(const AdamArgs& a, int64_t i) {
 #ifndef CAPSTAN_ADAM_PREFETCH
 #define CAPSTAN_ADAM_PREFETCH 1024
 #endif
-template <int GD, int MD>
+template <int GD, int MD, int PD>
 static inline void adam_prefetch(const AdamArgs* a, int64_t i) {
   if (CAPSTAN_ADAM_PREFETCH) {
     // One core's hardware prefetchers keep too few of the 4 read streams'
     // lines in flight; fetch each a fixed distance ahead.
     constexpr int64_t msz = MD == CAPSTAN_F32 ? 4 : 2;
     constexpr int64_t d = CAPSTAN_ADAM_PREFETCH / 4;  // elements of fp32 ahead
-    __builtin_prefetch(a->p + i + d);
+    __builtin_prefetch((const char*)a->p + (i + d) * (PD == CAPSTAN_F32 ? 4 : 2));
     __builtin_prefetch((const char*)a->m + (i + d) * msz);
     __builtin_prefetch((const char*)a->v + (i + d) * msz);
     __builtin_prefetch((const char*)a->g + (i + d) * (GD == CAPSTAN_F32 ? 4 : 2));
@@ -112,19 +129,19 @@ static inline void adam_prefetch(const AdamArgs* a, int64_t i) {
 // division in the update, one random word for both moments and two vectors to a store, 1.38x more
 // (in L2; at 100M parameters 93-101% of a copy of its bytes, docs/benchmarks.md).
 constexpr int64_t kAdamTile = 512;
-template <int GD, int OD>
+template <int GD, int OD, int PD>
 static void adam_tiles_bf16(const AdamArgs* a, int64_t begin, int64_t end) {
   alignas(64) float mb[kAdamTile];
   alignas(64) float vb[kAdamTile];
   for (int64_t i0 = begin; i0 + KV::W <= end; i0 += kAdamTile) {
     const int64_t n = (end - i0 < kAdamTile ? end - i0 : kAdamTile) / KV::W * KV::W;
     for (int64_t j = 0; j < n; j += KV::W) {
-      adam_prefetch<GD, CAPSTAN_BF16>(a, i0 + j);
-      KV p = KV::load(a->p + i0 + j);
+      adam_prefetch<GD, CAPSTAN_BF16, PD>(a, i0 + j);
+      KV p = load_param<KV, PD>(*a, i0 + j);
       KV m = KV::load_bf16((const uint16_t*)a->m + i0 + j);
       KV v = KV::load_bf16((const uint16_t*)a->v + i0 + j);
       adam_math<KV, CAPSTAN_BF16>(*a, p, load_as_f32<KV>(a->g, GD, i0 + j), m, v);
-      KV::store(a->p + i0 + j, p);
+      store_param<KV, PD>(*a, i0 + j, p, a->key_p, i0 + j);
       if (OD != CAPSTAN_NONE) store_from_f32<KV>(a->out, OD, i0 + j, p);
       KV::store(mb + j, m);
       KV::store(vb + j, v);
@@ -142,27 +159,29 @@ static void adam_tiles_bf16(const AdamArgs* a, int64_t begin, int64_t end) {
   }
 }
 
-template <int GD, int OD, int MD>
+template <int GD, int OD, int MD, int PD>
 static void adam_range_t(const AdamArgs* a, int64_t begin, int64_t end) {
   int64_t i = begin;
   if (MD == CAPSTAN_BF16) {
-    adam_tiles_bf16<GD, OD>(a, begin, end);
+    adam_tiles_bf16<GD, OD, PD>(a, begin, end);
     i = begin + (end - begin) / KV::W * KV::W;
   }
   for (; i + KV::W <= end; i += KV::W) {
-    adam_prefetch<GD, MD>(a, i);
-    adam_one<KV, GD, OD, MD>(*a, i);
+    adam_prefetch<GD, MD, PD>(a, i);
+    adam_one<KV, GD, OD, MD, PD>(*a, i);
   }
-  for (; i < end; ++i) adam_one<SVec, GD, OD, MD>(*a, i);
+  for (; i < end; ++i) adam_one<SVec, GD, OD, MD, PD>(*a, i);
 }
 
 template <int GD, int MD>
 static void adam_range_g(const AdamArgs* a, int64_t begin, int64_t end) {
+  // A bf16 master is its own 16-bit copy: never an out (api.cc refuses one).
+  if (a->pdt == CAPSTAN_BF16) return adam_range_t<GD, CAPSTAN_NONE, MD, CAPSTAN_BF16>(a, begin, end);
   switch (a->odt) {
-    case CAPSTAN_NONE: return adam_range_t<GD, CAPSTAN_NONE, MD>(a, begin, end);
-    case CAPSTAN_BF16: return adam_range_t<GD, CAPSTAN_BF16, MD>(a, begin, end);
-    case CAPSTAN_F16: return adam_range_t<GD, CAPSTAN_F16, MD>(a, begin, end);
-    default: return adam_range_t<GD, CAPSTAN_F32, MD>(a, begin, end);
+    case CAPSTAN_NONE: return adam_range_t<GD, CAPSTAN_NONE, MD, CAPSTAN_F32>(a, begin, end);
+    case CAPSTAN_BF16: return adam_range_t<GD, CAPSTAN_BF16, MD, CAPSTAN_F32>(a, begin, end);
+    case CAPSTAN_F16: return adam_range_t<GD, CAPSTAN_F16, MD, CAPSTAN_F32>(a, begin, end);
+    default: return adam_range_t<GD, CAPSTAN_F32, MD, CAPSTAN_F32>(a, begin, end);
   }
 }
 
@@ -194,7 +213,7 @@ static void adam_range(const AdamArgs* args, int64_t begin, int64_t end) {
 // the codes packed four vectors at a time, the kernel ran 1.19x faster on AVX2 (Zen 3); the parameter
 // moved into the encoding pass with one division, and AdamArgs copied to a local, 1.12x more
 // (docs/benchmarks.md, "The bf16 and 8-bit kernels on an AVX2 machine").
-template <class V, int GD>
+template <class V, int GD, int PD>
 static inline void adam_q8_moments(const AdamArgs& a, int64_t i, float sm, float sv, float* mb, float* rb,
                                    int64_t j, V& max_m, V& max_r) {
   V m = V::template load_q8<capstan::Q8M>((const uint8_t*)a.m + i) * V::set1(sm);
@@ -202,7 +221,7 @@ static inline void adam_q8_moments(const AdamArgs& a, int64_t i, float sm, float
   V v = r * r;
   V g = load_as_f32<V>(a.g, GD, i);
   if (a.unscale) g = g * V::set1(a.grad_scale);
-  if (a.has_wd && !a.adamw) g = V::fma(V::set1(a.wd), V::load(a.p + i), g);
+  if (a.has_wd && !a.adamw) g = V::fma(V::set1(a.wd), load_param<V, PD>(a, i), g);
   if (a.lerp_hi) m = V::fma(V::set1(a.w1m1), g - m, g);
   else m = V::fma(V::set1(a.w1), g - m, m);
   v = V::fma(V::set1(a.c2) * g, g, v * V::set1(a.b2));
@@ -217,12 +236,13 @@ static inline void adam_q8_moments(const AdamArgs& a, int64_t i, float sm, float
 // torch.optim's update with sqrt(1 - beta2^step) taken out of the denominator into the step: one division
 // a value where fp32 moments take torch.optim's two (the rounding differs in the last bits of the update,
 // below what 8-bit moments keep). Run in the encoding pass, whose integer work hides the division.
-template <class V, int OD>
-static inline void adam_q8_param(const AdamArgs& a, int64_t i, V m, V r) {
-  V p = V::load(a.p + i);
+// A bf16 master rounds with key_p's word of its canonical index: the block's key `kp` plus j.
+template <class V, int OD, int PD>
+static inline void adam_q8_param(const AdamArgs& a, int64_t i, V m, V r, uint32_t kp, int64_t j) {
+  V p = load_param<V, PD>(a, i);
   if (a.has_wd && a.adamw) p = p * V::set1(a.decay);
   p = p + (V::set1(a.neg_step_r) * m) / (r + V::set1(a.eps_r));
-  V::store(a.p + i, p);
+  store_param<V, PD>(a, i, p, kp, j);
   if (OD != CAPSTAN_NONE) store_from_f32<V>(a.out, OD, i, p);
 }
 
@@ -230,7 +250,7 @@ static inline void adam_q8_param(const AdamArgs& a, int64_t i, V m, V r) {
 // then both re-encoded against them with stochastic rounding: element i of segment s draws one random
 // word from its canonical index seg_index[s] + i, whose top 16 bits round m and low 16 bits sqrt(v).
 // A zero block keeps scale 0 and codes 0.
-template <int GD, int OD>
+template <int GD, int OD, int PD>
 static void adam_q8_t(const AdamQ8Args* q, int64_t begin, int64_t end) {
   alignas(64) float mb[capstan::kQ8MaxBlock];
   alignas(64) float rb[capstan::kQ8MaxBlock];
@@ -252,23 +272,24 @@ static void adam_q8_t(const AdamQ8Args* q, int64_t begin, int64_t end) {
       if (CAPSTAN_ADAM_PREFETCH) {
         // As adam_range_t: the read streams a fixed distance ahead (the codes' lines hold 64 elements).
         constexpr int64_t d = CAPSTAN_ADAM_PREFETCH / 4;
-        __builtin_prefetch(a.p + lo + j + d);
+        __builtin_prefetch((const char*)a.p + (lo + j + d) * (PD == CAPSTAN_F32 ? 4 : 2));
         __builtin_prefetch((const char*)a.g + (lo + j + d) * (GD == CAPSTAN_F32 ? 4 : 2));
         if (((lo + j) & 63) < KV::W) {
           __builtin_prefetch((const uint8_t*)a.m + lo + j + d);
           __builtin_prefetch((const uint8_t*)a.v + lo + j + d);
         }
       }
-      adam_q8_moments<KV, GD>(a, lo + j, q->scale_m[b], q->scale_v[b], mb, rb, j, max_m, max_r);
+      adam_q8_moments<KV, GD, PD>(a, lo + j, q->scale_m[b], q->scale_v[b], mb, rb, j, max_m, max_r);
     }
     for (; j < n; ++j)
-      adam_q8_moments<SVec, GD>(a, lo + j, q->scale_m[b], q->scale_v[b], mb, rb, j, tmax_m, tmax_r);
+      adam_q8_moments<SVec, GD, PD>(a, lo + j, q->scale_m[b], q->scale_v[b], mb, rb, j, tmax_m, tmax_r);
     const float am = capstan::q8_scale(SVec::max(SVec::set1(KV::hmax(max_m)), tmax_m).v);
     const float ar = capstan::q8_scale(SVec::max(SVec::set1(KV::hmax(max_r)), tmax_r).v);
     q->scale_m[b] = am;
     q->scale_v[b] = ar;
     const float im = capstan::q8_inverse(am), ir = capstan::q8_inverse(ar);
     const uint32_t key = a.key_m + (uint32_t)(q->seg_index[s] + within);
+    const uint32_t kp = a.key_p + (uint32_t)(q->seg_index[s] + within);
     uint8_t* cm = (uint8_t*)a.m + lo;
     uint8_t* cv = (uint8_t*)a.v + lo;
     j = 0;
@@ -278,7 +299,7 @@ static void adam_q8_t(const AdamQ8Args* q, int64_t begin, int64_t end) {
       // across both spilled them (16 registers on AVX2), and ran no faster.
       for (int k = 0; k < 4; ++k) {
         const int64_t o = j + k * KV::W;
-        adam_q8_param<KV, OD>(a, lo + o, KV::load(mb + o), KV::load(rb + o));
+        adam_q8_param<KV, OD, PD>(a, lo + o, KV::load(mb + o), KV::load(rb + o), kp, o);
       }
       const B r0 = KV::hash_lanes(key, j), r1 = KV::hash_lanes(key, j + KV::W);
       const B r2 = KV::hash_lanes(key, j + 2 * KV::W), r3 = KV::hash_lanes(key, j + 3 * KV::W);
@@ -297,25 +318,26 @@ static void adam_q8_t(const AdamQ8Args* q, int64_t begin, int64_t end) {
       const KV m = KV::load(mb + j), rt = KV::load(rb + j);
       KV::template store_q8_sr<capstan::Q8M>(cm + j, m * KV::set1(im), KV::hi16(r));
       KV::template store_q8_sr<capstan::Q8V>(cv + j, rt * KV::set1(ir), KV::lo16(r));
-      adam_q8_param<KV, OD>(a, lo + j, m, rt);
+      adam_q8_param<KV, OD, PD>(a, lo + j, m, rt, kp, j);
     }
     for (; j < n; ++j) {
       const uint32_t r = SVec::hash_lanes(key, j);
       const SVec m = SVec::load(mb + j), rt = SVec::load(rb + j);
       SVec::store_q8_sr<capstan::Q8M>(cm + j, m * SVec::set1(im), SVec::hi16(r));
       SVec::store_q8_sr<capstan::Q8V>(cv + j, rt * SVec::set1(ir), SVec::lo16(r));
-      adam_q8_param<SVec, OD>(a, lo + j, m, rt);
+      adam_q8_param<SVec, OD, PD>(a, lo + j, m, rt, kp, j);
     }
   }
 }
 
 template <int GD>
 static void adam_q8_g(const AdamQ8Args* q, int64_t begin, int64_t end) {
+  if (q->a.pdt == CAPSTAN_BF16) return adam_q8_t<GD, CAPSTAN_NONE, CAPSTAN_BF16>(q, begin, end);
   switch (q->a.odt) {
-    case CAPSTAN_NONE: return adam_q8_t<GD, CAPSTAN_NONE>(q, begin, end);
-    case CAPSTAN_BF16: return adam_q8_t<GD, CAPSTAN_BF16>(q, begin, end);
-    case CAPSTAN_F16: return adam_q8_t<GD, CAPSTAN_F16>(q, begin, end);
-    default: return adam_q8_t<GD, CAPSTAN_F32>(q, begin, end);
+    case CAPSTAN_NONE: return adam_q8_t<GD, CAPSTAN_NONE, CAPSTAN_F32>(q, begin, end);
+    case CAPSTAN_BF16: return adam_q8_t<GD, CAPSTAN_BF16, CAPSTAN_F32>(q, begin, end);
+    case CAPSTAN_F16: return adam_q8_t<GD, CAPSTAN_F16, CAPSTAN_F32>(q, begin, end);
+    default: return adam_q8_t<GD, CAPSTAN_F32, CAPSTAN_F32>(q, begin, end);
   }
 }
 

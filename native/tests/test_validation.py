@@ -35,16 +35,28 @@ def test_adam_wrong_type_size_layout(pos, name):
 
 
 @pytest.mark.parametrize("pos,dtype,match", [
-    (0, torch.bfloat16, "^param has dtype bfloat16; expected float32"),
+    (0, torch.float16, "^param has dtype float16; expected float32, bfloat16"),
     (2, torch.float16, "^exp_avg has dtype float16; expected float32, bfloat16"),
     (2, torch.bfloat16, "^exp_avg_sq has dtype float32; expected bfloat16"),  # the moments share one dtype
     (3, torch.bfloat16, "^exp_avg_sq has dtype bfloat16; expected float32")])
 def test_adam_state_dtypes(pos, dtype, match):
-    """The master is fp32; the moments are both fp32 or both bf16 (stored with stochastic rounding)."""
+    """The master is fp32 or bf16; the moments are both fp32 or both bf16 (stored with stochastic rounding)."""
     args = adam_args()
     args[pos] = torch.zeros(16, dtype=dtype)
     with pytest.raises(TypeError, match=match):
         kernels.adam_update(*args, **HP)
+
+
+def test_a_bf16_master_takes_no_out_copy():
+    """A bf16 master is its own 16-bit copy: an `out` beside it is refused, by the fused and 8-bit calls."""
+    args = adam_args()
+    args[0] = torch.zeros(16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="^a bf16 param is its own 16-bit copy"):
+        kernels.adam_update_and_cast(*args, torch.zeros(16, dtype=torch.bfloat16), **HP)
+    codes = [torch.zeros(16, dtype=torch.uint8) for _ in range(2)]
+    scales = [torch.zeros(1) for _ in range(2)]
+    with pytest.raises(ValueError, match="^a bf16 param is its own 16-bit copy"):
+        kernels.adam_update_q8(args[0], args[1], *codes, *scales, block=16, out=torch.zeros(16), **HP)
 
 
 def test_adam_grad_dtype_and_scalars():

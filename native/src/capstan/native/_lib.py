@@ -30,7 +30,7 @@ from pathlib import Path
 __all__ = ["ABI_VERSION", "DTYPE_CODES", "ISA_NAMES", "NativeError", "get", "load_error",
            "library_path", "check"]
 
-ABI_VERSION = 4  # must equal CAPSTAN_ABI_VERSION in csrc/capstan.h
+ABI_VERSION = 5  # must equal CAPSTAN_ABI_VERSION in csrc/capstan.h
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 # native/ of a source checkout (this file is native/src/capstan/native/_lib.py there);
 # an installed wheel has no build_native.py at this place.
@@ -51,10 +51,11 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "capstan_set_num_threads": (c_int, [c_int]),
     "capstan_get_num_threads": (c_int, []),
     "capstan_strerror": (c_char_p, [c_int]),
-    "capstan_adam_step": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_uint64,
+    "capstan_adam_step": (c_int, [c_void_p, c_int, c_void_p, c_int, c_void_p, c_void_p, c_int, c_uint64,
                                   c_int64, c_int64, c_int64, c_double, c_double, c_double, c_double, c_double,
                                   c_int, c_double, c_int, c_void_p, c_int, POINTER(c_int)]),
-    "capstan_adam_step_q8": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
+    "capstan_adam_step_q8": (c_int, [c_void_p, c_int, c_void_p, c_int, c_void_p, c_void_p, c_void_p, c_void_p,
+                                     c_int64,
                                      c_int, c_void_p, c_void_p, c_void_p, c_uint64, c_int64, c_double, c_double,
                                      c_double, c_double, c_double, c_int, c_double, c_int, c_void_p, c_int,
                                      POINTER(c_int)]),

@@ -56,7 +56,10 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     op-by-op form, whose stochastic rounding is the CPU kernel's bit for bit."""
     if check_overflow and fallback.has_nonfinite(grad, grad_scale):
         return True
-    if grad.dtype != param.dtype or exp_avg.dtype != param.dtype or not fused_available(param.device):
+    # torch's fused kernels round a bf16 param to nearest: a bf16 master takes the op-by-op form, whose
+    # stochastic rounding is the CPU kernel's.
+    if (param.dtype != torch.float32 or grad.dtype != param.dtype or exp_avg.dtype != param.dtype
+            or not fused_available(param.device)):
         fallback.adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                            weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, out=out, seed=seed,
                            index_base=index_base)

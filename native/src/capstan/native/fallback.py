@@ -13,7 +13,8 @@ import torch
 
 from .q8 import Q8_EXP_AVG, Q8_EXP_AVG_SQ, per_element, q8_decode, q8_encode, q8_inverse, q8_scale
 
-__all__ = ["adam_step", "adam_step_q8", "cast_", "copy_", "sum_", "sumsq", "has_nonfinite", "sr_key", "to_bf16_sr"]
+__all__ = ["adam_step", "adam_step_q8", "cast_", "copy_", "sum_", "sumsq", "has_nonfinite", "sr_key", "sr_key_param",
+           "to_bf16_sr"]
 
 _M32 = 0xFFFFFFFF
 
@@ -35,6 +36,12 @@ def sr_key(seed: int) -> int:
     """The hash stream the native kernel derives from a 64-bit seed for the moments' rounding: element i
     draws the word _hash32(key + i), its top 16 bits for exp_avg and its low 16 for exp_avg_sq."""
     return _hash_int((seed & _M32) ^ _hash_int(seed >> 32))
+
+
+def sr_key_param(seed: int) -> int:
+    """The hash stream of a bf16 parameter's rounding (AdamArgs::key_p): the moments' key hashed once
+    more, so its words are not the moments'; it rounds with the top half ("hi") of its element's word."""
+    return _hash_int(sr_key(seed) ^ 0x9E3779B9)
 
 
 def to_bf16_sr(x: torch.Tensor, key: int, index_base: int = 0, half: str = "hi") -> torch.Tensor:
@@ -69,11 +76,19 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     """Same contract as capstan_adam_step: returns True (and changes nothing) on overflow. bf16
     moments are updated in fp32 copies and stored back with the kernel's stochastic rounding. `fold`:
     the parameter's update with sqrt(1 - beta2^step) folded into the step size and eps (one division),
-    as the kernel updates bf16 and 8-bit moments; default, where the moments are bf16."""
+    as the kernel updates bf16 and 8-bit moments; default, where the moments are bf16. A bf16 `param`
+    is stepped in an fp32 copy and stored back with the kernel's stochastic rounding (sr_key_param)."""
     f32 = torch.float32
     scale = torch.tensor(grad_scale, dtype=f32)  # the kernel multiplies by float(grad_scale)
     if check_overflow and has_nonfinite(grad, float(scale)):
         return True
+    if param.dtype == torch.bfloat16:
+        p32 = param.to(f32)
+        adam_step(p32, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                  weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, seed=seed, index_base=index_base,
+                  fold=fold)
+        param.copy_(to_bf16_sr(p32, sr_key_param(seed), index_base, "hi"))
+        return False
     g = grad.to(f32)
     if grad_scale != 1.0:
         g = g * scale
@@ -127,9 +142,11 @@ def adam_step_q8(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
              * per_element(scale_m[sc], block, n))
         r = q8_decode(exp_avg_sq[sl], Q8_EXP_AVG_SQ) * per_element(scale_v[sc], block, n)
         v = r * r
-        p = param[sl]
+        p = param[sl] if param.dtype == torch.float32 else param[sl].to(torch.float32)
         adam_step(p, grad[sl], m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                   weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, fold=True)
+        if param.dtype == torch.bfloat16:  # a bf16 master: rounded with the canonical index's word
+            param[sl] = to_bf16_sr(p, sr_key_param(seed), index, "hi")
         r = v.sqrt()
         pad = nb * block - n
         new_m = q8_scale(torch.nn.functional.pad(m.abs(), (0, pad)).view(nb, block).amax(1))

@@ -91,10 +91,19 @@ def _where(name: str, t: object) -> torch.device | None:
     return t.device
 
 
+PARAM_TYPES = (torch.float32, torch.bfloat16)  # fp32, or a bf16 master (stochastic rounding)
+
+
+def _check_master_out(param: torch.Tensor, out: object) -> None:
+    if param.dtype == torch.bfloat16 and out is not None:
+        raise ValueError("a bf16 param is its own 16-bit copy: pass no out (out is for an fp32 master's copy)")
+
+
 def _adam(param, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps,
           weight_decay, adamw, grad_scale, check_overflow, seed=0, index_base=0) -> bool:
     dev = _where("param", param)
-    check_tensor("param", param, (torch.float32,), device=dev)
+    check_tensor("param", param, PARAM_TYPES, device=dev)
+    _check_master_out(param, out)
     n = param.numel()
     check_tensor("grad", grad, FLOAT_TYPES, n, "param", dev)
     check_tensor("exp_avg", exp_avg, MOMENT_TYPES, n, "param", dev)
@@ -126,7 +135,7 @@ def _adam(param, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps,
                                   check_overflow=check_overflow, out=out, seed=seed, index_base=index_base)
     overflow = ctypes.c_int(0)
     code = lib.capstan_adam_step(
-        param.data_ptr(), grad.data_ptr(), _code(grad.dtype), exp_avg.data_ptr(),
+        param.data_ptr(), _code(param.dtype), grad.data_ptr(), _code(grad.dtype), exp_avg.data_ptr(),
         exp_avg_sq.data_ptr(), _code(exp_avg.dtype), seed, index_base, n, step, lr, beta1, beta2, eps,
         weight_decay, int(bool(adamw)),
         grad_scale, int(bool(check_overflow)), out.data_ptr() if out is not None else None,
@@ -142,7 +151,10 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 check_overflow: bool = False, seed: int = 0, index_base: int = 0) -> bool:
     """One Adam (adamw=False) or AdamW step, in place, on fp32 param and moments.
 
-    param: fp32 [n]; grad: fp32/bf16/fp16 [n], multiplied by grad_scale
+    param: fp32 [n], or a bf16 master: then it is updated in fp32 and stored with stochastic rounding
+    from a hash stream of its own of (`seed`, `index_base` + element index), so that updates below half
+    a bf16 ulp still move it in expectation (nearest rounding would drop them: the bf16 master of
+    Zamirai et al. 2020, torchao's bf16_stochastic_round). grad: fp32/bf16/fp16 [n], multiplied by grad_scale
     (1/loss_scale) first. exp_avg, exp_avg_sq: fp32 [n], or both bf16: then they
     are updated in fp32 (the parameter from those fp32 values) and stored with
     stochastic rounding, whose random bits are a hash of (`seed`, `index_base` +
@@ -210,7 +222,8 @@ def adam_update_q8(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                    out: torch.Tensor | None = None) -> bool:
     """One Adam/AdamW step with 8-bit moments, in place (block-wise quantization, Dettmers et al. 2022).
 
-    param: fp32 [n]; grad: fp32/bf16/fp16 [n]; exp_avg, exp_avg_sq: uint8 codes [n] (exp_avg's signed,
+    param: fp32 [n], or a bf16 master (as in `adam_update`; its bits hash each element's canonical
+    index, as the moments' do); grad: fp32/bf16/fp16 [n]; exp_avg, exp_avg_sq: uint8 codes [n] (exp_avg's signed,
     with an exponent; exp_avg_sq's hold sqrt(exp_avg_sq), fallback.Q8_EXP_AVG_SQ); scale_m, scale_v: fp32,
     one per block. `segments` ((offset, numel, index) per parameter, default the whole buffer as one)
     cut the buffer into parameters, each into blocks of `block` elements (a power of two in 16..4096),
@@ -223,7 +236,8 @@ def adam_update_q8(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     the update differ); the moments are then stored against each block's new absmax. check_overflow,
     grad_scale and out as in `adam_update_and_cast`; returns True (nothing changed) on overflow."""
     dev = _where("param", param)
-    check_tensor("param", param, (torch.float32,), device=dev)
+    check_tensor("param", param, PARAM_TYPES, device=dev)
+    _check_master_out(param, out)
     n = param.numel()
     check_tensor("grad", grad, FLOAT_TYPES, n, "param", dev)
     check_tensor("exp_avg", exp_avg, (torch.uint8,), n, "param", dev)
@@ -252,7 +266,8 @@ def adam_update_q8(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     table = torch.tensor(segs, dtype=torch.int64).reshape(-1, 3).t().contiguous()
     overflow = ctypes.c_int(0)
     code = lib.capstan_adam_step_q8(
-        param.data_ptr(), grad.data_ptr(), _code(grad.dtype), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        param.data_ptr(), _code(param.dtype), grad.data_ptr(), _code(grad.dtype), exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
         scale_m.data_ptr(), scale_v.data_ptr(), block, len(segs), table[0].data_ptr(), table[1].data_ptr(),
         table[2].data_ptr(), seed, step, args["lr"], args["beta1"], args["beta2"], args["eps"],
         args["weight_decay"], int(args["adamw"]), args["grad_scale"], int(args["check_overflow"]),
