@@ -13,6 +13,15 @@ end and the mean training loss of the last 100 steps, each format's difference f
 fp32's own seed-to-seed difference (the noise a format's difference is to be read against), then the
 validation curve of the first seed. Prints a markdown fragment for docs/benchmarks.md.
 
+A format may name a bf16 master after a slash (precision.master_weights = "bf16": no fp32 copy, the bf16
+parameters stepped with stochastic rounding), which needs bf16 compute and chunks:
+
+    hatch run python tools/bench_optimizer_states.py --dtype bf16 --offload cpu \
+        --states fp32,int8,fp32/bf16-master,int8/bf16-master --seeds 1234,1235,1236,1237
+
+Every run of one invocation then computes in that dtype on that path, the fp32-master fp32-moment run
+included (the baseline each row is compared with).
+
 --peers trains the same model (capstan's reference GPT, the same initialization, batches, learning-rate
 schedule, clipping and decay groups) in a plain PyTorch loop with another optimizer: torch's AdamW (fp32
 moments: the loop's own baseline), bitsandbytes' AdamW8bit and torchao's AdamW8bit (8-bit moments,
@@ -26,11 +35,11 @@ import statistics
 import time
 
 
-def train(states: str, steps: int, eval_every: int, seed: int) -> dict:
+def train(states: str, steps: int, eval_every: int, seed: int, dtype: str = "fp32", offload: str = "none") -> dict:
     from capstan import comm
     from capstan.engine import initialize, open_data, train_batches, val_batches
 
-    engine = initialize(config=_config(steps, seed, states), groups=comm.single_process_groups())
+    engine = initialize(config=_config(steps, seed, states, dtype, offload), groups=comm.single_process_groups())
     data = open_data(engine.config)
     it = train_batches(data, engine.config, 1, 0)
     held = val_batches(data, engine.config, 1, 0)
@@ -45,12 +54,18 @@ def train(states: str, steps: int, eval_every: int, seed: int) -> dict:
     return {"losses": losses, "evals": evals, "step_s": statistics.median(times[10:])}
 
 
-def _config(steps: int, seed: int, states: str = "fp32") -> dict:
+def _config(steps: int, seed: int, states: str = "fp32", dtype: str = "fp32", offload: str = "none") -> dict:
+    """`states`: the moments' format, optionally "/bf16-master" (precision.master_weights = "bf16")."""
+    moments, _, master = states.partition("/")
+    if master not in ("", "bf16-master"):
+        raise SystemExit(f"--states {states!r}: after a slash only bf16-master")
     return {"model": {"n_layers": 4, "n_heads": 4, "d_model": 128, "seq_len": 64},
             "train": {"steps": steps, "micro_batch_size": 16, "lr": 3e-3, "min_lr": 3e-4,
                       "warmup_steps": min(100, steps // 10), "grad_clip": 1.0, "weight_decay": 0.1, "beta2": 0.999,
                       "eval_batches": 32, "seed": seed},
-            "precision": {"optimizer_states": states}}
+            "precision": {"optimizer_states": moments, "dtype": dtype,
+                          "master_weights": "bf16" if master else "fp32"},
+            "memory": {"offload": offload}}
 
 
 def _peer_optimizer(name: str, groups: list[dict], t) -> object:  # noqa: ANN001
@@ -149,9 +164,13 @@ def main() -> None:
     ap.add_argument("--states", default="fp32,bf16,int8")
     ap.add_argument("--seeds", default="1234,1235")
     ap.add_argument("--peers", default="", help="comma-separated: torch-adamw, bnb-adamw8bit, torchao-adamw8bit")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="precision.dtype of every run")
+    ap.add_argument("--offload", default="none", choices=("none", "cpu"),
+                    help="memory.offload of every run (cpu: chunks, which a bf16 master needs)")
     args = ap.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
-    runs = {s: [train(s, args.steps, args.eval_every, seed) for seed in seeds] for s in args.states.split(",")}
+    runs = {s: [train(s, args.steps, args.eval_every, seed, args.dtype, args.offload) for seed in seeds]
+            for s in args.states.split(",")}
     for peer in filter(None, args.peers.split(",")):
         try:
             runs[f"plain loop, {peer}"] = [train_plain(peer, args.steps, args.eval_every, seed) for seed in seeds]
@@ -165,7 +184,7 @@ def main() -> None:
         return statistics.fmean(statistics.fmean(r["losses"][-100:]) for r in runs[s])
 
     print(f"### Adam moments in fewer bits: GPT 4 x 128, seq 64, 16 sequences a step, {args.steps} steps, "
-          f"mean of seeds {args.seeds}\n")
+          f"{args.dtype} compute, offload {args.offload}, mean of seeds {args.seeds}\n")
     print("| moments (capstan) or optimizer (plain loop) | val loss at the end | vs fp32 | "
           "train loss, last 100 steps | vs fp32 | s/step |")
     print("|---|---|---|---|---|---|")

@@ -206,6 +206,30 @@ def test_the_planner_counts_the_pinned_staging_pool_of_a_disk_tier_on_a_device(d
     assert any("pinned staging buffers included" in p for p in tight.problems), tight.problems
 
 
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+def test_the_planner_counts_a_bf16_masters_chunks_as_the_engine_allocates_them(master: str) -> None:
+    """precision.master_weights: with int8 moments the chunks hold 8.03 B per element with an fp32 master
+    (param 2, master 4, the gradient in the param's slot) and 6.03 with a bf16 one (param 2, grad 2); the
+    planner's lists hold the bytes the engine's chunks do."""
+    from capstan import comm
+    from capstan.engine import initialize
+    from capstan.engine.plan.chunks import chunk_lists
+    from capstan.engine.plan.run import shape_layout
+
+    cfg = {"model": {"n_layers": 2, "n_heads": 4, "d_model": 64, "seq_len": 32},
+           "train": {"micro_batch_size": 2, "steps": 1}, "memory": {"offload": "cpu", "chunk_size": 16384},
+           "precision": {"dtype": "bf16", "optimizer_states": "int8", "master_weights": master}}
+    engine = initialize(config=cfg, groups=comm.single_process_groups())
+    try:
+        held = sum(e.chunk.nbytes for e in engine.manager.entries.values())
+        shape, layout = shape_layout(engine.config, world=1)
+    finally:
+        engine.close()
+    lists = chunk_lists(shape, layout, list(range(shape.layers + 3)))
+    assert lists.bytes_per_element() == (6 if master == "bf16" else 8) + 2 / 64
+    assert lists.state_bytes() == held
+
+
 def test_capstan_plan_of_a_disk_config_without_a_budget(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     """A disk tier without memory.cpu_budget (what a DeepSpeed NVMe config becomes) is planned with the budget
     the machine's RAM leaves, as the engine runs it without one: the largest the RAM allows, or, where the

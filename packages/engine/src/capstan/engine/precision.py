@@ -17,7 +17,7 @@ from capstan.chunkmem.optim.precision import DynamicLossScaler
 
 from .config.schema import PrecisionConfig
 
-__all__ = ["loss_scaler", "autocast", "moment_dtype"]
+__all__ = ["loss_scaler", "autocast", "moment_dtype", "master_dtype"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -33,6 +33,11 @@ def moment_dtype(config: object) -> torch.dtype:
     torch.uint8 stands for 8-bit block-wise codes (capstan.native.q8)."""
     states = config.precision.optimizer_states  # type: ignore[attr-defined]
     return {"bf16": torch.bfloat16, "int8": torch.uint8}.get(states, torch.float32)
+
+
+def master_dtype(config: object) -> torch.dtype:
+    """The dtype of the optimizer's master weights (`precision.master_weights`) in chunks."""
+    return torch.bfloat16 if config.precision.master_weights == "bf16" else torch.float32  # type: ignore[attr-defined]
 
 
 def loss_scaler(p: PrecisionConfig) -> DynamicLossScaler:

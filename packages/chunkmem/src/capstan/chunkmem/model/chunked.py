@@ -92,7 +92,8 @@ class ChunkedModel(MinimumBudget, nn.Module):
                  init_fn: Callable[[nn.Module], None] | None = None,
                  norm_weights: Sequence[float] | None = None, outer_groups: Sequence[Group] = (),
                  order: str = "modules", example_inputs: Sequence[object] | None = None,
-                 report_grads: bool = False, moment_dtype: torch.dtype = torch.float32) -> None:
+                 report_grads: bool = False, moment_dtype: torch.dtype = torch.float32,
+                 master_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.init_fn = init_fn
         # report_grads: every parameter's gradient hook calls `grad_listener(group, index)` once its
@@ -111,7 +112,17 @@ class ChunkedModel(MinimumBudget, nn.Module):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"chunk dtype must be float32, bfloat16 or float16, got {dtype}")
         self.dtype = dtype
-        self.mixed = dtype != torch.float32
+        # A bf16 master (master_dtype = bf16, with dtype bf16): no fp32 copy; the PARAM chunk is the master,
+        # stepped in fp32 by the kernel and stored with stochastic rounding (kernels.adam_update with a bf16
+        # param), and the gradients keep autograd's bf16 in chunks of their own: 2 + 2 bytes a parameter
+        # where the fp32 master takes 2 + 4 (its gradient in the PARAM slot), before the moments.
+        if master_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"master dtype must be float32 or bfloat16, got {master_dtype}")
+        if master_dtype == torch.bfloat16 and dtype != torch.bfloat16:
+            raise ValueError(f"a bf16 master needs bf16 parameters (dtype=torch.bfloat16), got {dtype}")
+        self.master_dtype = master_dtype
+        self.bf16_master = master_dtype == torch.bfloat16
+        self.mixed = dtype != torch.float32 and not self.bf16_master  # a 16-bit PARAM beside an fp32 MASTER
         # Adam's moments: fp32, or bf16 chunks (half the bytes in every tier) that `ChunkAdam` updates in
         # fp32 and stores with stochastic rounding (capstan.native.kernels.adam_update), or 8-bit ones
         # (torch.uint8: a quarter, block-wise quantized; each moment chunk holds its codes at the
@@ -332,7 +343,14 @@ class ChunkedModel(MinimumBudget, nn.Module):
     def _chunk_dtype(self, kind: ChunkKind) -> torch.dtype:
         if kind is ChunkKind.PARAM:
             return self.dtype
+        if kind is ChunkKind.GRAD:
+            return self._grad_dtype()
         return self.moment_dtype if kind in (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ) else torch.float32
+
+    def _grad_dtype(self) -> torch.dtype:
+        """GRAD chunks: fp32, but a bf16 master's hold autograd's bf16 gradients as they arrive (several
+        backwards add up in bf16, as a bf16 parameter's .grad does in plain PyTorch)."""
+        return self.dtype if self.bf16_master else torch.float32
 
     def _state_capacities(self, size: int) -> dict[ChunkKind, int]:
         """Chunk kinds among `kinds()` that hold a state of their own rather than the parameters' (1-bit
@@ -517,7 +535,7 @@ class ChunkedModel(MinimumBudget, nn.Module):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """A copy of every parameter (loading chunks one at a time): for checks and export."""
         out: dict[str, torch.Tensor] = {}
-        kind = ChunkKind.MASTER if self.mixed else ChunkKind.PARAM  # the fp32 truth
+        kind = ChunkKind.MASTER if self.mixed else ChunkKind.PARAM  # the master (fp32, or a bf16 master)
         run = self.pending_update  # an update left for the next forward (adam.py): run it first
         for home in self.homes.values():
             if run is not None:

@@ -28,8 +28,9 @@ __all__ = ["step_chunk"]
 def step_chunk(update: Callable[..., bool], views: Sequence[torch.Tensor], args: dict,
                spans: list[tuple[int, int, int]] | Q8Layout) -> None:
     """`update(*views, **args)` (kernels.adam_update or adam_update_and_cast over one chunk group's
-    sibling views): one call over the whole chunk with fp32 moments; with bf16 moments one call per run of
-    slots that are consecutive in the canonical order (`spans`: (start, end, canonical index of start),
+    sibling views): one call over the whole chunk with fp32 moments and master; with bf16 moments or a bf16
+    master (which rounds stochastically too) one call per run of slots that are consecutive in the
+    canonical order (`spans`: (start, end, canonical index of start),
     `ChunkedModel.rounding_spans`), each drawing its bits from `args["step"]` and its canonical index.
     Padding between slots stays as it is. 8-bit moments (`spans` is the chunk's `Q8Layout`, the moment
     views whole payloads, `ChunkedModel.step_view`): one adam_update_q8 over the parameters' segments,
@@ -41,7 +42,7 @@ def step_chunk(update: Callable[..., bool], views: Sequence[torch.Tensor], args:
                                segments=spans.segments, seed=args["step"], out=views[4] if len(views) > 4 else None,
                                **args)
         return
-    if views[2].dtype == torch.float32:
+    if views[2].dtype == torch.float32 and views[0].dtype == torch.float32:
         update(*views, **args)
         return
     for lo, hi, base in spans:

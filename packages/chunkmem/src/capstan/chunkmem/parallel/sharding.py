@@ -99,6 +99,9 @@ class ShardedChunkedModel(ChunkedModel):
     def _needs_grad_chunks(self) -> bool:
         return True  # reduce-scattered gradients land in the owners' fp32 GRAD chunks
 
+    def _grad_dtype(self) -> torch.dtype:
+        return torch.float32  # the fp32 reduction buffers' average, a bf16 master's too (an owned shard: 1/dp)
+
     def owner(self, index: int) -> int:
         return index % self.group.size
 

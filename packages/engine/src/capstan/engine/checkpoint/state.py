@@ -142,7 +142,8 @@ class StateView:
 
     def dtype(self, field: str) -> torch.dtype:
         """What `field` is kept (and saved) as: fp32, but Adam's moments under precision.optimizer_states =
-        "bf16", which checkpoints hold as they are (a load converts to what the loading run keeps)."""
+        "bf16" and the parameter under precision.master_weights = "bf16", which checkpoints hold as they are
+        (a load converts to what the loading run keeps)."""
         return torch.float32
 
     def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:

@@ -312,6 +312,8 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
         raise ConfigError("memory.activation_offload moves the inputs of recomputed blocks: it needs "
                           "memory.activation_checkpointing = true and the reference GPT (a module of your own "
                           "passes keeper=capstan.chunkmem.ActivationOffload... to capstan.tensorpar.recompute)")
+    if cfg.precision.master_weights == "bf16":
+        _check_bf16_master(cfg, sources)
     if p.compression != "none":
         _check_compression(cfg, sources)
     if uses_chunks(cfg):
@@ -320,6 +322,23 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
         raise ConfigError("memory.cpu_budget only applies to chunked memory: set memory.offload = \"cpu\" "
                           "or \"disk\" (or parallel.zero_stage = 3)")
     return cfg
+
+
+def _check_bf16_master(cfg: Config, sources: Sources) -> None:
+    """precision.master_weights = "bf16": bf16 parameters that are their own master, which the chunked path
+    (chunkmem's ChunkedModel) keeps; the flat ZeRO buffers and 1-bit Adam's replicated chunks keep fp32."""
+    pr, p, mem = cfg.precision, cfg.parallel, cfg.memory
+    what = f"precision.master_weights = \"bf16\" (from {_src(sources, 'precision.master_weights')})"
+    if pr.dtype != "bf16":
+        raise ConfigError(f"{what} needs precision.dtype = \"bf16\" (got {pr.dtype!r}): the bf16 parameters are "
+                          "the master")
+    if not uses_chunks(cfg):
+        raise ConfigError(f"{what} needs chunked memory: memory.offload = \"cpu\" or \"disk\", or parallel."
+                          f"zero_stage = 3 (got offload = {mem.offload!r}, zero_stage = {p.zero_stage}); the flat "
+                          "ZeRO 0-2 buffers keep an fp32 master")
+    if p.compression == "onebit":
+        raise ConfigError(f"{what} cannot be used with parallel.compression = \"onebit\": 1-bit Adam's replicated "
+                          "chunks keep an fp32 master")
 
 
 def _check_compression(cfg: Config, sources: Sources) -> None:

@@ -68,6 +68,18 @@ class ChunkLists:
     # 1-bit Adam's replicas (chunkmem/parallel/replicated.py: two residual lists beside the others); 0: none
     onebit: int = 0
     moment_bytes: float = 4  # bytes per element of exp_avg and exp_avg_sq (precision.optimizer_states)
+    # precision.master_weights = "bf16": the bf16 parameters are the master (no fp32 copy), their gradients
+    # bf16 in chunks of their own unless ZeRO-3 reduces them (fp32)
+    bf16_master: bool = False
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of one parameter in the PARAM chunks (what a gather or a device copy moves)."""
+        return 2 if self.mixed or self.bf16_master else 4
+
+    @property
+    def grad_bytes(self) -> int:
+        return 2 if self.bf16_master and self.shard == 1 else 4
 
     @property
     def elements(self) -> int:
@@ -76,11 +88,11 @@ class ChunkLists:
 
     def kinds(self) -> tuple[tuple[str, int], ...]:
         """(kind, bytes per element) of the chunks kept per list, as ChunkedModel.kinds()."""
-        out = [("param", 2 if self.mixed else 4)]
+        out = [("param", self.param_bytes)]
         if self.mixed:
             out.append(("master", 4))
         if self.grad_chunks:
-            out.append(("grad", 4))
+            out.append(("grad", self.grad_bytes))
         out += [("exp_avg", self.moment_bytes), ("exp_avg_sq", self.moment_bytes)]
         if self.onebit:  # the worker residual as long as the chunk, the server's one part of dp
             out += [("onebit_worker", 4), ("onebit_server", 4 / self.onebit)]
@@ -209,10 +221,13 @@ def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int
     # which replicates them (ReplicatedChunkedModel, fp32 gradient chunks and two residual lists).
     onebit = layout.replicas if layout.compression == "onebit" and layout.replicas > 1 else 0
     shard = 1 if onebit else max(1, layout.replicas)
-    mixed = layout.precision in ("bf16", "fp16")
+    bf16_master = layout.master_weights == "bf16"
+    mixed = layout.precision in ("bf16", "fp16") and not bf16_master
     grad_chunks = not mixed or layout.accum > 1 or shard > 1 or onebit > 0
     # packed once per distinct stage (the search asks for the same one for every micro-batch, ZeRO stage, ...)
     lists = _packed(shape, _kinds(shape, layers), layout.tp, layout.chunk_size, shard, onebit, mixed, grad_chunks)
+    if bf16_master:
+        lists = dataclasses.replace(lists, bf16_master=True)
     if layout.optimizer_states == "fp32":
         return lists
     return dataclasses.replace(lists, moment_bytes=2 if layout.optimizer_states == "bf16" else Q8_MOMENT_BYTES)

@@ -58,7 +58,7 @@ def shape_layout(cfg: object, world: int | None = None, machine: Machine | None 
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, offload=mem.offload,
                     micro=t.micro_batch_size, accum=t.grad_accum_steps, recompute=mem.activation_checkpointing,
                     precision=cfg.precision.dtype, sequence_parallel=p.sequence_parallel,  # type: ignore[attr-defined]
-                    optimizer_states=cfg.precision.optimizer_states,
+                    optimizer_states=cfg.precision.optimizer_states, master_weights=cfg.precision.master_weights,
                     schedule=p.schedule, virtual_stages=p.virtual_stages, dropout=m.dropout > 0,
                     cpu_budget=mem.cpu_budget or (MIN_BUDGET if mem.offload == "disk" else None),
                     gpu_budget=mem.gpu_budget, bucket_bytes=int(p.bucket_mb * 2**20),

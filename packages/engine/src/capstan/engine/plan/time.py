@@ -380,12 +380,13 @@ def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rate
     lists = chunk_lists(shape, layout, layers)
     local = lists.elements // lists.shard
     gpu = machine.device is not None
-    key = "host" if gpu else "mixed" if lists.mixed else "fp32"  # chunks step on the host's CPU
+    # chunks step on the host's CPU; a bf16 master's kernel (a rounding where the mixed one casts) at mixed's rate
+    key = "host" if gpu else "mixed" if lists.mixed or lists.bf16_master else "fp32"
     norm = local / rates.adam.get("host" if gpu else "sumsq", rates.adam["sumsq"]) if clip else 0.0
     out["optimizer"] = (local / rates.adam[key] + norm) * slow
     if link is not None and lists.shard > 1:
         units = -(-sum(lists.counts) // dp)
-        e = 2 if lists.mixed else 4
+        e = lists.param_bytes
         gathers = lists.elements * e * (dp - 1) / dp
         grads = lists.elements * 4 * 2 * (dp - 1) / dp
         again = 2 if layout.cpu_budget is not None else 1  # under a budget units are gathered again in backward
@@ -406,7 +407,7 @@ def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rate
             read, written = disk_traffic_floor(lists, layout.cpu_budget)
         out["disk I/O"] = read / rates.disk_read + written / rates.disk_write
     if gpu and layout.offload != "none" and rates.host_device:
-        e = 2 if lists.mixed else 4
+        e = lists.param_bytes
         # gradients down to the CPU optimizer and updated parameters back, per step (module docstring)
         out["host<->device copies"] = (lists.elements // lists.shard) * (4 + e) / rates.host_device
     return out

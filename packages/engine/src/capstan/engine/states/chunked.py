@@ -23,7 +23,7 @@ from capstan.comm.procmem import peak_rss_bytes
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
 from ..config.load import check_states_fit
 from ..config.schema import Config
-from ..precision import moment_dtype
+from ..precision import master_dtype, moment_dtype
 from ..ram_budget import disk_room, ram_room
 from ..zero.optimizer import group_order
 from .base import ModelStates, UpdateScale, overflowed
@@ -117,7 +117,7 @@ class ChunkedStates(ModelStates):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.precision.dtype]
         kwargs = dict(param_groups=param_groups, dtype=dtype, accumulate_grads=t.grad_accum_steps > 1,
                       norm_weights=weights, outer_groups=(groups.tp, groups.pp), init_fn=init_fn,
-                      moment_dtype=moment_dtype(config))
+                      moment_dtype=moment_dtype(config), master_dtype=master_dtype(config))
         if mem.chunk_order == "trace":  # one forward on a dummy batch of token ids decides the packing order
             tokens = config.model.seq_len // groups.cp.size  # this rank's tokens under cp
             dummy = torch.zeros(t.micro_batch_size, tokens, dtype=torch.long)
@@ -308,7 +308,9 @@ class ChunkView(StateView):
 
     def dtype(self, field: str) -> torch.dtype:
         # 8-bit moments are saved as their exact fp32 values (chunkmem's state_io)
-        return torch.float32 if field == "param" or self.model.q8 else self.model.moment_dtype
+        if field == "param":  # the master as it is: fp32, or a bf16 master
+            return self.model.master_dtype
+        return torch.float32 if self.model.q8 else self.model.moment_dtype
 
     def write(self, lp: LocalParam, field: str, local: torch.Tensor) -> None:
         from capstan.chunkmem.model.state_io import write_state
