@@ -167,14 +167,14 @@ void sumsq_chunk(void* p, int64_t b, int64_t e, int chunk) {
   c->partial[chunk] = c->k->sumsq(c->src, c->dt, b, e);
 }
 
-}  // namespace
-
-extern "C" {
-
 // A parameter is fp32, or a bf16 master, which is its own 16-bit copy (no out).
 bool valid_param(int param_dtype, const void* out) {
   return param_dtype == CAPSTAN_F32 || (param_dtype == CAPSTAN_BF16 && out == nullptr);
 }
+
+}  // namespace
+
+extern "C" {
 
 int capstan_adam_step(void* param, int param_dtype, const void* grad, int grad_dtype, void* exp_avg,
                       void* exp_avg_sq, int moment_dtype, uint64_t seed, int64_t index_base, int64_t n,

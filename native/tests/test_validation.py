@@ -107,3 +107,34 @@ def test_isa_and_threads_arguments():
         kernels.set_isa("sse9")
     with pytest.raises(ValueError, match="^n must be"):
         kernels.set_num_threads(0)
+
+
+def test_the_c_abi_refuses_a_param_dtype_it_does_not_step():
+    """Below the Python checks: capstan_adam_step takes an fp32 or a bf16 param, and a bf16 one without an
+    out copy; anything else is CAPSTAN_EDTYPE with no buffer touched."""
+    import ctypes
+
+    from capstan.native import _lib
+
+    lib = _lib.get()
+    if lib is None:
+        pytest.skip(f"requires_native: libcapstan not loaded ({_lib.load_error()})")
+    n = 16
+    p16, out = torch.ones(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    g, m, v = torch.ones(n), torch.zeros(n), torch.zeros(n)
+    codes = _lib.DTYPE_CODES
+
+    def step(param: torch.Tensor, code: int, out_tensor: torch.Tensor | None) -> int:
+        overflow = ctypes.c_int(0)
+        return lib.capstan_adam_step(
+            param.data_ptr(), code, g.data_ptr(), codes["float32"], m.data_ptr(), v.data_ptr(), codes["float32"],
+            1, 0, n, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 1.0, 0,
+            out_tensor.data_ptr() if out_tensor is not None else None,
+            codes["bfloat16"] if out_tensor is not None else _lib.NONE, ctypes.byref(overflow))
+
+    EDTYPE = 2
+    assert step(p16, codes["float16"], None) == EDTYPE
+    assert step(p16, 7, None) == EDTYPE
+    assert step(p16, codes["bfloat16"], out) == EDTYPE
+    assert torch.equal(p16, torch.ones(n, dtype=torch.bfloat16)) and not m.any()  # nothing written
+    assert step(p16, codes["bfloat16"], None) == 0 and not torch.equal(p16, torch.ones(n, dtype=torch.bfloat16))

@@ -167,8 +167,9 @@ part1() {
   # The offload steps' CPU Adam on the GPU host's own CPU (likely AVX-512, which this project's 2-core
   # machines may lack): the kernels bit for bit against the scalar path on every ISA the CPU has, then
   # fp32, bf16 and 8-bit moments timed against copies of the bytes each touches (log only)
-  step cpu-kernels 45 - -- bash -c '"$0" -m pytest -p no:cacheprovider -q -rN native/tests/test_adam.py \
-    native/tests/test_adam_bf16_moments.py native/tests/test_adam_q8.py -k "isa or slices or thread" \
+  step cpu-kernels 60 - -- bash -c '"$0" -m pytest -p no:cacheprovider -q -rN native/tests/test_adam.py \
+    native/tests/test_adam_bf16_moments.py native/tests/test_adam_q8.py native/tests/test_adam_bf16_master.py \
+    -k "isa or slices or thread or 8bit" \
     && "$0" tools/bench_native.py --only moments "${@}"' "$PY" "${KERNELS[@]}"
 }
 

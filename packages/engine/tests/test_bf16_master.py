@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from capstan.comm.testing import run_ranks
-from capstan.engine.config.load import ConfigError, resolve
+from capstan.engine.config.load import ConfigError, reference_param_count, resolve
 from capstan.engine.testing import assert_trajectories_close, tiny_gpt_config, train_steps, trajectory
 
 STEPS = 20
@@ -178,3 +178,14 @@ def test_a_bf16_master_saves_its_bytes_in_the_rss(monkeypatch) -> None:
 def test_a_bf16_master_where_it_cannot_be_is_one_clear_error(change: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=rf"precision.master_weights = \"bf16\".*{match}"):
         resolve(tiny_gpt_config(2, 1, **change))
+
+
+def test_a_cpu_budget_is_checked_against_what_the_chunks_keep() -> None:
+    """memory.offload = "cpu" with a budget: the check counts the bytes each setting keeps (6.03 B a parameter
+    with a bf16 master and int8 moments, 8.03 with an fp32 master), not four fp32 copies."""
+    states = {**MASTER, "optimizer_states": "int8"}
+    params = reference_param_count(resolve(tiny_gpt_config(2, 1))[0])
+    budget = {"offload": "cpu", "cpu_budget": 7 * params}
+    resolve(tiny_gpt_config(2, 1, precision=states, memory=budget))  # fits
+    with pytest.raises(ConfigError, match=rf"below the model states' {int(8.03125 * params)} bytes .* x 8.03125 bytes"):
+        resolve(tiny_gpt_config(2, 1, precision={**states, "master_weights": "fp32"}, memory=budget))

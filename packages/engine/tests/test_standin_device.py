@@ -24,9 +24,10 @@ TOL = 1e-6
 STEPS = 6
 
 
-def _config(device: str, memory: dict, dtype: str = "fp32", states: str = "fp32", **parallel) -> dict:
-    return tiny_gpt_config(STEPS, 2, precision={"dtype": dtype, "optimizer_states": states}, train={"device": device},
-                           parallel=parallel, memory=memory)
+def _config(device: str, memory: dict, dtype: str = "fp32", states: str = "fp32", master: str = "fp32",
+            **parallel) -> dict:
+    return tiny_gpt_config(STEPS, 2, precision={"dtype": dtype, "optimizer_states": states, "master_weights": master},
+                           train={"device": device}, parallel=parallel, memory=memory)
 
 
 def _run(cfg: dict, eval_after: int | None = None, model=None) -> dict:
@@ -129,6 +130,9 @@ def _single(tmp: str) -> dict:
         for states in ("bf16", "int8"):
             out[f"{states}-states-{offload}"] = tuple(_run(_config(d, {"offload": offload}, states=states))
                                                       for d in ("cpu", "standin"))
+    # a bf16 master: bf16 parameter and gradient chunks between the device and RAM, stepped in RAM
+    out["bf16-master-cpu"] = tuple(_run(_config(d, {"offload": "cpu"}, dtype="bf16", master="bf16"))
+                                   for d in ("cpu", "standin"))
     hf = {"model": {"seq_len": 16}, "data": {"max_bytes": 100_000},
           "train": {"steps": STEPS, "micro_batch_size": 2, "lr": 3e-3, "lr_schedule": "constant",
                     "warmup_steps": 0, "grad_clip": 1.0}}
@@ -230,6 +234,19 @@ def test_low_bit_optimizer_states_on_the_standin_follow_the_cpu(single, case: st
     assert dev["losses"] == pytest.approx(cpu["losses"], rel=1e-5)
     fp32_states = single["none" if case.endswith("none") else "cpu-measured"][1]
     assert dev["losses"] != fp32_states["losses"]  # the moments really were bf16 / 8-bit
+
+
+def test_a_bf16_master_on_the_standin_follows_the_cpu_trajectory(single) -> None:
+    """precision.master_weights = "bf16", chunks in RAM: bf16 parameter and gradient chunks
+    move between the device and RAM (nothing fp32 left behind on either side) and step in RAM through the
+    native kernel. Under autocast the stand-in takes CUDA's op lists, so a trajectory within BF16_VS_CPU of
+    the CPU's, and not the fp32 master's."""
+    from capstan.comm.testing import BF16_VS_CPU
+
+    cpu, dev = single["bf16-master-cpu"]
+    assert dev["losses"] == pytest.approx(cpu["losses"], rel=BF16_VS_CPU)
+    assert dev["devices"] in (["standin:0"], [])
+    assert dev["losses"] != single["bf16-cpu"][1]["losses"]  # the same run with an fp32 master: another one
 
 
 @pytest.mark.parametrize("case", ["llama-none", "llama-cpu", "gpt2-none", "gpt2-cpu"])

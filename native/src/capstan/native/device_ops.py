@@ -6,8 +6,10 @@ ZeRO 0-2 without offload) calls the same functions as one on the CPU.
 
 Adam/AdamW is `torch._fused_adamw_` / `torch._fused_adam_` (one kernel over
 the whole buffer, what ``torch.optim.AdamW(fused=True)`` runs) where this
-torch has it for the device and the gradient has the parameter's dtype;
-otherwise `fallback.adam_step`, the op-by-op form of the CPU kernel. The fused
+torch has it for the device and the parameter, gradient and moments are all
+fp32; otherwise `fallback.adam_step`, the op-by-op form of the CPU kernel
+(bf16 moments and a bf16 master round stochastically, which the fused kernel
+does not). The fused
 kernel's arithmetic is the textbook update, so the results match the CPU
 kernel to rounding (the GPU parity tests allow 1e-4 relative on the loss),
 not bit for bit. It divides the gradient by the scale tensor it is given and

@@ -149,7 +149,7 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                 adamw: bool = True, grad_scale: float = 1.0,
                 check_overflow: bool = False, seed: int = 0, index_base: int = 0) -> bool:
-    """One Adam (adamw=False) or AdamW step, in place, on fp32 param and moments.
+    """One Adam (adamw=False) or AdamW step, in place, on param and moments.
 
     param: fp32 [n], or a bf16 master: then it is updated in fp32 and stored with stochastic rounding
     from a hash stream of its own of (`seed`, `index_base` + element index), so that updates below half

@@ -132,8 +132,9 @@ class ChunkedModel(MinimumBudget, nn.Module):
         self.moment_dtype = moment_dtype
         self.q8 = moment_dtype == torch.uint8
         self._q8: dict[tuple[int, int], Q8Layout] = {}
-        # Gradients get chunks of their own (fp32) in pure-fp32 mode (the PARAM chunk is the master
-        # and must survive backward) and under gradient accumulation (several backwards add up).
+        # Gradients get chunks of their own (fp32; bf16 beside a bf16 master) in pure-fp32 mode and with a
+        # bf16 master (the PARAM chunk is the master and must survive backward) and under gradient
+        # accumulation (several backwards add up).
         # Otherwise a 16-bit gradient reuses its parameter's slot once that parameter's backward
         # use is over: 2 + 4 + 4 + 4 = 14 bytes per parameter (PatrickStar section 4).
         self.grad_chunks = not self.mixed or accumulate_grads or self._needs_grad_chunks()
@@ -533,7 +534,8 @@ class ChunkedModel(MinimumBudget, nn.Module):
             yield home.name, home
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """A copy of every parameter (loading chunks one at a time): for checks and export."""
+        """A copy of every parameter (loading chunks one at a time) in fp32, a bf16 master's widened exactly
+        (as the sharded model's): for checks and export."""
         out: dict[str, torch.Tensor] = {}
         kind = ChunkKind.MASTER if self.mixed else ChunkKind.PARAM  # the master (fp32, or a bf16 master)
         run = self.pending_update  # an update left for the next forward (adam.py): run it first
@@ -541,6 +543,6 @@ class ChunkedModel(MinimumBudget, nn.Module):
             if run is not None:
                 run(home.group, home.index)
             chunk = self.manager.access(self.chunk_of(home, kind).chunk_id)
-            out[home.name] = chunk.view(home.slot).clone()
+            out[home.name] = chunk.view(home.slot).to(torch.float32, copy=True)
             self.manager.release(chunk.chunk_id)
         return out

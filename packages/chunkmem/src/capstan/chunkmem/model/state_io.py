@@ -1,7 +1,7 @@
 """Read and write one parameter's training state in a `ChunkedModel`: for checkpoints.
 
 A checkpoint wants, per parameter, three tensors: the parameter (fp32: the
-master copy in mixed precision), and Adam's ``exp_avg`` and ``exp_avg_sq`` (fp32,
+master copy in mixed precision; bf16 for a bf16 master), and Adam's ``exp_avg`` and ``exp_avg_sq`` (fp32,
 or bf16 where the model keeps them so: `ChunkedModel.moment_dtype`; 8-bit ones
 are read as their exact fp32 values and written back by rounding to nearest,
 which gives back the very codes and scales they were read from: capstan.native.q8).
@@ -47,8 +47,9 @@ def _kind(model: ChunkedModel, field: str) -> ChunkKind:
 
 
 def read_state(model: ChunkedModel, home: ParamHome, field: str) -> torch.Tensor:
-    """A copy of `field` of the parameter at `home` (an owned one): fp32, the moments in the model's
-    moment dtype (bf16 ones are saved as they are), 8-bit ones as their exact fp32 values."""
+    """A copy of `field` of the parameter at `home` (an owned one): the master's dtype (fp32, or a bf16
+    master as it is), the moments in the model's moment dtype (bf16 ones are saved as they are), 8-bit ones
+    as their exact fp32 values."""
     kind = _kind(model, field)
     chunk = model.chunk_of(home, kind)
     model.manager.access(chunk.chunk_id)

@@ -73,6 +73,9 @@ class OneBitChunkAdam(ChunkAdam):
         if model.moment_dtype != torch.float32:
             raise ValueError(f"OneBitChunkAdam keeps fp32 moments (its compressed step is its own arithmetic); "
                              f"the model's moment chunks are {model.moment_dtype}")
+        if model.bf16_master:  # its step past the freeze updates the master with torch ops: nearest rounding
+            raise ValueError("OneBitChunkAdam keeps an fp32 master (its compressed step rounds to nearest and "
+                             "averages gradients in fp32): build the model with master_dtype=torch.float32")
         super().__init__(model, groups, **defaults)
         self.model: ReplicatedChunkedModel = model
         self.freeze_steps = freeze_steps

@@ -413,17 +413,29 @@ def _check_chunk_path(cfg: Config, sources: Sources, reference_model: bool = Tru
         raise ConfigError(f"memory.cpu_budget = {mem.cpu_budget} bytes cannot hold one chunk of "
                           f"{chunk} ({chunk_bytes} bytes)")
     if mem.offload == "cpu" and mem.cpu_budget is not None and reference_model:
-        check_states_fit(mem.cpu_budget, reference_param_count(cfg))  # a model of one's own: by the engine
+        check_states_fit(mem.cpu_budget, reference_param_count(cfg), cfg)  # a model of one's own: by the engine
 
 
-def check_states_fit(cpu_budget: int, params: int) -> None:
+def state_bytes_per_param(cfg: Config) -> float:
+    """Bytes of chunks a parameter takes at the least (padding aside): its parameter and master, its
+    gradient, and both moments in `precision` (docs/chunkmem.md, "Mixed precision" and "A bf16 master")."""
+    pr = cfg.precision
+    moments = {"bf16": 4.0, "int8": 2 + 8 / 256}.get(pr.optimizer_states, 8.0)
+    if pr.dtype == "fp32":
+        return 4 + 4 + moments  # the parameter is the master; its gradient beside it
+    if pr.master_weights == "bf16":
+        return 2 + 2 + moments  # the bf16 parameter is the master; a bf16 gradient beside it
+    return 2 + 4 + moments  # a 16-bit parameter, its fp32 master (the gradient in its slot at the least)
+
+
+def check_states_fit(cpu_budget: int, params: int, cfg: Config) -> None:
     """memory.offload = "cpu" keeps every chunk in RAM: the budget must hold the model states."""
-    # param, grad, exp_avg, exp_avg_sq: four fp32 copies of every parameter stay in RAM.
-    need = 16 * params
+    per = state_bytes_per_param(cfg)
+    need = int(per * params)
     if cpu_budget < need:
         raise ConfigError(f"memory.offload = \"cpu\" keeps every chunk in RAM: memory.cpu_budget = "
                           f"{cpu_budget} bytes is below the model states' {need} bytes ({params} parameters "
-                          "x 16 bytes; use offload = \"disk\" or a larger budget)")
+                          f"x {per:g} bytes; use offload = \"disk\" or a larger budget)")
 
 
 def check_world(cfg: Config, world_size: int, world_source: str, sources: Sources) -> int:

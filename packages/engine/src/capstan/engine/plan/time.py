@@ -409,5 +409,5 @@ def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rate
     if gpu and layout.offload != "none" and rates.host_device:
         e = lists.param_bytes
         # gradients down to the CPU optimizer and updated parameters back, per step (module docstring)
-        out["host<->device copies"] = (lists.elements // lists.shard) * (4 + e) / rates.host_device
+        out["host<->device copies"] = (lists.elements // lists.shard) * (lists.grad_bytes + e) / rates.host_device
     return out

@@ -83,7 +83,7 @@ class ChunkedStates(ModelStates):
         mem, t = config.memory, config.train
         if mem.offload == "cpu" and mem.cpu_budget is not None and not reference_model:
             # (the config check sized the reference GPT; this is the model being trained)
-            check_states_fit(mem.cpu_budget, sum(p.numel() for p in model.parameters() if p.requires_grad))
+            check_states_fit(mem.cpu_budget, sum(p.numel() for p in model.parameters() if p.requires_grad), config)
         disk = DiskStore(mem.disk_dir, rank=groups.world.rank) if mem.offload == "disk" else None
         # On a GPU, parameter (and gradient) chunks compute there within memory.gpu_budget; masters and
         # Adam moments stay in RAM / on disk, where the native CPU Adam steps them (chunkmem/memory/device.py).
