@@ -10,6 +10,12 @@ during backward all train bit for bit as one flat buffer stepped by `kernels.ada
 chunk's block scales behind its codes. Blocks start at each parameter's first element and the rounding
 draws from the canonical order too, so the same layouts (and the overlapped step rolled back when
 clipping fires) train bit for bit as one flat buffer stepped with one segment per parameter.
+
+`ChunkedModel(dtype=bf16, master_dtype=bf16)` keeps no fp32 copy of the parameters: the bf16 PARAM chunk
+is the master, which the kernel steps in fp32 and stores with stochastic rounding drawn from each
+element's canonical index, and the gradients keep autograd's bf16 in GRAD chunks of their own. With fp32,
+bf16 or 8-bit moments the same layouts train bit for bit as one flat bf16 buffer stepped by the same
+kernel; the chunks hold 2 + 2 bytes a parameter before the moments, where an fp32 master takes 2 + 4.
 """
 
 from __future__ import annotations
@@ -56,36 +62,45 @@ def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(model(x).float().reshape(-1, 64), y.reshape(-1))
 
 
-def _flat_reference() -> list[float]:
-    """The module's parameters in one flat fp32 buffer (named_parameters order), bf16 moments, and one
-    `adam_update` over the whole buffer per step, seeded by the step: what every chunk layout must equal."""
+def _flat(moments: torch.dtype = torch.bfloat16, master: torch.dtype = torch.float32) -> list[float]:
+    """The module's parameters in one flat buffer of the master's dtype (named_parameters order: the
+    canonical one), their gradients in another, and one kernel call over the whole buffer per step,
+    seeded by the step (8-bit moments: `adam_update_q8` with one segment per parameter): what every chunk
+    layout must equal."""
     model = _net()
     params = list(model.parameters())
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    flat = torch.cat([p.detach().reshape(-1) for p in params]).to(master)
     grad = torch.zeros_like(flat)
-    pos = 0
+    segments, pos = [], 0
     for p in params:
         p.data = flat[pos : pos + p.numel()].view_as(p)
         p.grad = grad[pos : pos + p.numel()].view_as(p)
+        segments.append((pos, p.numel(), pos))
         pos += p.numel()
-    m, v = torch.zeros_like(flat, dtype=torch.bfloat16), torch.zeros_like(flat, dtype=torch.bfloat16)
+    m, v = torch.zeros_like(flat, dtype=moments), torch.zeros_like(flat, dtype=moments)
+    nb = kernels.q8_blocks([n for _, n, _ in segments], 256)
+    sm, sv = torch.zeros(nb), torch.zeros(nb)
     out = []
     for step in range(1, STEPS + 1):
         loss = _loss(model, step)
         loss.backward()
-        kernels.adam_update(flat, grad, m, v, step=step, seed=step, index_base=0, **HP)
+        if moments == torch.uint8:
+            kernels.adam_update_q8(flat, grad, m, v, sm, sv, step=step, seed=step, segments=segments, **HP)
+        else:
+            kernels.adam_update(flat, grad, m, v, step=step, seed=step, index_base=0, **HP)
         grad.zero_()
         out.append(loss.item())
     return out
 
 
 def _chunked(budget: int | None = None, disk: object = None, order: str = "modules", overlap: bool = False,
-             clip: float | None = None,
-             moments: torch.dtype = torch.bfloat16) -> tuple[list[float], ChunkedModel, ChunkAdam]:
+             clip: float | None = None, moments: torch.dtype = torch.bfloat16,
+             master: torch.dtype = torch.float32) -> tuple[list[float], ChunkedModel, ChunkAdam]:
+    """Training in chunks; `master` bf16: bf16 parameters that are their own master."""
     manager = ChunkManager(budget, DiskStore(disk) if disk is not None else None, audit=True)
     example = (_batch(0)[0],) if order == "trace" else None
     model = ChunkedModel(_net(), manager, CHUNK, moment_dtype=moments, order=order, example_inputs=example,
-                         report_grads=overlap)
+                         report_grads=overlap, dtype=master, master_dtype=master)
     opt = ChunkAdam(model, overlap=overlap, **HP)
     out = []
     for step in range(1, STEPS + 1):
@@ -132,7 +147,7 @@ def test_canonical_numbering_does_not_depend_on_the_packing() -> None:
 
 @pytest.mark.parametrize("case", ["ram", "disk", "trace-order", "overlapped"])
 def test_chunks_train_as_one_flat_buffer_bit_for_bit(tmp_path, case: str) -> None:
-    want = _flat_reference()
+    want = _flat()
     kwargs = {"ram": {}, "disk": {"budget": 6 * CHUNK * 4, "disk": tmp_path}, "trace-order": {"order": "trace"},
               "overlapped": {"overlap": True}}[case]
     got, _, _ = _chunked(**kwargs)
@@ -140,32 +155,6 @@ def test_chunks_train_as_one_flat_buffer_bit_for_bit(tmp_path, case: str) -> Non
 
 
 # ---- 8-bit moments ----
-
-def _flat_reference_q8() -> list[float]:
-    """The parameters in one flat fp32 buffer (named_parameters order: the canonical order), one segment
-    per parameter, 8-bit moments, one `adam_update_q8` per step seeded by the step."""
-    model = _net()
-    params = list(model.parameters())
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    grad = torch.zeros_like(flat)
-    segments, pos = [], 0
-    for p in params:
-        p.data = flat[pos : pos + p.numel()].view_as(p)
-        p.grad = grad[pos : pos + p.numel()].view_as(p)
-        segments.append((pos, p.numel(), pos))
-        pos += p.numel()
-    nb = kernels.q8_blocks([n for _, n, _ in segments], 256)
-    m, v = torch.zeros_like(flat, dtype=torch.uint8), torch.zeros_like(flat, dtype=torch.uint8)
-    sm, sv = torch.zeros(nb), torch.zeros(nb)
-    out = []
-    for step in range(1, STEPS + 1):
-        loss = _loss(model, step)
-        loss.backward()
-        kernels.adam_update_q8(flat, grad, m, v, sm, sv, step=step, seed=step, segments=segments, **HP)
-        grad.zero_()
-        out.append(loss.item())
-    return out
-
 
 def _chunked_q8(**kwargs: object) -> tuple[list[float], ChunkedModel, ChunkAdam]:
     return _chunked(moments=torch.uint8, **kwargs)  # type: ignore[arg-type]
@@ -192,7 +181,7 @@ def test_q8_chunks_train_as_one_flat_buffer_bit_for_bit(tmp_path, case: str) -> 
     clip = 0.05 if case == "overlapped-rolled-back" else None
     # clipped: against the plain (not overlapped) chunked step, whose norm adds per-chunk sums as the
     # overlapped one does (a flat buffer's one sum of squares differs in the last bits)
-    want = _flat_reference_q8() if clip is None else _chunked_q8(clip=clip)[0]
+    want = _flat(torch.uint8) if clip is None else _chunked_q8(clip=clip)[0]
     kwargs = {"ram": {}, "disk": {"budget": 6 * CHUNK * 4, "disk": tmp_path}, "trace-order": {"order": "trace"},
               "overlapped": {"overlap": True}, "overlapped-rolled-back": {"overlap": True, "clip": clip}}[case]
     got, model, opt = _chunked_q8(**kwargs)
@@ -228,3 +217,63 @@ def test_q8_checkpoint_values_write_back_to_the_same_codes() -> None:
         mgr.access(cid)
         assert torch.equal(chunk.payload, payload)
         mgr.release(cid)
+
+
+# ---- a bf16 master ----
+
+BF16 = torch.bfloat16
+MOMENTS = {"fp32": torch.float32, "bf16": BF16, "int8": torch.uint8}
+
+
+def test_a_bf16_masters_chunks_hold_no_fp32_copy() -> None:
+    """PARAM and GRAD chunks are bf16 and there is no MASTER list: 2 + 2 bytes a parameter (an fp32 master
+    takes 2 + 4: its gradient in the PARAM slot, the master beside it)."""
+    _, model, _ = _chunked(moments=torch.uint8, master=BF16)
+    assert ChunkKind.MASTER not in model.chunks and not model.mixed and model.bf16_master
+    for kind in ChunkKind.PARAM, ChunkKind.GRAD:
+        assert all(c.dtype == BF16 and c.nbytes == 2 * c.capacity for c in model.chunks[kind][0])
+    mixed = ChunkedModel(_net(), ChunkManager(None), CHUNK, dtype=BF16, moment_dtype=torch.uint8)
+
+    def nbytes(m: ChunkedModel) -> int:
+        kinds = (ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.MASTER)
+        return sum(c.nbytes for k in kinds if k in m.chunks for c in m.chunks[k][0])
+
+    assert nbytes(model) * 3 == nbytes(mixed) * 2
+    with pytest.raises(ValueError, match="a bf16 master needs bf16 parameters"):
+        ChunkedModel(_net(), ChunkManager(None), CHUNK, master_dtype=BF16)
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("case", ["ram", "disk", "trace-order", "overlapped"])
+def test_a_bf16_master_trains_as_one_flat_bf16_buffer_bit_for_bit(tmp_path, moments: str, case: str) -> None:
+    kwargs = {"ram": {}, "disk": {"budget": 6 * CHUNK * 4, "disk": tmp_path}, "trace-order": {"order": "trace"},
+              "overlapped": {"overlap": True}}[case]
+    got, model, opt = _chunked(moments=MOMENTS[moments], master=BF16, **kwargs)
+    assert got == _flat(MOMENTS[moments], BF16)
+    assert got[-1] < got[0]
+    if case == "disk":
+        assert model.manager.counters["writes"] > 0  # the master really went through the disk
+    if case == "overlapped":
+        assert opt.speculation.stepped_early > 0
+
+
+def test_a_guess_rolled_back_restores_the_bf16_master() -> None:
+    """Clipping every step: the overlapped step's first guess is rolled back to its bf16 copies and redone,
+    which trains bit for bit as the plain chunked step."""
+    want = _chunked(moments=torch.uint8, master=BF16, clip=0.05)[0]
+    got, _, opt = _chunked(moments=torch.uint8, master=BF16, overlap=True, clip=0.05)
+    assert got == want and opt.speculation.rollbacks > 0
+
+
+def test_checkpoint_values_are_the_bf16_master_and_write_back() -> None:
+    """read_state gives the parameter as the bf16 master holds it; writing it back (or an fp32 value,
+    rounded to nearest) sets the master; state_tensors widens it to fp32 exactly."""
+    _, model, _ = _chunked(master=BF16)
+    home = owned_homes(model)[0]
+    value = read_state(model, home, "param")
+    assert value.dtype == BF16 and value.shape == home.slot.shape
+    assert torch.equal(model.state_tensors()[home.name], value.float())
+    write_state(model, home, "param", torch.zeros_like(value))
+    assert not read_state(model, home, "param").any()
+    write_state(model, home, "param", value.float())
+    assert torch.equal(read_state(model, home, "param"), value)

@@ -241,17 +241,22 @@ def test_int8_moments_resume_bit_for_bit_and_load_into_fp32(tmp_path: Path, memo
     assert as_fp32[0].loss == resumed[0].loss  # the same parameters; from then on each steps its own moments
 
 
-def test_bf16_compute_with_int8_moments_keeps_about_8_bytes_per_parameter_in_chunks(tmp_path: Path) -> None:
-    """Mixed precision past RAM, int8 moments, the fp32 master kept: a 16-bit parameter chunk (2 B), the fp32
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+def test_bf16_compute_with_int8_moments_keeps_8_bytes_per_parameter_in_chunks_6_with_a_bf16_master(
+        tmp_path: Path, master: str) -> None:
+    """Mixed precision past RAM, int8 moments. The fp32 master kept: a 16-bit parameter chunk (2 B), the fp32
     master (4 B) and two 8-bit moments (1 B each, with their scales), and no gradient chunk: each gradient
     waits in its parameter's 16-bit slot until the step (PatrickStar's reuse). 8 B per parameter and the
-    scales, against 14 B with fp32 moments and 16 B in fp32 (#34's "<= 10 B"); the chunks go through the disk
-    and the run trains."""
+    scales, against 14 B with fp32 moments and 16 B in fp32 (#34's "<= 10 B"). With a bf16 master
+    (precision.master_weights): the bf16 parameter chunk is the master and a bf16 gradient chunk sits beside
+    it, 6 B. The chunks go through the disk and the run trains."""
+    import torch
+
     from capstan.chunkmem import ChunkKind
     from capstan.engine import initialize, open_data, train_batches
 
     cfg = tiny_gpt_config(3, 1, model={"n_layers": 2, "n_heads": 4, "d_model": 256, "seq_len": 16},
-                          precision={"dtype": "bf16", "optimizer_states": "int8"},
+                          precision={"dtype": "bf16", "optimizer_states": "int8", "master_weights": master},
                           memory={"offload": "disk", "cpu_budget": "8MiB", "chunk_size": 262144,
                                   "disk_dir": str(tmp_path)})
     engine = initialize(config=cfg)
@@ -262,15 +267,18 @@ def test_bf16_compute_with_int8_moments_keeps_about_8_bytes_per_parameter_in_chu
         by_kind: dict = {}
         for e in engine.manager.entries.values():
             by_kind[e.chunk.kind] = by_kind.get(e.chunk.kind, 0) + e.chunk.nbytes
+        dtypes = {k: {c.dtype for lst in engine.module.chunks[k] for c in lst} for k in engine.module.chunks}
         writes = engine.manager.counters["writes"]
         pages = sum(len(lst) for lst in engine.module.chunks[ChunkKind.EXP_AVG])  # (at most one a chunk rounds)
     finally:
         engine.close()
-    assert set(by_kind) == {ChunkKind.PARAM, ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ}
-    elements = by_kind[ChunkKind.MASTER] / 4  # every chunk's capacity, padding included
-    assert by_kind[ChunkKind.PARAM] == 2 * elements
+    beside, per = (ChunkKind.MASTER, 8) if master == "fp32" else (ChunkKind.GRAD, 6)
+    assert set(by_kind) == {ChunkKind.PARAM, beside, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ}
+    elements = by_kind[ChunkKind.PARAM] / 2  # every chunk's capacity, padding included
+    assert dtypes[ChunkKind.PARAM] == {torch.bfloat16}
+    assert by_kind[beside] == (4 if master == "fp32" else 2) * elements  # fp32 master, or bf16 gradients
     for kind in ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ:  # codes, 4 B of scale per block of 256, 4 KiB pages
         assert elements <= by_kind[kind] <= elements * (1 + 4 / 256) + (4096 + 64) * pages
     total = sum(by_kind.values())
-    assert 8 * params <= total <= 10 * params, total / params
+    assert per * params <= total <= (per + 0.1) * elements, (total / params, total / elements)
     assert writes > 0 and losses[-1] < losses[0]
