@@ -200,8 +200,7 @@ int capstan_adam_step(void* param, int param_dtype, const void* grad, int grad_d
   AdamCtx c;
   c.k = k;
   fill_adam_args(&c.a, param, param_dtype, grad, grad_dtype, exp_avg, exp_avg_sq, moment_dtype, out, out_dtype,
-                 step, lr,
-                 beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, index_base);
+                 step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, index_base);
   parallel_for(n, kGrain, adam_chunk, &c);
   return CAPSTAN_OK;
 }
@@ -243,8 +242,7 @@ int capstan_adam_step_q8(void* param, int param_dtype, const void* grad, int gra
   AdamQ8Ctx c;
   c.k = k;
   fill_adam_args(&c.q.a, param, param_dtype, grad, grad_dtype, exp_avg, exp_avg_sq, CAPSTAN_NONE, out, out_dtype,
-                 step, lr,
-                 beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, 0);
+                 step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, seed, 0);
   c.q.scale_m = scale_m;
   c.q.scale_v = scale_v;
   c.q.block = block;

@@ -267,9 +267,8 @@ def adam_update_q8(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     overflow = ctypes.c_int(0)
     code = lib.capstan_adam_step_q8(
         param.data_ptr(), _code(param.dtype), grad.data_ptr(), _code(grad.dtype), exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
-        scale_m.data_ptr(), scale_v.data_ptr(), block, len(segs), table[0].data_ptr(), table[1].data_ptr(),
-        table[2].data_ptr(), seed, step, args["lr"], args["beta1"], args["beta2"], args["eps"],
+        exp_avg_sq.data_ptr(), scale_m.data_ptr(), scale_v.data_ptr(), block, len(segs), table[0].data_ptr(),
+        table[1].data_ptr(), table[2].data_ptr(), seed, step, args["lr"], args["beta1"], args["beta2"], args["eps"],
         args["weight_decay"], int(args["adamw"]), args["grad_scale"], int(args["check_overflow"]),
         out.data_ptr() if out is not None else None, _code(out.dtype) if out is not None else _lib.NONE,
         ctypes.byref(overflow))

@@ -27,7 +27,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from .schema import SECTIONS, Config
+from .schema import MOMENT_BYTES, SECTIONS, Config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -420,7 +420,7 @@ def state_bytes_per_param(cfg: Config) -> float:
     """Bytes of chunks a parameter takes at the least (padding aside): its parameter and master, its
     gradient, and both moments in `precision` (docs/chunkmem.md, "Mixed precision" and "A bf16 master")."""
     pr = cfg.precision
-    moments = {"bf16": 4.0, "int8": 2 + 8 / 256}.get(pr.optimizer_states, 8.0)
+    moments = 2 * MOMENT_BYTES[pr.optimizer_states]
     if pr.dtype == "fp32":
         return 4 + 4 + moments  # the parameter is the master; its gradient beside it
     if pr.master_weights == "bf16":

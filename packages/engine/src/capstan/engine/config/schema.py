@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = [
     "Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "MemoryConfig",
-    "PrecisionConfig", "CheckpointConfig", "LogConfig", "SECTIONS", "constraint",
+    "PrecisionConfig", "CheckpointConfig", "LogConfig", "SECTIONS", "MOMENT_BYTES", "constraint",
 ]
 
 
@@ -177,6 +177,11 @@ class MemoryConfig:
     """With activation_checkpointing, each recomputed block's input leaves memory between its forward and its recompute and is read back ahead of it: to pinned RAM from a GPU, to disk (memory.disk_dir/activations, through the disk tier's async I/O) on the CPU (capstan.chunkmem.ActivationOffload; ALST's activation offload). The same results; for long sequences, whose block inputs (layers x tokens x d_model) outgrow everything else."""
     activation_checkpointing: bool = False
     """Recompute activations in backward instead of keeping them (about one extra forward per step): each transformer block of the reference GPT keeps only its input (dropout masks replayed, so training is unchanged); a pipeline of your own layers keeps only each stage chunk's input. Not for a user module at pp = 1: wrap its blocks with capstan.tensorpar.recompute."""
+
+
+# Bytes one of Adam's moments (exp_avg or exp_avg_sq) takes per parameter under each precision.optimizer_states:
+# "int8" a code and an fp32 scale per block of 256. What the planner and the budget checks count with.
+MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / 256}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,6 +45,7 @@ from capstan.chunkmem.optim.overlap import defer_fits
 from capstan.chunkmem.parallel.replicated import onebit_scratch_bytes
 from capstan.comm import onebit_residual_sizes
 
+from ..config.schema import MOMENT_BYTES
 from .spec import Layout, ModelShape
 
 __all__ = ["ChunkLists", "Traffic", "chunk_lists", "disk_traffic", "disk_traffic_floor", "stage_modules",
@@ -203,7 +204,7 @@ def _stage_modules(shape: ModelShape, tp: int, kinds: tuple[str, ...]) -> tuple[
     return tuple(m for kind in kinds for m in by_kind[kind])
 
 
-Q8_MOMENT_BYTES = 1 + 4 / 256  # int8 moments: a code per element, an fp32 scale per block of 256
+Q8_MOMENT_BYTES = MOMENT_BYTES["int8"]  # int8 moments: a code per element, an fp32 scale per block of 256
 
 
 def q8_chunk_bytes(capacity: int, params: int = 16) -> int:
@@ -228,9 +229,7 @@ def chunk_lists(shape: ModelShape, layout: Layout, layers: list[int] | tuple[int
     lists = _packed(shape, _kinds(shape, layers), layout.tp, layout.chunk_size, shard, onebit, mixed, grad_chunks)
     if bf16_master:
         lists = dataclasses.replace(lists, bf16_master=True)
-    if layout.optimizer_states == "fp32":
-        return lists
-    return dataclasses.replace(lists, moment_bytes=2 if layout.optimizer_states == "bf16" else Q8_MOMENT_BYTES)
+    return dataclasses.replace(lists, moment_bytes=MOMENT_BYTES[layout.optimizer_states])
 
 
 @lru_cache(maxsize=1024)

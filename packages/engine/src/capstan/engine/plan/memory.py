@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config.schema import MOMENT_BYTES
 from ..zero.buckets import IN_FLIGHT, packed_bucket_elems
 from .chunks import chunk_lists, disk_file_bytes, streamed_step, transient_bytes
 from .spec import Device, Layout, Machine, ModelShape, virtual_parts
@@ -269,7 +270,7 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
     chunked = layout.zero_stage == 3 or layout.offload != "none"
     if not chunked:  # the flat fp32 buffer of ZeroOptimizer (ZeRO 0-2)
         # exp_avg + exp_avg_sq per parameter (int8: a code each, and two fp32 scales per block of 256)
-        moment_bytes = {"bf16": 4, "int8": 2 + 8 / 256}.get(layout.optimizer_states, 8)
+        moment_bytes = 2 * MOMENT_BYTES[layout.optimizer_states]
         moments = int(moment_bytes * params) // (dp if layout.zero_stage >= 1 else 1)
         # ZeRO 2 over overlapped all-reduce buckets (zero/optimizer.py, buckets.py): no flat gradient, the
         # shard and at most IN_FLIGHT buckets in flight, one filling and one waiting; under a pipeline the
