@@ -79,6 +79,9 @@ struct Q8Format {
   static constexpr uint32_t mag_max = (uint32_t)(((1 << E) - 1) << M);  // the code of 1.0
   static constexpr float sub_unit() { return 1.0f / (float)(1u << (emin + M)); }
   static constexpr float min_normal() { return 1.0f / (float)(1u << emin); }
+  // With E = 4 the bias is fp16's (15) and the code is the top 1 + E + M bits of the value's fp16 pattern
+  // below its sign: code << fp16_shift is that pattern (the vector decoders convert it with F16C). 0: not so.
+  static constexpr int fp16_shift = (E == 4 && bias == 127 - 15) ? 10 - M : 0;
 };
 using Q8M = Q8Format<4, 3, true>;
 using Q8V = Q8Format<4, 4, false>;

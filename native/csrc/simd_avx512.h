@@ -70,19 +70,14 @@ struct VVec {
     store_bf16_sr(p, a, ra);
     store_bf16_sr(p + W, b, rb);
   }
-  // 8-bit moment codes: the lane-wise forms of SVec::load_q8 / store_q8_sr.
+  // 8-bit moment codes: the lane-wise forms of SVec::load_q8 / store_q8_sr; decoded through fp16, as
+  // simd_avx2.h explains.
   template <class F>
   static VVec load_q8(const uint8_t* p) {
-    constexpr int M = F::mbits;
-    constexpr bool S = F::is_signed;
-    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    __m512i mag = S ? _mm512_and_si512(c, _mm512_set1_epi32(0x7f)) : c;
-    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(F::sub_unit()));
-    __m512i nb = _mm512_add_epi32(_mm512_slli_epi32(mag, 23 - M), _mm512_set1_epi32((int)(F::bias << 23)));
-    __mmask16 isn = _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32((1 << M) - 1));
-    __m512i r = _mm512_mask_blend_epi32(isn, _mm512_castps_si512(sub), nb);
-    if (S) r = _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24));
-    return {_mm512_castsi512_ps(r)};
+    static_assert(F::fp16_shift > 0, "a code format that is not a truncated fp16");
+    __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+    if (F::is_signed) c = _mm256_add_epi16(c, _mm256_and_si256(c, _mm256_set1_epi16(0x80)));  // the sign to bit 8
+    return {_mm512_cvtph_ps(_mm256_slli_epi16(c, F::fp16_shift))};
   }
   using Bits = __m512i;
   static Bits hi16(Bits r) { return _mm512_srli_epi32(r, 16); }
