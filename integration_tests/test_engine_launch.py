@@ -35,7 +35,7 @@ def _check_metrics(run_dir: Path) -> None:
     for r in records:
         assert KEYS <= set(r), KEYS - set(r)
     assert "val_loss" in records[1] and (run_dir / "config.resolved.toml").exists()
-    assert (run_dir / "loss.png").stat().st_size > 0
+    assert (run_dir / "loss.svg").stat().st_size > 0
 
 
 @requires_mpirun()
@@ -122,7 +122,7 @@ def test_pipeline_under_mpirun_matches_one_process(tmp_path: Path) -> None:
 
 def test_the_main_job_config_streams_through_disk_and_reports_it(tmp_path: Path) -> None:
     """examples/offload.toml (README command 1), shortened: states several times the RAM budget, a disk
-    tier, the summary of memory per tier and bytes moved, and memory.png beside loss.png."""
+    tier, the summary of memory per tier and bytes moved, and memory.svg beside loss.svg."""
     run = tmp_path / "run"
     cmd = _capstan() + ["train", "--config", str(REPO / "examples" / "offload.toml"), "--set", "train.steps=3",
                         "--set", "train.warmup_steps=1", "--set", "train.eval_every=0",
@@ -135,4 +135,4 @@ def test_the_main_job_config_streams_through_disk_and_reports_it(tmp_path: Path)
                   r"([\d.]+) MiB, disk file ([\d.]+) MiB, [\d.]+ [MG]iB moved", done[0])
     assert m and float(m.group(1)) > 4 * 12 and float(m.group(2)) <= 12.0, done[0]
     assert float(m.group(4)) >= float(m.group(3)), done[0]  # the file: every slot, current or not
-    assert (run / "memory.png").stat().st_size > 0 and (run / "loss.png").stat().st_size > 0
+    assert (run / "memory.svg").stat().st_size > 0 and (run / "loss.svg").stat().st_size > 0

@@ -1,5 +1,5 @@
 """Collectives and point-to-point staged through host memory (how CUDA tensors travel where ranks
-share a GPU, comm/device.py), checked on CPU tensors: `STAGE_CPU_TENSORS` routes them through the
+share a GPU, comm/accelerator.py), checked on CPU tensors: `STAGE_CPU_TENSORS` routes them through the
 same copies. Every op's results must equal the unstaged ones, including outputs that are not the
 input (all_gather, reduce_scatter), async handles, and receives copied back at `wait()`.
 """

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from capstan.comm.device import current_stream, indexed, is_accelerator
+from capstan.comm.accelerator import current_stream, indexed, is_accelerator
 
 from .memory.disk import ALIGN, DiskStore
 

@@ -12,55 +12,36 @@ Example (runs as one process, or under ``mpirun -np 4`` / ``torchrun --nproc_per
     comm.shutdown()
 """
 
-from .agree import first_error
-from .alltoall import all_to_all
-from .bootstrap import BACKENDS, CPU_DEFAULT_BACKEND, announce_failure, init, is_initialized, shutdown
-from .bucketing import all_reduce_coalesced, flatten, plan_buckets, unflatten
-from .collectives import (
-    REDUCE_OPS,
-    CollectiveHandle,
-    all_gather,
-    all_reduce,
-    barrier,
-    broadcast,
-    progresses_in_background,
-    reduce,
-    reduce_scatter,
-    shard_bounds,
-    staged,
-)
-from .compress import (
-    INT8_BLOCK,
-    QuantizedGather,
-    dequantize_int8,
-    onebit_all_reduce,
-    onebit_residual_sizes,
-    pack_signs,
-    quantize_int8,
-    quantized_all_gather,
-    quantized_reduce_scatter,
-    reset_wire_bytes,
-    unpack_signs,
-    wire_bytes,
-)
-from .device import DEVICE_KINDS, DeviceError, cuda_report, pick_device
-from .errors import CommError
-from .groups import Group, Groups, build_groups, single_process_groups
-from .launch_env import LaunchError, LaunchInfo, detect_launch
-from .log import get_logger, log_rank0, warn_once
-from .p2p import P2PHandle, P2POp, exchange, irecv, isend, recv, send
-from .state import backend, device, launch, transport, world
-from .topology import AXES, Coord, Topology, TopologyError
+from __future__ import annotations
 
-__all__ = [
-    "INT8_BLOCK", "QuantizedGather", "dequantize_int8", "onebit_all_reduce", "onebit_residual_sizes", "pack_signs",
-    "quantize_int8", "quantized_all_gather", "quantized_reduce_scatter", "reset_wire_bytes", "unpack_signs",
-    "wire_bytes",
-    "AXES", "BACKENDS", "CPU_DEFAULT_BACKEND", "CollectiveHandle", "CommError", "Coord", "DEVICE_KINDS",
-    "DeviceError", "Group", "Groups", "LaunchError", "cuda_report", "device", "pick_device", "staged", "transport",
-    "LaunchInfo", "P2PHandle", "P2POp", "REDUCE_OPS", "Topology", "TopologyError", "all_gather", "all_to_all",
-    "all_reduce", "all_reduce_coalesced", "announce_failure", "backend", "barrier", "broadcast", "build_groups",
-    "detect_launch", "exchange", "first_error", "flatten", "get_logger", "init", "irecv", "is_initialized", "isend",
-    "launch", "log_rank0", "plan_buckets", "progresses_in_background", "recv", "reduce", "reduce_scatter", "send",
-    "shard_bounds", "shutdown", "single_process_groups", "unflatten", "warn_once", "world",
-]
+from .lazy import lazy_attributes
+
+# Each name's module, imported on first use (lazy.py): importing one torch-free module of this package
+# (launch_env, what `capstan launch` needs) must not import torch.
+_MODULE_NAMES = {
+    "agree": ("first_error",),
+    "alltoall": ("all_to_all",),
+    "bootstrap": ("BACKENDS", "CPU_DEFAULT_BACKEND", "announce_failure", "init", "is_initialized", "shutdown"),
+    "bucketing": ("all_reduce_coalesced", "flatten", "plan_buckets", "unflatten"),
+    "collectives": (
+        "REDUCE_OPS", "CollectiveHandle", "all_gather", "all_reduce", "barrier", "broadcast",
+        "progresses_in_background", "reduce", "reduce_scatter", "shard_bounds", "staged",
+    ),
+    "compress": (
+        "INT8_BLOCK", "QuantizedGather", "dequantize_int8", "onebit_all_reduce", "onebit_residual_sizes", "pack_signs",
+        "quantize_int8", "quantized_all_gather", "quantized_reduce_scatter", "reset_wire_bytes", "unpack_signs",
+        "wire_bytes",
+    ),
+    "accelerator": ("DEVICE_KINDS", "DeviceError", "cuda_report", "pick_device"),
+    "errors": ("CommError",),
+    "groups": ("Group", "Groups", "build_groups", "single_process_groups"),
+    "launch_env": ("LaunchError", "LaunchInfo", "detect_launch"),
+    "log": ("get_logger", "log_rank0", "warn_once"),
+    "p2p": ("P2PHandle", "P2POp", "exchange", "irecv", "isend", "recv", "send"),
+    "state": ("backend", "device", "launch", "transport", "world"),
+    "topology": ("AXES", "Coord", "Topology", "TopologyError"),
+}
+_LAZY = {name: module for module, names in _MODULE_NAMES.items() for name in names}
+__all__ = sorted(_LAZY)
+
+__getattr__ = lazy_attributes(__name__, _LAZY)

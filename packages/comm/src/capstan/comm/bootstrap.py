@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import mpi_backend, state
-from .device import device_module, is_accelerator, pick_device, transport
+from .accelerator import device_module, is_accelerator, pick_device, transport
 from .errors import DirLiveness, Liveness, StoreLiveness
 from .groups import Group, release_at_exit, warm_up
 from .launch_env import LaunchError, LaunchInfo, detect_launch
@@ -67,7 +67,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
         local rank. CUDA tensors go through NCCL where every local rank has a
         GPU of its own and backend is not "gloo"/"mpi" on every rank of the job
         (agreed at start-up: `agree_transport`), else staged through host
-        memory on every rank (device.py).
+        memory on every rank (accelerator.py).
     timeout: seconds (or a timedelta) after which a collective or the
         rendezvous fails with an error instead of waiting for a dead peer;
         None: ``CAPSTAN_COMM_TIMEOUT`` seconds if set, else 300.

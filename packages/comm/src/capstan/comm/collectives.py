@@ -13,7 +13,7 @@ A failure (a peer died, or nothing came within the timeout) raises
 `CommError` naming the operation, group and lost peer.
 
 CUDA tensors go through NCCL, or, where ranks share a GPU (`state.transport()`
-is "host", device.py), through host memory: the tensor is copied to the CPU,
+is "host", accelerator.py), through host memory: the tensor is copied to the CPU,
 the CPU collective runs, and the result is copied back (`_on_host`).
 
 `all_reduce`, `reduce_scatter` and (even) `all_gather` take ``async_op=True`` to return a

@@ -24,7 +24,7 @@ _liveness: Liveness | None = None
 _debug: bool = False
 _timeout_s: float = 300.0
 _device: torch.device = torch.device("cpu")
-_transport: str = "cpu"  # how CUDA tensors travel: "cpu" (none in use), "nccl" or "host" (device.py)
+_transport: str = "cpu"  # how CUDA tensors travel: "cpu" (none in use), "nccl" or "host" (accelerator.py)
 
 
 def set_state(launch: LaunchInfo, world: Group, backend: str, timeout: timedelta, liveness: Liveness | None,

@@ -14,7 +14,7 @@ in a fraction of a second; the trainer is imported lazily.
 
 from __future__ import annotations
 
-from typing import Any
+from capstan.comm.lazy import lazy_attributes
 
 from .config import (
     CheckpointConfig,
@@ -42,12 +42,4 @@ __all__ = [
 _LAZY = {"Engine": "engine", "StepInfo": "engine", "initialize": "build", "DataError": "data",
          "open_data": "data", "train_batches": "data", "val_batches": "data", "dataset_batches": "data"}
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

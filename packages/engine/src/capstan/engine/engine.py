@@ -42,7 +42,7 @@ from torch import nn
 
 from capstan import comm
 from capstan.comm import faults
-from capstan.comm.device import is_accelerator
+from capstan.comm.accelerator import is_accelerator
 
 from .config.load import uses_chunks
 from .config.schema import Config

@@ -44,12 +44,12 @@ from pathlib import Path
 import torch
 
 from capstan import comm
-from capstan.comm.device import is_accelerator
+from capstan.comm.accelerator import is_accelerator
 from capstan.comm.procmem import proc_kib
 
 from .config.load import ConfigError
 from .config.schema import Config
-from .metrics import human_bytes
+from .report.metrics import human_bytes
 
 __all__ = ["RamBudget", "with_default_cpu_budget", "derive_budget", "available_ram", "cgroup_room", "ram_room",
            "disk_room", "HEADROOM", "ACTIVATION_SHARE"]

@@ -22,8 +22,8 @@ from .config.load import Sources, to_toml
 from .config.schema import Config
 from .data.sources import TokenData, train_batches, val_batches
 from .engine import Engine
-from .metrics import MetricsSink, memory_summary, plot_losses, plot_memory, progress_line
 from .ram_budget import with_default_cpu_budget
+from .report.metrics import MetricsSink, memory_summary, plot_losses, plot_memory, progress_line
 from .rundir import check_resume, lock_run
 
 __all__ = ["run"]
@@ -100,11 +100,11 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups, plan: str | None = N
         log.info("%s", summary)
     if rank0 and sink.records:
         wrote = [run_dir / "metrics.jsonl", run_dir / "config.resolved.toml"]
-        if plot_losses(sink.records, run_dir / "loss.png"):
-            wrote.append(run_dir / "loss.png")
-        if states is not None and plot_memory(sink.records, timeline or [], cfg.memory.cpu_budget,
-                                              run_dir / "memory.png"):
-            wrote.append(run_dir / "memory.png")
+        plot_losses(sink.records, run_dir / "loss.svg")
+        wrote.append(run_dir / "loss.svg")
+        if states is not None:
+            plot_memory(sink.records, timeline or [], cfg.memory.cpu_budget, run_dir / "memory.svg")
+            wrote.append(run_dir / "memory.svg")
         log.info("wrote %s", ", ".join(map(str, wrote)))
         last_rec = sink.records[-1]
         log.info("done: %d steps, final loss %.4f, %s", last_rec["step"], last_rec["loss"],

@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
         return code
     finally:
-        if code != 0 and "capstan.comm" in sys.modules:  # peers blocked with this rank fail now, naming it
-            sys.modules["capstan.comm"].announce_failure()
+        if code != 0 and "capstan.comm.bootstrap" in sys.modules:  # peers blocked with this rank fail now
+            sys.modules["capstan.comm.bootstrap"].announce_failure()  # (not imported: no peers, no torch)
         rank_finished(code)
 
 

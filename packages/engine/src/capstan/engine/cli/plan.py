@@ -21,7 +21,7 @@ __all__ = ["add_parser", "cmd_plan"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from ..plan import DEVICES, MODELS, NODES
+    from ..plan.spec import DEVICES, MODELS, NODES  # not ..plan: `capstan launch` builds this parser, torch-free
 
     p = sub.add_parser("plan", help="memory per rank and tier, step time and the fastest layout of a model x "
                                     "machine x layout (docs/plan.md)")

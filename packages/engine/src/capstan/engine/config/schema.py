@@ -229,7 +229,7 @@ class LogConfig:
     """Progress output and metrics files."""
 
     run_dir: str = "runs/capstan"
-    """Directory for metrics.jsonl, config.resolved.toml, loss.png (and checkpoints)."""
+    """Directory for metrics.jsonl, config.resolved.toml, loss.svg (and checkpoints)."""
     every: int = constraint(10, ge=1)
     """Print the progress line every this many steps (and at the first and last step)."""
     tensorboard: bool = False

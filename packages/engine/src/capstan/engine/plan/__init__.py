@@ -8,27 +8,21 @@ and pick the layout (docs/plan.md).
 * run.py: the prediction beside a real run (`capstan train --plan`).
 """
 
-from .memory import TIERS, Item, MemoryPlan, memory_plan, min_devices_for_states
-from .rates import LayerCost, Link, Rates
-from .search import Candidate, SearchResult, search
-from .spec import (
-                   DEVICES,
-                   GB,
-                   MODELS,
-                   NODES,
-                   Device,
-                   Layout,
-                   Machine,
-                   ModelShape,
-                   PlanError,
-                   load_machine,
-                   local_machine,
-                   machine_preset,
-                   save_machine,
-)
-from .time import StepTime, step_time
+from __future__ import annotations
 
-__all__ = ["TIERS", "Item", "MemoryPlan", "memory_plan", "min_devices_for_states", "LayerCost", "Link", "Rates",
-           "Candidate", "SearchResult", "search", "DEVICES", "GB", "MODELS", "NODES", "Device", "Layout", "Machine",
-           "ModelShape", "PlanError", "load_machine", "local_machine", "machine_preset", "save_machine", "StepTime",
-           "step_time"]
+from capstan.comm.lazy import lazy_attributes
+
+# Each name's module, imported on first use (capstan.comm.lazy): spec.py's presets, which `capstan launch`
+# builds its help from, need no torch; memory.py's chunk lists do.
+_MODULE_NAMES = {
+    "memory": ("TIERS", "Item", "MemoryPlan", "memory_plan", "min_devices_for_states"),
+    "rates": ("LayerCost", "Link", "Rates"),
+    "search": ("Candidate", "SearchResult", "search"),
+    "spec": ("DEVICES", "GB", "MODELS", "NODES", "Device", "Layout", "Machine", "ModelShape", "PlanError",
+             "load_machine", "local_machine", "machine_preset", "save_machine"),
+    "time": ("StepTime", "step_time"),
+}
+_LAZY = {name: module for module, names in _MODULE_NAMES.items() for name in names}
+__all__ = sorted(_LAZY)
+
+__getattr__ = lazy_attributes(__name__, _LAZY)

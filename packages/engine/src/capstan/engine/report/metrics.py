@@ -1,4 +1,4 @@
-"""What a run reports: the progress line, metrics.jsonl, TensorBoard scalars, the loss plot.
+"""What a run reports: the progress line, metrics.jsonl, TensorBoard scalars, the loss and memory plots.
 
 Only global rank 0 writes (`MetricsSink(enabled=rank == 0)`); every other
 rank's sink is a no-op, so the training loop calls it unconditionally.
@@ -12,7 +12,7 @@ from typing import Any
 
 from capstan import comm
 
-# Kept for plan/run.py; the readers live in capstan.comm.procmem.
+from .charts import COLORS, Line, Panel, write_svg
 
 __all__ = ["MetricsSink", "progress_line", "human_bytes", "plot_losses", "plot_memory", "memory_summary"]
 
@@ -82,29 +82,13 @@ class MetricsSink:
             self._tb.close()
 
 
-def plot_losses(records: list[dict[str, Any]], path: Path) -> bool:
-    """Write the loss curve (and validation points) as a PNG; False with a notice if matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display on a cluster node
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("matplotlib is not installed: no loss plot (pip install matplotlib)")
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
+def plot_losses(records: list[dict[str, Any]], path: Path) -> None:
+    """The loss curve, with the validation points, as an SVG (charts.py)."""
+    lines = [Line("train loss", [r["step"] for r in records], [r["loss"] for r in records])]
     val = [r for r in records if "val_loss" in r]
     if val:
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+        lines.append(Line("validation loss", [r["step"] for r in val], [r["val_loss"] for r in val], markers=True))
+    write_svg(path, [Panel("loss", "step", "loss (nats / token)", lines)])
 
 
 def memory_summary(records: list[dict[str, Any]], state_bytes: int | None, budget: int | None) -> str:
@@ -125,38 +109,25 @@ def memory_summary(records: list[dict[str, Any]], state_bytes: int | None, budge
     return ", ".join(parts)
 
 
-def plot_memory(records: list[dict[str, Any]], timeline: list[int], budget: int | None, path: Path) -> bool:
-    """memory.png beside loss.png: each tier's peak per step, and RAM at every chunk access (moment) of
-    the last step against its budget (the chunk system's own accounting). False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def plot_memory(records: list[dict[str, Any]], timeline: list[int], budget: int | None, path: Path) -> None:
+    """memory.svg beside loss.svg: each tier's peak per step, and RAM at every chunk access (moment) of
+    the last step against its budget (the chunk system's own accounting)."""
     mib = 2**20
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     steps = [r["step"] for r in records]
     tiers = sorted({k.split(".")[1] for r in records for k in r if k.startswith("mem.") and k.endswith(".peak_bytes")})
-    for tier in tiers:
-        left.plot(steps, [r.get(f"mem.{tier}.peak_bytes", 0) / mib for r in records], label=f"{tier} peak")
+    left = Panel("memory per tier", "step", "MiB", [
+        Line(f"{tier} peak", steps, [r.get(f"mem.{tier}.peak_bytes", 0) / mib for r in records]) for tier in tiers],
+        y_from_zero=True)
     if budget:
-        left.axhline(budget / mib, color="tab:red", linestyle="--", label="RAM budget")
-    left.set_xlabel("step")
-    left.set_ylabel("MiB")
-    left.set_ylim(bottom=0)
-    left.set_title("memory per tier")
-    left.legend()
+        left.lines.append(Line("RAM budget", [steps[0], steps[-1]], [budget / mib] * 2, color=COLORS[3], dashed=True))
+    panels = [left]
     if timeline:
-        right.plot([b / mib for b in timeline], color="tab:blue", label="RAM held by chunks")
+        right = Panel(f"moved {records[-1].get('mem.moved_bytes', 0) / 2**30:.1f} GiB in {len(records)} steps",
+                      "chunk access (moment) in the last step", "MiB",
+                      [Line("RAM held by chunks", list(range(len(timeline))), [b / mib for b in timeline])],
+                      y_from_zero=True)
         if budget:
-            right.axhline(budget / mib, color="tab:red", linestyle="--", label="RAM budget")
-        right.set_xlabel("chunk access (moment) in the last step")
-        right.set_ylim(bottom=0)
-        right.set_title(f"moved {records[-1].get('mem.moved_bytes', 0) / 2**30:.1f} GiB in {len(records)} steps")
-        right.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+            right.lines.append(Line("RAM budget", [0, len(timeline) - 1], [budget / mib] * 2, color=COLORS[3],
+                                    dashed=True))
+        panels.append(right)
+    write_svg(path, panels)

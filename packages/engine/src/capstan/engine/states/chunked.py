@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from capstan import comm
-from capstan.comm.device import device_module, is_accelerator
+from capstan.comm.accelerator import device_module, is_accelerator
 from capstan.comm.procmem import peak_rss_bytes
 
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
