@@ -47,6 +47,22 @@ def test_imports_inside_functions_count_and_type_checking_ones_do_not(tmp_path, 
     assert import_graph.imports_of("engine", pkg / "b.py", modules) == set()
 
 
+def test_a_lazy_init_imports_every_module_of_its_table(tmp_path, monkeypatch) -> None:
+    """capstan.comm.lazy: a package __init__ importing its names on first use depends on the modules of
+    its _MODULE_NAMES (keys) or _LAZY (values) table, as an eager one would."""
+    g = import_graph.graph()
+    assert "capstan.comm.collectives" in g["capstan.comm"] and "capstan.engine.plan.memory" in g["capstan.engine.plan"]
+    pkg = tmp_path / "capstan" / "engine"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text('_MODULE_NAMES = {"a": ("f",)}\n_LAZY = {"g": "b"}\n')
+    for m in ("a", "b"):
+        (pkg / f"{m}.py").write_text("")
+    monkeypatch.setitem(import_graph.SOURCES, "engine", pkg)
+    modules = {"capstan.engine", "capstan.engine.a", "capstan.engine.b"}
+    assert import_graph.imports_of("engine", pkg / "__init__.py", modules) == {"capstan.engine.a",
+                                                                               "capstan.engine.b"}
+
+
 def test_every_package_readme_shows_its_rooms_as_the_code_has_them() -> None:
     """Each package README holds its rooms and what each imports, generated from the source: a move that
     changes them fails here until `python tools/import_graph.py --write-readmes` is run."""

@@ -9,7 +9,8 @@ still a dependency, only a hidden one) from the source, without importing anythi
 * upward imports: a package importing one above it in the layering, or a module outside the engine's
   command line (`capstan.engine.cli`, the top floor) importing it;
 * circles: strongly connected groups of modules inside one package (a package's ``__init__`` counts as
-  a module: importing a name from it runs the imports it makes; imports under ``if TYPE_CHECKING:`` are
+  a module: importing a name from it runs the imports it makes, the lazy ones of its ``_MODULE_NAMES``
+  or ``_LAZY`` table included (capstan.comm.lazy); imports under ``if TYPE_CHECKING:`` are
   for annotations and never run, so they do not count);
 * with --dot, the graph in Graphviz form (one package, or all), for docs/architecture.md.
 
@@ -62,6 +63,20 @@ def _is_type_checking(node: ast.AST) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
+def lazy_submodules(tree: ast.Module) -> set[str]:
+    """The submodules a package's ``__init__`` imports on first use of a name (capstan.comm.lazy): the
+    keys of a literal ``_MODULE_NAMES`` dict, the values of a literal ``_LAZY`` dict."""
+    out: set[str] = set()
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)):
+            continue
+        for target in node.targets:
+            if isinstance(target, ast.Name) and target.id in ("_MODULE_NAMES", "_LAZY"):
+                side = node.value.keys if target.id == "_MODULE_NAMES" else node.value.values
+                out.update(k.value for k in side if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return out
+
+
 def imports_of(package: str, path: Path, modules: set[str]) -> set[str]:
     """The capstan modules `path` imports (a name imported from a package counts as its submodule when
     one of that name exists, else as the package)."""
@@ -82,6 +97,8 @@ def imports_of(package: str, path: Path, modules: set[str]) -> set[str]:
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 found.add(sub if sub in modules else target)
+    if path.name == "__init__.py":
+        found.update(f"{name}.{m}" for m in lazy_submodules(tree))
     out = set()
     for f in found:  # the longest known module prefix (an attribute import names its module)
         parts = f.split(".")

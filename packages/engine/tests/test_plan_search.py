@@ -28,7 +28,7 @@ from capstan.engine.plan import (
     step_time,
 )
 from capstan.engine.plan.chunks import _disk_traffic, chunk_lists, disk_traffic_floor
-from capstan.engine.plan.search import candidate_layouts
+from capstan.engine.plan.layout_search import candidate_layouts
 from capstan.engine.plan.time import step_parts
 from capstan.engine.testing import made_up_machine
 

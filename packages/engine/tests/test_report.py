@@ -24,14 +24,15 @@ def test_nice_ticks_are_round_and_cover_the_range() -> None:
     assert nice_ticks(2.37, 5.61) == [3.0, 4.0, 5.0]
     assert nice_ticks(3, 3) == [3]
     ticks = nice_ticks(0.0013, 0.0091)
-    assert all(0.0013 <= t <= 0.0091 for t in ticks) and 4 <= len(ticks) <= 10
+    assert ticks == [0.002, 0.004, 0.006, 0.008]
+    assert nice_ticks(-7.0, 93.0) == [0, 20, 40, 60, 80]
 
 
 def test_the_loss_plot_is_svg_with_every_finite_point_inside_its_frame(tmp_path: Path) -> None:
     records = [{"step": s, "loss": 6.0 - 0.1 * s} for s in range(1, 21)]
     records[4]["loss"] = math.nan  # a skipped (overflowed) step draws no point
     for r in records[::5]:
-        r["val_loss"] = r["loss"] + 0.2 if math.isfinite(r["loss"]) else 6.0
+        r["val_loss"] = r["loss"] + 0.2
     plot_losses(records, tmp_path / "loss.svg")
     root = ET.parse(tmp_path / "loss.svg").getroot()  # well-formed XML
     assert root.tag == f"{SVG}svg"
@@ -62,18 +63,48 @@ def test_the_memory_plot_has_a_panel_per_view_and_the_budget_dashed(tmp_path: Pa
 
 
 def test_one_point_and_a_constant_series_still_draw(tmp_path: Path) -> None:
+    """A one-step run's loss is one point, which no line draws: it gets a marker. A constant series
+    gets a band around its value, so it is not divided by a zero range."""
     write_svg(tmp_path / "one.svg", [Panel("t", "x", "y", [Line("a", [1], [5.0]), Line("b", [1, 2], [5.0, 5.0])])])
-    lines = list(ET.parse(tmp_path / "one.svg").getroot().iter(f"{SVG}polyline"))
+    root = ET.parse(tmp_path / "one.svg").getroot()
+    lines = list(root.iter(f"{SVG}polyline"))
     assert all(math.isfinite(v) for p in lines for pt in _points(p) for v in pt)
+    assert len(list(root.iter(f"{SVG}circle"))) == 1
+    assert len({y for _, y in _points(lines[1])}) == 1
+
+
+def test_a_long_timeline_keeps_each_pixel_columns_extremes(tmp_path: Path) -> None:
+    n = 200_000
+    ys = [float(i % 97) for i in range(n)]
+    write_svg(tmp_path / "long.svg", [Panel("t", "x", "y", [Line("ram", range(n), ys)])])
+    (line,) = ET.parse(tmp_path / "long.svg").getroot().iter(f"{SVG}polyline")
+    pts = _points(line)
+    assert len(pts) <= 4 * 640  # at most four points a pixel column
+    page = sorted(y for _, y in pts)
+    assert page[0] < page[-1] and len({round(y) for y in page}) > 50  # the lows and highs are all kept
 
 
 def test_capstan_launch_imports_no_torch() -> None:
-    """The launcher (`capstan launch`, and every other command's argument parsing) runs before any rank
-    starts: with torch imported it cost 1.4 s of a 2-core machine before each job."""
-    code = ("import sys; from capstan.engine.cli.commands import build_parser; "
-            "from capstan.engine.cli.launch import cmd_launch; from capstan.engine.mpirun import build_command; "
-            "import capstan.comm.launch_env, capstan.engine.plan.spec; build_parser(); "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('capstan.comm.')))")
+    """`capstan launch` runs before any rank starts: with torch imported it cost 1.4 s of a 2-core machine
+    before each job. Its dry run (the command it would run) and a launch that fails (an error line, exit 2)
+    import none; nor does a package's lazy name that names a submodule too slip through (comm.lazy)."""
+    code = ("import sys\n"
+            "from capstan.engine.cli.commands import main\n"
+            "codes = [main(['launch', '-np', '2', '--dry-run', '--', 'capstan', 'train', '--config', 'x.toml']),\n"
+            "         main(['launch', '-np', '2', '--hostfile', '/nonexistent', '--', 'true'])]\n"
+            "print(codes, sorted(m for m in sys.modules if m == 'torch' or m.startswith('capstan.comm.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['capstan.comm.launch_env', 'capstan.comm.lazy']", out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[0, 2] ['capstan.comm.launch_env', 'capstan.comm.lazy']", out
+    assert "capstan: error:" in out.stderr
+
+
+def test_a_lazy_name_may_not_name_a_submodule_too() -> None:
+    import pytest
+
+    from capstan.comm.lazy import lazy_attributes
+    from capstan.engine.plan import search
+
+    assert callable(search)  # plan's search() (its module is layout_search.py)
+    with pytest.raises(ImportError, match="search"):
+        lazy_attributes("capstan.engine.plan", {"search": "search"})

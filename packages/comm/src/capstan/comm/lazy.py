@@ -23,7 +23,15 @@ __all__ = ["lazy_attributes"]
 
 def lazy_attributes(package: str, modules: Mapping[str, str]) -> Callable[[str], Any]:
     """The module-level ``__getattr__`` of `package`: name -> getattr(its submodule modules[name], name),
-    imported once and then kept as a plain attribute of the package."""
+    imported once and then kept as a plain attribute of the package.
+
+    No name may be a submodule's name too: importing that submodule (``from .search import ...``
+    anywhere) binds the package attribute to the module, and ``__getattr__`` is never asked again, so
+    ``pkg.search(...)`` would call a module (why comm's device.py is accelerator.py and plan's search.py
+    is layout_search.py)."""
+    clash = sorted(set(modules) & set(modules.values()))
+    if clash:
+        raise ImportError(f"{package}: {clash} name both an exported attribute and a submodule")
 
     def __getattr__(name: str) -> Any:
         if name not in modules:

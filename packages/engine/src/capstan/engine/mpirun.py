@@ -125,7 +125,7 @@ def tp_from_command(command: list[str]) -> int:
 
 # ---------------------------------------------------------------- the mpirun command
 
-# capstan.comm (whose __init__ imports torch) is imported on first use: building the parser must not.
+# capstan.comm's launch_env is torch-free, and imported on first use: building the parser needs none of it.
 def find_mpirun() -> str | None:
     """`capstan.comm.launch_env.find_mpirun` (plan/calibrate.py imports it from here)."""
     from capstan.comm.launch_env import find_mpirun as find

@@ -25,7 +25,7 @@ to ``nvme``) have no such key, so unset it is chosen here, per rank::
   before its first step: ``ACTIVATION_SHARE`` (a quarter) of the rank's share is
   left to them.
 * **HEADROOM** = 0.9: the allocator's slack and whatever the estimate leaves
-  out; the planner's search picks disk budgets with the same factor (plan/search.py).
+  out; the planner's search picks disk budgets with the same factor (plan/layout_search.py).
 
 Never below the chunks' minimum (chunkmem's ``minimum_budget``: what one module or
 one optimizer step over a chunk group holds at once; for the reference GPT the

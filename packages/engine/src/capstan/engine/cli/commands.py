@@ -50,20 +50,21 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bad_input_types() -> tuple[type[BaseException], ...]:
-    """Errors that mean "your input is wrong" (exit 2), not "capstan has a bug"."""
-    from capstan.chunkmem import BudgetError, DiskTierError, LayoutError
-    from capstan.comm import LaunchError
+# Errors by their defining module: an error of a module never imported cannot be the one in flight, and
+# importing chunkmem or the checkpoint store to ask would import torch (1.4 s before `capstan launch`'s
+# one error line).
+_BAD_INPUT = (("capstan.engine.config.load", "ConfigError"), ("capstan.engine.data.sources", "DataError"),
+              ("capstan.comm.launch_env", "LaunchError"), ("capstan.chunkmem.memory.tiers", "BudgetError"),
+              ("capstan.chunkmem.model.layout", "LayoutError"), ("capstan.chunkmem.memory.disk", "DiskTierError"),
+              ("capstan.engine.checkpoint.store", "CheckpointError"), ("capstan.engine.disk_bench", "DiskBenchError"),
+              ("capstan.engine.rundir", "RunDirError"), ("capstan.engine.plan.spec", "PlanError"))
+# Not capstan bugs either, but no bad input: a lost peer, fp16 gradients overflowing at the least loss scale.
+_RUN_FAILURES = (("capstan.comm.errors", "CommError"), ("capstan.chunkmem.optim.precision", "LossScaleError"))
 
-    from ..checkpoint.store import CheckpointError
-    from ..config.load import ConfigError
-    from ..data.sources import DataError
-    from ..disk_bench import DiskBenchError
-    from ..plan import PlanError
-    from ..rundir import RunDirError
 
-    return (ConfigError, DataError, LaunchError, BudgetError, LayoutError, DiskTierError, CheckpointError,
-            DiskBenchError, RunDirError, PlanError)
+def _loaded(errors: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
+    """The error classes of `errors` whose modules are imported."""
+    return tuple(getattr(sys.modules[m], name) for m, name in errors if m in sys.modules)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -125,8 +126,8 @@ def _resolve_train_config(args: argparse.Namespace) -> tuple[object, dict[str, s
 
 
 def _launch_world_size() -> int:
-    """The world size a launcher announced (1 without one), from its variables alone: importing
-    capstan.comm would import torch."""
+    """The world size a launcher announced (1 without one), from its variables alone: asking
+    capstan.comm's bootstrap would import torch."""
     for var in ("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
@@ -252,15 +253,12 @@ def _main(argv: list[str] | None) -> int:
         print(f"capstan: error: {exc}", file=sys.stderr)
         return 128 + exc.signum
     except Exception as exc:
-        from capstan.chunkmem import LossScaleError
-        from capstan.comm import CommError
-
-        if isinstance(exc, (CommError, LossScaleError)) and not debug:
+        if isinstance(exc, _loaded(_RUN_FAILURES)) and not debug:
             # A lost peer, or a run whose fp16 gradients overflow at the minimum loss scale, is not a
             # capstan bug: one line naming it (exit 1), not a traceback per rank.
             print(f"capstan: error: {' '.join(str(exc).split())}", file=sys.stderr)
             return 1
-        if debug or not isinstance(exc, _bad_input_types()):
+        if debug or not isinstance(exc, _loaded(_BAD_INPUT)):
             raise
         text = " ".join(str(exc).split())  # exactly one line, whatever the message held
         print(f"capstan: error: {text}", file=sys.stderr)
@@ -271,7 +269,7 @@ ERROR_GRACE_S = 1.0
 
 
 def _multi_rank_launch() -> bool:
-    """Whether a launcher started several ranks (importing capstan.comm to ask would import torch:
+    """Whether a launcher started several ranks (asking capstan.comm's bootstrap would import torch:
     seconds of a failing job's exit, and the launcher itself is no rank)."""
     return _launch_world_size() > 1
 

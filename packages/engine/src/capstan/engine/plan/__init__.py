@@ -4,7 +4,7 @@ and pick the layout (docs/plan.md).
 * memory.py: memory per rank and per tier (device, RAM, disk), chunks as the engine packs them (chunks.py);
 * time.py: step time part by part, the bottleneck named, from layer costs (costs.py: profiled or from
   FLOPs) and the machine's rates (rates.py: measured by calibrate.py, or stated for GPU presets);
-* search.py: every layout that fits, ranked by predicted tokens/s;
+* layout_search.py: every layout that fits, ranked by predicted tokens/s;
 * run.py: the prediction beside a real run (`capstan train --plan`).
 """
 
@@ -17,7 +17,7 @@ from capstan.comm.lazy import lazy_attributes
 _MODULE_NAMES = {
     "memory": ("TIERS", "Item", "MemoryPlan", "memory_plan", "min_devices_for_states"),
     "rates": ("LayerCost", "Link", "Rates"),
-    "search": ("Candidate", "SearchResult", "search"),
+    "layout_search": ("Candidate", "SearchResult", "search"),
     "spec": ("DEVICES", "GB", "MODELS", "NODES", "Device", "Layout", "Machine", "ModelShape", "PlanError",
              "load_machine", "local_machine", "machine_preset", "save_machine"),
     "time": ("StepTime", "step_time"),

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from capstan.comm.procmem import peak_rss_bytes
 
+from .layout_search import MIN_BUDGET, _with_disk_budget
 from .memory import MemoryPlan, memory_plan
-from .search import MIN_BUDGET, _with_disk_budget
 from .spec import Layout, Machine, ModelShape, PlanError, local_machine
 from .time import StepTime, step_time
 
@@ -47,7 +47,7 @@ def shape_layout(cfg: object, world: int | None = None, machine: Machine | None 
 
     A disk tier without memory.cpu_budget (a DeepSpeed NVMe config: the engine then picks the budget from
     the RAM it finds, ram_budget.py) gets the largest budget `machine`'s RAM leaves per rank (this machine
-    where none is given), as the search picks disk budgets (search.py); where the states fit in RAM
+    where none is given), as the search picks disk budgets (layout_search.py); where the states fit in RAM
     whole, all of them."""
     m, p, mem, t = cfg.model, cfg.parallel, cfg.memory, cfg.train  # type: ignore[attr-defined]
     if m.hf:

@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from html import escape
+from itertools import groupby
 from pathlib import Path
 
 __all__ = ["Line", "Panel", "nice_ticks", "write_svg"]
@@ -64,6 +65,20 @@ def _label(v: float) -> str:
     return f"{v:.4g}"
 
 
+def _per_column(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Page points, at most the first, lowest, highest and last of each pixel column: a run's chunk
+    accesses can number millions, and the file would hold each one for no visible difference."""
+    if len(pts) <= 2000:
+        return pts
+    out: list[tuple[float, float]] = []
+    for _, group in groupby(pts, key=lambda pt: int(pt[0])):
+        col = list(group)
+        keep = {0, len(col) - 1, min(range(len(col)), key=lambda i: col[i][1]),
+                max(range(len(col)), key=lambda i: col[i][1])}
+        out += [col[i] for i in sorted(keep)]
+    return out
+
+
 def _panel(p: Panel, x0: float, y0: float, w: float, h: float) -> list[str]:
     pts = [[(x, y) for x, y in zip(line.xs, line.ys) if math.isfinite(x) and math.isfinite(y)] for line in p.lines]
     xlo, xhi = _span([x for ps in pts for x, _ in ps], False)
@@ -96,9 +111,9 @@ def _panel(p: Panel, x0: float, y0: float, w: float, h: float) -> list[str]:
     for i, (line, ps) in enumerate(zip(p.lines, pts)):
         color = line.color or COLORS[i % len(COLORS)]
         dash = ' stroke-dasharray="6 4"' if line.dashed else ""
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in ps)
+        path = " ".join(f"{px:.1f},{py:.1f}" for px, py in _per_column([(sx(x), sy(y)) for x, y in ps]))
         out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.5"{dash}/>')
-        if line.markers:
+        if line.markers or len(ps) == 1:  # a lone point draws no line
             out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}"/>' for x, y in ps]
         ly = top + 14 + 16 * i  # the legend, top right inside the frame
         out.append(f'<line x1="{right - 150:.1f}" y1="{ly - 4:.1f}" x2="{right - 130:.1f}" y2="{ly - 4:.1f}" '
@@ -116,4 +131,4 @@ def write_svg(path: Path, panels: Sequence[Panel], width: int = 640, height: int
     for k, panel in enumerate(panels):
         body += _panel(panel, k * width, 0, width, height)
     body.append("</svg>")
-    Path(path).write_text("\n".join(body) + "\n")
+    Path(path).write_text("\n".join(body) + "\n", encoding="utf-8")

@@ -118,7 +118,7 @@ def plot_memory(records: list[dict[str, Any]], timeline: list[int], budget: int 
     left = Panel("memory per tier", "step", "MiB", [
         Line(f"{tier} peak", steps, [r.get(f"mem.{tier}.peak_bytes", 0) / mib for r in records]) for tier in tiers],
         y_from_zero=True)
-    if budget:
+    if budget and steps:
         left.lines.append(Line("RAM budget", [steps[0], steps[-1]], [budget / mib] * 2, color=COLORS[3], dashed=True))
     panels = [left]
     if timeline:
