@@ -127,7 +127,8 @@ ISA_CPU_FLAGS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512b
                  "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c"}}
 
 
-def isa_units(target: str | None = None, sanitize: bool = False) -> list[str]:
+def isa_units(target: str | None = None, sanitize: bool = False,
+              cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     """The ISA units a build compiles: every x86-64 one, none for another architecture; a sanitizer
     build (host only) leaves out those the host CPU cannot run, since its only use is running the tests
     here and a unit that never runs checks nothing (an AVX2 host saved the two AVX-512 units' compile
@@ -137,7 +138,7 @@ def isa_units(target: str | None = None, sanitize: bool = False) -> list[str]:
     if not sanitize:
         return list(ISA_UNITS)
     try:
-        flags = {f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        flags = {f for line in cpuinfo.read_text().splitlines() if line.startswith("flags")
                  for f in line.split(":", 1)[1].split()}
     except OSError:
         return list(ISA_UNITS)  # no /proc (not Linux): build them all

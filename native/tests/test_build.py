@@ -87,3 +87,17 @@ def test_no_cuda_library_is_built_or_shipped(tmp_path):
     finally:
         build_native.build_cpu = real
     assert "cuda" not in info and not (out / "libcapstan_cuda.so").exists()
+
+
+def test_a_sanitizer_build_compiles_only_the_isas_this_cpu_runs(monkeypatch, tmp_path):
+    """A release build compiles every x86-64 ISA unit (the dispatcher picks one at run time); a
+    sanitizer build, which exists to run the tests here, only those the host's CPU flags allow."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor : 0\nflags : fpu sse2 avx avx2 fma f16c bmi2\n")
+    monkeypatch.setattr(build_native, "target_arch", lambda target=None: "x86_64")
+    assert build_native.isa_units() == ["avx2", "avx512", "avx512bf16"]
+    assert build_native.isa_units(sanitize=True, cpuinfo=cpuinfo) == ["avx2"]
+    cpuinfo.write_text("flags : avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16\n")
+    assert build_native.isa_units(sanitize=True, cpuinfo=cpuinfo) == ["avx2", "avx512", "avx512bf16"]
+    monkeypatch.setattr(build_native, "target_arch", lambda target=None: "aarch64")
+    assert build_native.isa_units(sanitize=True, cpuinfo=cpuinfo) == [] and build_native.isa_units() == []
