@@ -222,3 +222,41 @@ def test_pinned_ram_under_a_budget_is_a_staging_pool_counted_in_the_cpu_tier(dev
     small = ChunkManager(staging, DiskStore(tmp_path / "small"), device=device)
     with pytest.raises(BudgetError, match="pinned staging buffers"):
         ChunkedModel(_net(), small, CHUNK, dtype=torch.bfloat16)
+
+
+def test_staged_copies_wait_for_copies_the_device_has_not_finished(tmp_path) -> None:
+    """Under a RAM budget copies go through the staging pool, and a copy from the device lands in the
+    chunk's RAM buffer only when its event is done. The stand-in's ops run at once, so its events are
+    done when first asked, which hid this on the CPU: chunk X leaves the device while stage 0 is busy (its
+    landing waits in stage 1), stage 0 comes free, and X goes back up from a RAM buffer no one finished
+    landing -- on a GPU, stale weights. With events that answer "not done" to their first queries, as a
+    GPU's copies in flight would, X must come back with the values it left with; and training equals
+    the CPU bit for bit."""
+    if not standin.available():
+        pytest.skip("the stand-in device needs torch's C++ headers and a C++ compiler")
+    device = standin.load()
+    manager = ChunkManager(96 << 10, DiskStore(tmp_path / "x"), device=device, device_budget=3 * CHUNK * 2)
+    model = ChunkedModel(_net(), manager, CHUNK, dtype=torch.bfloat16)
+    x, y = (c.chunk_id for c in model.chunks[ChunkKind.PARAM][0][:2])
+    tier = manager.device_tier
+    with standin.late_events(5):
+        for cid, value in ((x, 7.0), (y, 3.0)):
+            manager.access(cid, write=True, compute=True).payload.fill_(value)  # on the device now
+            manager.release(cid)
+        tier.off_device(manager.entries[y])  # stage 0, in flight
+        tier.off_device(manager.entries[x])  # stage 0 busy: stage 1, in flight
+        tier.land(manager.entries[y])  # stage 0 free again; stage 1 still holds x's landing
+        back = manager.access(x, compute=True).payload
+        assert bool((back.cpu() == 7.0).all()), back.cpu()[:4]
+        manager.release(x)
+    manager.close()
+
+    want, _ = _train(ChunkManager(None), 6, "cpu")
+    for lag in (1, 3):
+        manager = ChunkManager(96 << 10, DiskStore(tmp_path / f"lag{lag}"), device=device,
+                               device_budget=3 * CHUNK * 2)
+        with standin.late_events(lag):
+            got, _ = _train(manager, 6, device)
+        assert manager.stats()["disk"]["bytes_out"] > 0 and manager.stats()[device]["evictions"] > 0
+        manager.close()
+        assert got == want, (lag, got, want)

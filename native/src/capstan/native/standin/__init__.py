@@ -39,12 +39,14 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 __all__ = ["NAME", "load", "loaded", "available", "param", "host_syncs", "device_stats", "host_stats",
-           "empty_host_cache", "StandinUnavailable"]
+           "empty_host_cache", "late_events", "StandinUnavailable"]
 
 NAME = "standin"
 _HERE = Path(__file__).parent
@@ -127,7 +129,8 @@ def load() -> str:
     lib.capstan_standin_device_stats.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
     lib.capstan_standin_host_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.capstan_standin_host_syncs.restype = ctypes.c_int64
-    if lib.capstan_standin_abi_version() != 1:
+    lib.capstan_standin_set_event_lag.argtypes = [ctypes.c_int]
+    if lib.capstan_standin_abi_version() != 2:
         raise StandinUnavailable(f"{path}: unexpected ABI version {lib.capstan_standin_abi_version()}")
     if torch._C._get_privateuse1_backend_name() != NAME:
         torch.utils.rename_privateuse1_backend(NAME)
@@ -179,6 +182,19 @@ def host_syncs() -> int:
     host->device copy that is blocking or reads pageable memory. Tests hold hot paths to a count."""
     assert _lib is not None, "standin.load() first"
     return int(_lib.capstan_standin_host_syncs())
+
+
+@contextmanager
+def late_events(queries: int) -> Iterator[None]:
+    """Events recorded inside answer "not done" to their first `queries` queries, until synchronized, as a
+    GPU's copies in flight would (the stand-in's ops run at once, so its events are otherwise always
+    done, and code that reads a buffer before its guarding event is done passes here and fails there)."""
+    assert _lib is not None, "standin.load() first"
+    _lib.capstan_standin_set_event_lag(queries)
+    try:
+        yield
+    finally:
+        _lib.capstan_standin_set_event_lag(0)
 
 
 def empty_host_cache() -> None:

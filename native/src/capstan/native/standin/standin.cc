@@ -62,8 +62,15 @@ namespace capstan_standin {
 thread_local c10::StreamId current_stream[kMaxDevices] = {};
 std::atomic<c10::StreamId> next_stream{1};
 
+// Late events (capstan_standin_set_event_lag, tests only): an event recorded while the lag is n answers
+// "not done" to its first n queries, as a GPU's copy still in flight would, until synchronized. The data
+// is in place at once all the same, so what this finds is code that reads a buffer before the event
+// that guards it says done, or trusts one query: orders a GPU shows and an always-done stand-in hides.
+std::atomic<int> event_lag{0};
+
 struct Event {
   std::chrono::steady_clock::time_point at;
+  int lag = 0;  // queries left that answer "not done"
 };
 
 struct StandinGuardImpl final : c10::impl::DeviceGuardImplInterface {
@@ -110,15 +117,25 @@ struct StandinGuardImpl final : c10::impl::DeviceGuardImplInterface {
   void record(void** event, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {
     if (*event == nullptr) *event = new Event{};
     static_cast<Event*>(*event)->at = std::chrono::steady_clock::now();
+    static_cast<Event*>(*event)->lag = event_lag.load();
   }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
     delete static_cast<Event*>(event);
   }
   void block(void*, const c10::Stream&) const override {}
-  bool queryEvent(void*) const override { return true; }
+  bool queryEvent(void* event) const override {
+    auto* e = static_cast<Event*>(event);
+    if (e != nullptr && e->lag > 0) {
+      --e->lag;
+      return false;
+    }
+    return true;
+  }
   bool queryStream(const c10::Stream&) const override { return true; }
   void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
+  void synchronizeEvent(void* event) const override {
+    if (event != nullptr) static_cast<Event*>(event)->lag = 0;
+  }
   void synchronizeDevice(const c10::DeviceIndex) const override {}
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
   double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
@@ -482,7 +499,11 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromB
 // ---- a flat C ABI for what Python reads without going through torch ------------------------------
 extern "C" {
 
-__attribute__((visibility("default"))) int capstan_standin_abi_version() { return 1; }
+__attribute__((visibility("default"))) int capstan_standin_abi_version() { return 2; }
+
+__attribute__((visibility("default"))) void capstan_standin_set_event_lag(int queries) {
+  capstan_standin::event_lag.store(queries < 0 ? 0 : queries);
+}
 
 __attribute__((visibility("default"))) int64_t capstan_standin_host_syncs() {
   return capstan_standin::host_syncs.load();

@@ -48,7 +48,7 @@ from capstan.comm.accelerator import device_module, indexed, is_accelerator
 from ..model.states import ChunkKind
 from .nonmodel import check_memory_limit, nonmodel_ahead
 from .tiers import BudgetError, Tier
-from .transfer import STAGING_BUFFERS, Transfers, staging_buffer_bytes
+from .transfer import STAGING_BUFFERS, StagedLanding, Transfers, staging_buffer_bytes
 
 if TYPE_CHECKING:
     from .manager import ChunkManager, _Entry
@@ -182,8 +182,12 @@ class DeviceTier:
         if fresh is not None:
             buf, event = self.transfers.fresh(chunk.capacity, chunk.dtype, zero=fresh == "zeros"), None
         else:
-            # A copy into `host` still in flight runs first: both are on the copy stream, in order
-            # (staged: the copy into it has landed, `_land` by the caller).
+            # A copy into `host` still in flight runs first: both are on the copy stream, in order. Staged,
+            # the host reads `host` itself: the landing into it must be finished first. Its stage need not
+            # be the one `take` looks at (stage 0 may be free while this one's landing waits in stage 1),
+            # and a GPU's copy in flight would otherwise go up stale (the stand-in's late_events test).
+            if isinstance(entry.landing, StagedLanding):
+                self.land(entry)
             self.ensure_staging()
             buf, event, reading = self.transfers.to_device(host)
         chunk.payload, entry.where, entry.arriving, entry.landing = buf, "device", event, None
@@ -313,6 +317,8 @@ class DeviceTier:
             e = self.m.entries[cid]
             if e.where != "cpu" or e.pins or e.read is not None or e.write is not None or e.stale:
                 continue  # a chunk pinned in RAM is being read there (the overlapped optimizer's worker)
+            if isinstance(e.landing, StagedLanding) and not e.landing.query():
+                continue  # its copy from the device is in flight: no host wait to prefetch it
             if not self.dev.fits(e.chunk.nbytes):
                 return
             e.pins += 1
