@@ -77,3 +77,49 @@ def test_kernels_on_a_gpu_match_the_cpu(dtype: torch.dtype) -> None:
     assert kernels.has_nonfinite(gpu[0])
     with pytest.raises(ValueError, match="^grad must be on cuda"):
         kernels.adam_update(gpu[0], cpu[1], gpu[2], gpu[3], **HP)
+
+
+@pytest.mark.parametrize("moments,master", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            ("int8", torch.float32), ("int8", torch.bfloat16)])
+def test_the_device_fallback_steps_in_windows_with_the_same_bits_and_bounded_memory(monkeypatch, moments,
+                                                                                       master) -> None:
+    """On a device, bf16 and 8-bit moments and a bf16 master step through fallback.py's torch ops, whose
+    temporaries came to 65-81 bytes an element of the whole tensor (84 GB for a 1.3B flat shard). They
+    step a window at a time: the same bits as one pass, and on the stand-in device the memory a step
+    allocates beyond its tensors is bounded by the window, not the tensor."""
+    from capstan.native import fallback, q8, standin
+
+    if not standin.available():
+        pytest.skip("the stand-in device needs torch's C++ headers and a C++ compiler")
+    dev = standin.load()
+    n, block = 12 * 4096 + 77, 256
+    segments = [(0, 7 * 4096 + 5, 0), (7 * 4096 + 5, 5 * 4096 + 72, 7 * 4096 + 5)]
+    args = dict(**HP, weight_decay=0.01, adamw=True, seed=11)
+
+    def run(window: int, device: str) -> tuple[list[torch.Tensor], int]:
+        """The state after one step with `window`, and (on the stand-in) the bytes it allocated at its peak
+        beyond the tensors it was given."""
+        monkeypatch.setattr(fallback, "WINDOW", window)
+        p, g, m, v = _state(n, 7)
+        if moments == "int8":
+            codes = [q8.quantize(torch.cat([t[o:o + k] for o, k, _ in segments]), f, block)[0] for t, f in
+                     ((m, "exp_avg"), (v, "exp_avg_sq"))]
+            scales = [torch.cat([q8.quantize(t[o:o + k], f, block)[1] for o, k, _ in segments]) for t, f in
+                      ((m, "exp_avg"), (v, "exp_avg_sq"))]
+            state = [t.to(device) for t in (p.to(master), g, *codes, *scales)]
+        else:
+            state = [t.to(device) for t in (p.to(master), g, m.to(moments), v.to(moments))]
+        mod = getattr(torch, dev)
+        mod.reset_peak_memory_stats()
+        base = mod.memory_allocated()
+        if moments == "int8":
+            fallback.adam_step_q8(*state, block=block, segments=segments, **args)
+        else:
+            fallback.adam_step(*state, **args)
+        return [t.cpu() for t in state], mod.max_memory_allocated() - base
+
+    whole, whole_extra = run(1 << 30, dev)
+    windowed, extra = run(4096, dev)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(whole, windowed))
+    assert whole_extra > 40 * n  # one pass over every element
+    assert extra <= 96 * 4096 < whole_extra / 4, (extra, whole_extra)  # fallback.WINDOW_BYTES at this window

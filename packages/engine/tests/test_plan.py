@@ -228,6 +228,26 @@ def test_the_planner_counts_a_bf16_masters_chunks_as_the_engine_allocates_them(m
     lists = chunk_lists(shape, layout, list(range(shape.layers + 3)))
     assert lists.bytes_per_element() == (6 if master == "bf16" else 8) + 2 / 64
     assert lists.state_bytes() == held
+    # On a GPU a bf16 master's gradient chunks (2 B, chunks of their own) are on the device during backward
+    # beside the parameters' two layers; an fp32 master's gradient sits in the 16-bit parameter's slot.
+    device = {i.what: i.bytes for i in memory_plan(shape, machine_preset("h100-80gb"), layout).items
+              if i.tier == "device" and "chunks" in i.what}
+    layer = device["parameter chunks in use and prefetched (2 layers, 16-bit)"] // 4  # 2 layers of 2 B
+    assert device.get("gradient chunks of the layer in backward") == (2 * layer if master == "bf16" else None)
+
+
+def test_the_planner_counts_the_device_fallbacks_window_for_bf16_and_8bit_moments() -> None:
+    """On a GPU the flat ZeRO 0-2 path steps bf16 and 8-bit moments in torch ops on the device
+    (native/fallback.py), a window at a time: the planner counts one window's temporaries there."""
+    from capstan.native.fallback import WINDOW_BYTES
+
+    model, gpu = MODELS["gpt3-1.3b"], machine_preset("h100-80gb")
+
+    def temporaries(states: str) -> list[int]:
+        plan = memory_plan(model, gpu, Layout(optimizer_states=states))
+        return [i.bytes for i in plan.items if i.what.startswith("optimizer step's temporaries")]
+
+    assert temporaries("fp32") == [] and temporaries("bf16") == temporaries("int8") == [WINDOW_BYTES]
 
 
 def test_capstan_plan_of_a_disk_config_without_a_budget(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -55,7 +55,9 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
               seed: int = 0, index_base: int = 0) -> bool:
     """Same contract as `kernels.adam_update` (returns True and changes nothing on overflow), except
     that with the fused kernel `grad` is left scaled (see the module docstring). bf16 moments take the
-    op-by-op form, whose stochastic rounding is the CPU kernel's bit for bit."""
+    op-by-op form (fallback.py, a window at a time), whose random words are the CPU kernel's; on a CUDA
+    device its fp32 arithmetic is not bit for bit the CPU's (CUDA fuses addcmul_ and addcdiv_ as
+    fma(value, b * c, a), the CPU as fma(value * b, c, a): about 4% of parameters an ulp apart)."""
     if check_overflow and fallback.has_nonfinite(grad, grad_scale):
         return True
     # torch's fused kernels round a bf16 param to nearest: a bf16 master takes the op-by-op form, whose

@@ -4,7 +4,9 @@ Used when the library cannot be loaded (one warning, from `_lib.get`) and as
 the reference the tests compare the native kernels with. Each function takes
 already-validated arguments (see `kernels.py`) and follows the native kernel's
 order of floating-point operations, so the two agree to the last bit for the
-element-wise kernels.
+element-wise kernels on the CPU. On a GPU (device_ops.py runs these for bf16 and
+8-bit moments) the random words are the same, but CUDA's addcmul_/addcdiv_ fuse
+differently from the CPU's, so a parameter may land an ulp apart.
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ __all__ = ["adam_step", "adam_step_q8", "cast_", "copy_", "sum_", "sumsq", "has_
            "to_bf16_sr"]
 
 _M32 = 0xFFFFFFFF
+# Elements per pass of `adam_step` and `adam_step_q8`. A pass's temporaries (fp32 copies, int64 hashes)
+# come to about 80 bytes an element (measured on the stand-in device: 65 with bf16 moments, 73 with a bf16
+# master too, 81 with 8-bit moments), which on a GPU, where these run on the device, was 84 GB for one
+# 1.3B-element flat shard. In windows they stay under WINDOW_BYTES whatever the tensor's size; each
+# element keeps its index, so the bits are the same.
+WINDOW = 1 << 22
+WINDOW_BYTES = 96 * WINDOW  # what the planner counts for one pass's temporaries (plan/memory.py)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +91,14 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     scale = torch.tensor(grad_scale, dtype=f32)  # the kernel multiplies by float(grad_scale)
     if check_overflow and has_nonfinite(grad, float(scale)):
         return True
+    n = param.numel()
+    if n > WINDOW and param.dim() == 1:
+        for a in range(0, n, WINDOW):
+            w = slice(a, min(n, a + WINDOW))
+            adam_step(param[w], grad[w], exp_avg[w], exp_avg_sq[w], step=step, lr=lr, beta1=beta1, beta2=beta2,
+                      eps=eps, weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale,
+                      out=None if out is None else out[w], seed=seed, index_base=index_base + a, fold=fold)
+        return False
     if param.dtype == torch.bfloat16:
         p32 = param.to(f32)
         adam_step(p32, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -126,39 +143,47 @@ def adam_step_q8(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                  segments: list[tuple[int, int, int]], step: int, lr: float, beta1: float, beta2: float,
                  eps: float, weight_decay: float, adamw: bool, grad_scale: float = 1.0,
                  check_overflow: bool = False, out: torch.Tensor | None = None, seed: int = 0) -> bool:
-    """Same contract as capstan_adam_step_q8, in torch ops on any device: each segment's blocks
-    decoded, stepped as `adam_step` steps fp32 moments, then re-encoded against new scales."""
+    """Same contract as capstan_adam_step_q8, in torch ops on any device, a window of whole blocks at a
+    time (`_q8_window`)."""
     if check_overflow and any(has_nonfinite(grad[o:o + n], grad_scale) for o, n, _ in segments):
         return True
     key = sr_key(seed)
     first = 0
-    for off, n, index in segments:
-        nb = -(-n // block)
-        if nb == 0:
-            continue
-        sl, sc = slice(off, off + n), slice(first, first + nb)
-        first += nb
-        m = (q8_decode(exp_avg[sl], Q8_EXP_AVG).view(-1)
-             * per_element(scale_m[sc], block, n))
-        r = q8_decode(exp_avg_sq[sl], Q8_EXP_AVG_SQ) * per_element(scale_v[sc], block, n)
-        v = r * r
-        p = param[sl] if param.dtype == torch.float32 else param[sl].to(torch.float32)
-        adam_step(p, grad[sl], m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                  weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, fold=True)
-        if param.dtype == torch.bfloat16:  # a bf16 master: rounded with the canonical index's word
-            param[sl] = to_bf16_sr(p, sr_key_param(seed), index, "hi")
-        r = v.sqrt()
-        pad = nb * block - n
-        new_m = q8_scale(torch.nn.functional.pad(m.abs(), (0, pad)).view(nb, block).amax(1))
-        new_r = q8_scale(torch.nn.functional.pad(r, (0, pad)).view(nb, block).amax(1))
-        scale_m[sc] = new_m
-        scale_v[sc] = new_r
-        rnd = _hash32((torch.arange(n, dtype=torch.int64, device=param.device) + index + key) & _M32)
-        exp_avg[sl] = q8_encode(m * per_element(q8_inverse(new_m), block, n), Q8_EXP_AVG, rnd >> 16)
-        exp_avg_sq[sl] = q8_encode(r * per_element(q8_inverse(new_r), block, n), Q8_EXP_AVG_SQ, rnd & 0xFFFF)
-        if out is not None:
-            out[sl] = p
+    window = max(block, WINDOW // block * block)  # whole blocks: each window's scales are its own
+    for seg_off, seg_n, seg_index in segments:
+        for a in range(0, seg_n, window):  # a parameter larger than a window: one window at a time
+            off, n, index = seg_off + a, min(window, seg_n - a), seg_index + a
+            _q8_window(param, grad, exp_avg, exp_avg_sq, scale_m, scale_v, block, off, n, index, first + a // block,
+                       key, seed, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, out)
+        first += -(-seg_n // block)
     return False
+
+
+def _q8_window(param, grad, exp_avg, exp_avg_sq, scale_m, scale_v, block, off, n, index, first, key, seed, step, lr,
+               beta1, beta2, eps, weight_decay, adamw, grad_scale, out) -> None:
+    """`adam_step_q8` on the n elements at `off` (canonical index `index`), whose blocks' scales start at
+    `first`: decoded, stepped as `adam_step` steps fp32 moments, then re-encoded against new scales."""
+    nb = -(-n // block)
+    sl, sc = slice(off, off + n), slice(first, first + nb)
+    m = q8_decode(exp_avg[sl], Q8_EXP_AVG).view(-1) * per_element(scale_m[sc], block, n)
+    r = q8_decode(exp_avg_sq[sl], Q8_EXP_AVG_SQ) * per_element(scale_v[sc], block, n)
+    v = r * r
+    p = param[sl] if param.dtype == torch.float32 else param[sl].to(torch.float32)
+    adam_step(p, grad[sl], m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+              weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, fold=True)
+    if param.dtype == torch.bfloat16:  # a bf16 master: rounded with the canonical index's word
+        param[sl] = to_bf16_sr(p, sr_key_param(seed), index, "hi")
+    r = v.sqrt()
+    pad = nb * block - n
+    new_m = q8_scale(torch.nn.functional.pad(m.abs(), (0, pad)).view(nb, block).amax(1))
+    new_r = q8_scale(torch.nn.functional.pad(r, (0, pad)).view(nb, block).amax(1))
+    scale_m[sc] = new_m
+    scale_v[sc] = new_r
+    rnd = _hash32((torch.arange(n, dtype=torch.int64, device=param.device) + index + key) & _M32)
+    exp_avg[sl] = q8_encode(m * per_element(q8_inverse(new_m), block, n), Q8_EXP_AVG, rnd >> 16)
+    exp_avg_sq[sl] = q8_encode(r * per_element(q8_inverse(new_r), block, n), Q8_EXP_AVG_SQ, rnd & 0xFFFF)
+    if out is not None:
+        out[sl] = p
 
 
 def cast_(src: torch.Tensor, dst: torch.Tensor) -> None:

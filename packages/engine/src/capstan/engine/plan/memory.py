@@ -38,9 +38,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from capstan.native.fallback import WINDOW, WINDOW_BYTES
+
 from ..config.schema import MOMENT_BYTES
 from ..zero.buckets import IN_FLIGHT, packed_bucket_elems
-from .chunks import chunk_lists, disk_file_bytes, streamed_step, transient_bytes
+from .chunks import ChunkLists, chunk_lists, disk_file_bytes, streamed_step, transient_bytes
 from .spec import Device, Layout, Machine, ModelShape, virtual_parts
 
 __all__ = ["Item", "MemoryPlan", "memory_plan", "min_devices_for_states", "TIERS"]
@@ -258,6 +260,19 @@ def memory_plan(shape: ModelShape, machine: Machine, layout: Layout, *, traffic:
     return best
 
 
+def _device_chunks(lists: ChunkLists, largest_layer: int, e16: bool) -> list[Item]:
+    """What an offloaded run keeps on the device: two layers' parameter chunks (in use and prefetched) and,
+    where gradients have chunks of their own (fp32 compute, a bf16 master; not the 16-bit slot reuse),
+    the layer's gradient chunk backward is writing."""
+    out = [Item("parameter chunks in use and prefetched (2 layers, 16-bit)" if e16 else
+                "parameter chunks in use and prefetched (2 layers)", "device",
+                2 * lists.param_bytes * largest_layer // lists.shard)]
+    if lists.grad_chunks:
+        out.append(Item("gradient chunks of the layer in backward", "device",
+                        lists.grad_bytes * largest_layer // lists.shard))
+    return out
+
+
 def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int, layers: list[int],
                 weights: list[int], last: int, compute: str, traffic: bool = True) -> MemoryPlan:
     dp, gpu = layout.replicas, machine.device is not None  # gradients reduced and states sharded over dp x cp
@@ -287,6 +302,9 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         items += [Item("parameters (fp32 flat buffer)", compute, 4 * params), Item(what, compute, grads),
                   Item(f"Adam moments ({layout.optimizer_states}"
                        f"{', sharded over dp' if layout.zero_stage >= 1 else ''})", compute, moments)]
+        if gpu and layout.optimizer_states != "fp32":  # stepped in torch ops on the device, a window at a time
+            items.append(Item("optimizer step's temporaries (bf16 or 8-bit moments in torch ops, one window)",
+                              compute, min(WINDOW_BYTES, WINDOW_BYTES // WINDOW * params)))
         if dp > 1 and layout.compression == "int8":  # zero/optimizer.py: Adam steps it, the buffer holds the gather
             items.append(Item("int8 compression: the exact fp32 master shard", compute, 4 * params // dp))
         if dp > 1 and layout.compression == "onebit":  # zero/compression.py: a worker and a server residual
@@ -304,9 +322,7 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         elif layout.offload == "cpu":
             items.append(Item(f"model states ({where})", "ram", states))
             if gpu:
-                items.append(Item("parameter chunks in use and prefetched (2 layers, 16-bit)" if e16 else
-                                  "parameter chunks in use and prefetched (2 layers)", "device",
-                                  2 * pbytes * largest_layer // shard))
+                items += _device_chunks(lists, largest_layer, e16)
         else:
             # on a GPU copies go through pinned staging buffers counted in the budget (chunkmem transfer.py)
             staging = lists.staging_bytes() if gpu else 0
@@ -330,8 +346,7 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
             else:
                 items.append(Item("model states on disk (at most: every chunk; not replayed)", "disk", states))
             if gpu:
-                items.append(Item("parameter chunks in use and prefetched (2 layers)", "device",
-                                  2 * pbytes * largest_layer // shard))
+                items += _device_chunks(lists, largest_layer, e16)
         if shard > 1 and layout.cpu_budget is None and not gpu:
             # RAM unbounded: every unit gathered stays until the end of backward (sharding.py), and one
             # gradient buffer per parameter group is open; under a budget both come out of the budget.
