@@ -54,3 +54,16 @@ def test_a_failing_rank_decides_its_grace_without_importing_torch() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**env, "OMPI_COMM_WORLD_SIZE": "2"})
     assert done.stdout.split() == ["True", "False"], done.stderr
+
+
+def test_the_error_tables_name_real_error_classes() -> None:
+    """The command line classifies an error by its defining module's table entry (commands._BAD_INPUT,
+    _RUN_FAILURES: no import of torch-backed modules to ask); a class that moved would silently turn a
+    bad-input line into a traceback, so each entry must name the class where it is defined."""
+    import importlib
+
+    from capstan.engine.cli import commands
+
+    for module, name in commands._BAD_INPUT + commands._RUN_FAILURES:
+        cls = getattr(importlib.import_module(module), name)
+        assert issubclass(cls, Exception) and cls.__module__ == module, (module, name)
