@@ -188,13 +188,15 @@ def host_syncs() -> int:
 def late_events(queries: int) -> Iterator[None]:
     """Events recorded inside answer "not done" to their first `queries` queries, until synchronized, as a
     GPU's copies in flight would (the stand-in's ops run at once, so its events are otherwise always
-    done, and code that reads a buffer before its guarding event is done passes here and fails there)."""
+    done, and code that reads a buffer before its guarding event is done passes here and fails there).
+    CAPSTAN_STANDIN_EVENT_LAG=n does the same for a whole process, the ranks of a launch included."""
     assert _lib is not None, "standin.load() first"
+    before = int(os.environ.get("CAPSTAN_STANDIN_EVENT_LAG", "0") or 0)
     _lib.capstan_standin_set_event_lag(queries)
     try:
         yield
     finally:
-        _lib.capstan_standin_set_event_lag(0)
+        _lib.capstan_standin_set_event_lag(before)
 
 
 def empty_host_cache() -> None:

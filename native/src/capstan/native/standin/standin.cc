@@ -45,6 +45,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -66,7 +67,11 @@ std::atomic<c10::StreamId> next_stream{1};
 // "not done" to its first n queries, as a GPU's copy still in flight would, until synchronized. The data
 // is in place at once all the same, so what this finds is code that reads a buffer before the event
 // that guards it says done, or trusts one query: orders a GPU shows and an always-done stand-in hides.
-std::atomic<int> event_lag{0};
+// CAPSTAN_STANDIN_EVENT_LAG=n sets it from the start in every process (a launch's ranks too).
+std::atomic<int> event_lag{[] {
+  const char* v = std::getenv("CAPSTAN_STANDIN_EVENT_LAG");
+  return v == nullptr ? 0 : std::max(0, std::atoi(v));
+}()};
 
 struct Event {
   std::chrono::steady_clock::time_point at;
