@@ -9,6 +9,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 from capstan.engine.report.charts import Line, Panel, nice_ticks, write_svg
 from capstan.engine.report.metrics import plot_losses, plot_memory
 
@@ -100,8 +102,6 @@ def test_capstan_launch_imports_no_torch() -> None:
 
 
 def test_a_lazy_name_may_not_name_a_submodule_too() -> None:
-    import pytest
-
     from capstan.comm.lazy import lazy_attributes
     from capstan.engine.plan import search
 
