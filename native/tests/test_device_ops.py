@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from capstan.comm.testing import requires_cuda
-from capstan.native import device_ops, kernels
+from capstan.native import device_ops, kernels, standin
 
 HP = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 
@@ -79,6 +79,7 @@ def test_kernels_on_a_gpu_match_the_cpu(dtype: torch.dtype) -> None:
         kernels.adam_update(gpu[0], cpu[1], gpu[2], gpu[3], **HP)
 
 
+@standin.requires()
 @pytest.mark.parametrize("moments,master", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
                                             ("int8", torch.float32), ("int8", torch.bfloat16)])
 def test_the_device_fallback_steps_in_windows_with_the_same_bits_and_bounded_memory(monkeypatch, moments,
@@ -87,10 +88,8 @@ def test_the_device_fallback_steps_in_windows_with_the_same_bits_and_bounded_mem
     temporaries came to 65-81 bytes an element of the whole tensor (84 GB for a 1.3B flat shard). They
     step a window at a time: the same bits as one pass, and on the stand-in device the memory a step
     allocates beyond its tensors is bounded by the window, not the tensor."""
-    from capstan.native import fallback, q8, standin
+    from capstan.native import fallback, q8
 
-    if not standin.available():
-        pytest.skip("the stand-in device needs torch's C++ headers and a C++ compiler")
     dev = standin.load()
     n, block = 12 * 4096 + 77, 256
     segments = [(0, 7 * 4096 + 5, 0), (7 * 4096 + 5, 5 * 4096 + 72, 7 * 4096 + 5)]

@@ -224,6 +224,7 @@ def test_pinned_ram_under_a_budget_is_a_staging_pool_counted_in_the_cpu_tier(dev
         ChunkedModel(_net(), small, CHUNK, dtype=torch.bfloat16)
 
 
+@standin.requires()
 def test_staged_copies_wait_for_copies_the_device_has_not_finished(tmp_path) -> None:
     """Under a RAM budget copies go through the staging pool, and a copy from the device lands in the
     chunk's RAM buffer only when its event is done. The stand-in's ops run at once, so its events are
@@ -232,8 +233,6 @@ def test_staged_copies_wait_for_copies_the_device_has_not_finished(tmp_path) -> 
     landing -- on a GPU, stale weights. With events that answer "not done" to their first queries, as a
     GPU's copies in flight would, X must come back with the values it left with; and training equals
     the CPU bit for bit."""
-    if not standin.available():
-        pytest.skip("the stand-in device needs torch's C++ headers and a C++ compiler")
     device = standin.load()
     manager = ChunkManager(96 << 10, DiskStore(tmp_path / "x"), device=device, device_budget=3 * CHUNK * 2)
     model = ChunkedModel(_net(), manager, CHUNK, dtype=torch.bfloat16)

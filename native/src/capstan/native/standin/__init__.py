@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["NAME", "load", "loaded", "available", "param", "host_syncs", "device_stats", "host_stats",
-           "empty_host_cache", "late_events", "StandinUnavailable"]
+           "empty_host_cache", "late_events", "requires", "StandinUnavailable"]
 
 NAME = "standin"
 _HERE = Path(__file__).parent
@@ -143,13 +143,20 @@ def load() -> str:
     return NAME
 
 
+def requires():
+    """A pytest mark skipping a test (with the reason) where the stand-in cannot be built."""
+    import pytest
+
+    return pytest.mark.skipif(not available(),
+                              reason="the stand-in device needs torch's C++ headers and a C++ compiler")
+
+
 def param():
     """A pytest parameter "standin" for tests parametrized over devices, skipped (with the reason) where the
     stand-in cannot be built; load it in the test (or a conftest fixture) with `load()`."""
     import pytest
 
-    return pytest.param(NAME, id=NAME, marks=pytest.mark.skipif(
-        not available(), reason="the stand-in device needs torch's C++ headers and a C++ compiler"))
+    return pytest.param(NAME, id=NAME, marks=requires())
 
 
 def _device_count() -> int:
