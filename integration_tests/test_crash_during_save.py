@@ -1,7 +1,7 @@
 """kill -9 during a checkpoint save: the previous checkpoint is intact and is what resume loads.
 
 Two ranks (dp = 2, ZeRO-1) train 6 steps, saving every 2. A crash point
-(comm/faults.py) SIGKILLs one rank in the middle of the save at step 4:
+(comm/health/faults.py) SIGKILLs one rank in the middle of the save at step 4:
 rank 1 after writing its shard (the manifest does not exist yet), or rank 0
 after writing the manifest but before the directory's atomic rename. The
 surviving rank must fail with an error naming the lost rank within the comm

@@ -6,7 +6,7 @@ write), the one-line errors (and no traceback), the time from the fault to the l
 saved before the fault, that it still verifies (`capstan checkpoint inspect`). docs/launch.md and
 docs/checkpoints.md have the "what happens when" table these cases stand behind.
 
-Faults come from capstan.comm.faults: ``CAPSTAN_CRASH_AT`` (SIGKILL, SIGTERM or a pause at a named
+Faults come from capstan.comm.health.faults: ``CAPSTAN_CRASH_AT`` (SIGKILL, SIGTERM or a pause at a named
 point: forward, backward, the optimizer step, a pipeline transfer, a ZeRO-3 gather, a save) and
 ``CAPSTAN_FILE_SIZE_LIMIT`` (RLIMIT_FSIZE: a full disk on one rank or on all, without filling one).
 """

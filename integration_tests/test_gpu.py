@@ -6,7 +6,7 @@ The parity layouts, their tolerances (1e-4 relative on losses with TF32 off) and
 tools/gpu/parity.py, the battery's parity part, which also runs them on the CPU suite's stand-in
 accelerator (integration_tests/test_gpu_battery.py); the battery runs that part itself and leaves the
 first two tests here out of its `pytest -m cuda`. Two ranks share the one GPU of a test machine: NCCL
-refuses that, so their CUDA tensors travel through host memory (comm/accelerator.py).
+refuses that, so their CUDA tensors travel through host memory (comm/job/accelerator.py).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch
 from mpi4py import MPI
 
 from capstan import comm
-from capstan.comm.groups import Group
+from capstan.comm.job.groups import Group
 
 
 def _timed(fn, reps: int) -> float:

@@ -52,7 +52,7 @@ def one(states: str, layers: int, d_model: int, budget: str, steps: int, directo
     import torch
 
     from capstan import comm
-    from capstan.comm.procmem import peak_rss_bytes
+    from capstan.comm.health.procmem import peak_rss_bytes
     from capstan.engine import initialize, open_data, train_batches
 
     torch.manual_seed(0)
@@ -107,7 +107,7 @@ def forward_backward(layers: int, d_model: int, steps: int) -> dict:
     import torch
 
     from capstan import comm
-    from capstan.comm.procmem import peak_rss_bytes
+    from capstan.comm.health.procmem import peak_rss_bytes
     from capstan.engine.config.load import load_config, reference_gpt_config
     from capstan.tensorpar import build_gpt
 

@@ -257,7 +257,7 @@ def search_largest(fits, start: int, deadline: float, resolution: float = 1.25, 
 
 
 def _meminfo_available() -> int:
-    from capstan.comm.procmem import mem_available_bytes
+    from capstan.comm.health.procmem import mem_available_bytes
 
     return mem_available_bytes() or 16 << 30
 

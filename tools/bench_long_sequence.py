@@ -197,7 +197,7 @@ def capstan_worker(cfg: dict, seq: int, threads: int = 1) -> dict:
     """One rank: one step on random tokens (every cp rank reads the same sequence, keeps its share)."""
     import torch
 
-    from capstan.comm.procmem import peak_rss_bytes
+    from capstan.comm.health.procmem import peak_rss_bytes
     from capstan.engine import initialize
 
     torch.set_num_threads(threads)

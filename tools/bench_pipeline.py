@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from capstan.comm.procmem import rss_bytes
+from capstan.comm.health.procmem import rss_bytes
 from capstan.comm.testing import run_mpirun, run_ranks
 from capstan.pipeline import PipelineExecutor, make_schedule, partition
 from capstan.pipeline.testing_models import gpt_loss, gpt_specs

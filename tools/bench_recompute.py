@@ -27,7 +27,7 @@ torch.set_num_threads(int(sys.argv[2]))
 from capstan.engine import initialize, open_data, train_batches
 cfg = json.loads(sys.argv[1])
 engine = initialize(config=cfg)
-from capstan.comm.procmem import rss_bytes
+from capstan.comm.health.procmem import rss_bytes
 rss_model = rss_bytes()
 it = train_batches(open_data(engine.config), engine.config, 1, 0)
 engine.train_batch(it)  # warm-up

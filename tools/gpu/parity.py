@@ -82,7 +82,7 @@ def trajectory(cfg: dict, steps: int | None = None, audit: bool = False, save_at
     """Train `cfg` to step `steps` (default: its train.steps), resumed from checkpoint `load`, saved into
     `save_dir` after step `save_at`. Returns the losses, gradient norms, the device, and per step the
     device tier's (resident, peak) bytes beside what the device allocator holds."""
-    from capstan.comm.accelerator import device_module
+    from capstan.comm.job.accelerator import device_module
     from capstan.engine import initialize, open_data, train_batches
 
     no_tf32()

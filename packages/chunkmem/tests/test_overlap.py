@@ -196,7 +196,7 @@ def _rss_growth_in_backward(copy_room) -> tuple[int, int, object]:
     """One step of a 21M-parameter net whose clip never fires (a guessing step): how much the process's RSS
     grew during backward (the copies are made then, and every job waited for), the copies' bytes, and the
     speculation. Chunks of 32 MiB, so each copy is a mapping of its own that RSS shows and frees."""
-    from capstan.comm.procmem import rss_bytes
+    from capstan.comm.health.procmem import rss_bytes
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 2048),

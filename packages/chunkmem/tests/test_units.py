@@ -262,7 +262,7 @@ def test_freed_chunk_buffers_are_reused_and_never_held_beyond_the_budget(tmp_pat
     for the next chunk of its size instead of a fresh mapping the kernel must fault in and zero (the
     1.81B disk step's system time: docs/benchmarks.md); what the pool keeps plus what chunks hold never
     exceeds the budget, at any move, and the process's RSS grows by no more than the budget."""
-    from capstan.comm.procmem import rss_bytes
+    from capstan.comm.health.procmem import rss_bytes
 
     n, budget = MiB_FLOATS, 3 * 4 * MiB  # 4 MiB chunks (their own mappings), 3 of them in RAM
     manager = ChunkManager(budget, DiskStore(tmp_path), audit=True)

@@ -94,7 +94,7 @@ def test_bad_backend_and_timeout_are_rejected() -> None:
 @pytest.mark.parametrize("raw", ["big", "-1", "nan"])
 def test_a_bad_mpi_segment_size_is_named(raw: str, monkeypatch) -> None:
     from capstan import comm
-    from capstan.comm import mpi_backend
+    from capstan.comm.backends import mpi_backend
 
     before = mpi_backend.SEGMENT_BYTES
     monkeypatch.setenv("CAPSTAN_MPI_SEGMENT_MIB", raw)
@@ -234,15 +234,15 @@ def _debug_lines() -> list[str]:
 def test_debug_switch_times_every_collective_with_its_size() -> None:
     out = run_ranks(_debug_lines, 2, env={"CAPSTAN_DEBUG_COMM": "1", "CAPSTAN_LOG_LEVEL": "DEBUG"})
     assert out[1] == [
-        "[rank 1] DEBUG capstan.comm.collectives: all_reduce on world[0, 1]: 40 bytes",
-        "[rank 1] DEBUG capstan.comm.collectives: broadcast on world[0, 1]: 12 bytes",
+        "[rank 1] DEBUG capstan.comm.ops.collectives: all_reduce on world[0, 1]: 40 bytes",
+        "[rank 1] DEBUG capstan.comm.ops.collectives: broadcast on world[0, 1]: 12 bytes",
     ]
 
 
 _WATCHDOG = (
     "import sys, time; from datetime import timedelta\n"
     "from capstan.comm import bootstrap\n"
-    "from capstan.comm.launch_env import LaunchInfo\n"
+    "from capstan.comm.job.launch_env import LaunchInfo\n"
     "bootstrap._InitWatchdog.MARGIN_S = 0.5\n"
     "info = LaunchInfo('torchrun', 1, 2, 1, 2, master_addr='127.0.0.1', master_port=29999)\n"
     "with bootstrap._InitWatchdog(info, timedelta(seconds=0.5)):\n"

@@ -100,7 +100,8 @@ def _reduce_scatter_sends_half_an_all_reduce(w) -> list[str]:
     that left the process. gloo's own reduce-scatter was an all-reduce (as many bytes: 100.7 MB each for
     64 MiB over 4 ranks), which made ZeRO-2's reduce-scatter mode no faster than all-reduce on a slow link."""
     from capstan import comm
-    from capstan.comm import mpi_backend, shard_bounds
+    from capstan.comm import shard_bounds
+    from capstan.comm.backends import mpi_backend
 
     n = 1 << 20  # 4 MiB of fp32
     if mpi_backend.supports(torch.ones(1), w):

@@ -1,4 +1,4 @@
-"""Compressed collectives (comm/compress.py): exact where the compression is lossless, residuals that
+"""Compressed collectives (comm/ops/compress.py): exact where the compression is lossless, residuals that
 keep exactly what was not sent, error feedback that loses nothing over many calls, bytes counted by the
 formula. One 4-rank launch checks the world group (4) and the dp groups of a dp 2 x tp 2 topology (2).
 """

@@ -1,4 +1,5 @@
-"""Fault injection (comm/faults.py), run-directory locks (comm/lockfile.py), error agreement (comm/agree.py)."""
+"""Fault injection (comm/health/faults.py), run-directory locks (comm/health/lockfile.py), error agreement
+(comm/ops/agree.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from capstan.comm import faults, first_error, single_process_groups
-from capstan.comm.lockfile import LockHeld, hold
+from capstan.comm import first_error, single_process_groups
+from capstan.comm.health import faults
+from capstan.comm.health.lockfile import LockHeld, hold
 
 
 def test_crash_point_conditions_after_once_and_pause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,12 +37,12 @@ def test_crash_point_conditions_after_once_and_pause(tmp_path: Path, monkeypatch
 
 def test_crash_point_kills_and_file_size_limit_is_per_rank(tmp_path: Path) -> None:
     code = ("import os; os.environ['CAPSTAN_CRASH_AT'] = 'forward:step=1'\n"
-            "from capstan.comm import faults\nfaults.crash_point('forward', step=1)\nprint('alive')\n")
+            "from capstan.comm.health import faults\nfaults.crash_point('forward', step=1)\nprint('alive')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == -9 and "alive" not in out.stdout
     big = tmp_path / "big.bin"
     code = (f"import os; os.environ['RANK'] = '1'; os.environ['CAPSTAN_FILE_SIZE_LIMIT'] = '4096:rank=1'\n"
-            f"from capstan.comm import faults\nfaults.limit_file_size()\n"
+            f"from capstan.comm.health import faults\nfaults.limit_file_size()\n"
             f"try:\n    with open({str(big)!r}, 'wb') as f:\n        f.write(b'x' * 8192)\n"
             f"except OSError as e:\n    print('refused', e.errno)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -57,7 +59,7 @@ def test_lock_names_its_holder_and_dies_with_it(tmp_path: Path) -> None:
     lock.release()
     hold(tmp_path / "run" / ".capstan.lock", "log.run_dir run").release()
     # a holder killed with SIGKILL leaves the file but not the lock
-    code = (f"from capstan.comm.lockfile import hold; import os, signal\n"
+    code = (f"from capstan.comm.health.lockfile import hold; import os, signal\n"
             f"hold({str(tmp_path / 'k.lock')!r}, 'x'); os.kill(os.getpid(), signal.SIGKILL)\n")
     subprocess.run([sys.executable, "-c", code], timeout=120)
     assert (tmp_path / "k.lock").read_text().startswith("pid ")

@@ -93,6 +93,6 @@ def test_inconsistent_environments_name_the_variable(env: dict[str, str], messag
     ],
 )
 def test_env_rank_never_raises(env: dict[str, str], rank: int | None) -> None:
-    from capstan.comm.launch_env import env_rank
+    from capstan.comm.job.launch_env import env_rank
 
     assert env_rank(env) == rank

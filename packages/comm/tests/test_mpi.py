@@ -101,7 +101,7 @@ def test_shutdown_gives_up_on_an_operation_no_peer_posted_within_the_timeout() -
 
 def _segmented_collectives() -> dict[str, object]:
     from capstan import comm
-    from capstan.comm import mpi_backend
+    from capstan.comm.backends import mpi_backend
 
     w = comm.world()
     n = 10_007  # 2621 fp32 per all-reduce segment of 0.01 MiB: four calls, the last one short

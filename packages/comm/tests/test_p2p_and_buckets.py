@@ -46,7 +46,7 @@ def _ring_over_mpi() -> dict:
     import gc
 
     from capstan import comm
-    from capstan.comm import mpi_backend
+    from capstan.comm.backends import mpi_backend
 
     w = comm.world()
     nxt, prv = (w.rank + 1) % w.size, (w.rank - 1) % w.size
@@ -116,7 +116,7 @@ def test_coalesced_all_reduce_over_a_group_of_one_copies_nothing(monkeypatch) ->
     """dp = 1: the engine's stage-0 reduction of every gradient is the identity; it must not copy them into
     buckets and back (a kernel per parameter on a GPU)."""
     from capstan import comm
-    from capstan.comm import bucketing
+    from capstan.comm.ops import bucketing
 
     def no_copy(*args: object) -> None:
         raise AssertionError("copied into a bucket")
@@ -140,7 +140,8 @@ def test_flatten_round_trip() -> None:
 
 def _warmed_groups() -> tuple[list[tuple[str, bool]], list[float]]:
     from capstan import comm
-    from capstan.comm import bootstrap, groups
+    from capstan.comm import bootstrap
+    from capstan.comm.job import groups
 
     warmed: list[tuple[str, bool]] = []
     real = groups.warm_up

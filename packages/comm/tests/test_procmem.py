@@ -1,4 +1,4 @@
-"""The /proc memory readers (capstan.comm.procmem)."""
+"""The /proc memory readers (capstan.comm.health.procmem)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from capstan.comm.procmem import mem_available_bytes, peak_rss_bytes, proc_kib, rss_bytes
+from capstan.comm.health.procmem import mem_available_bytes, peak_rss_bytes, proc_kib, rss_bytes
 
 
 def test_a_missing_file_or_key_reads_as_zero(tmp_path: Path) -> None:

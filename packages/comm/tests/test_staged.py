@@ -1,5 +1,5 @@
 """Collectives and point-to-point staged through host memory (how CUDA tensors travel where ranks
-share a GPU, comm/accelerator.py), checked on CPU tensors: `STAGE_CPU_TENSORS` routes them through the
+share a GPU, comm/job/accelerator.py), checked on CPU tensors: `STAGE_CPU_TENSORS` routes them through the
 same copies. Every op's results must equal the unstaged ones, including outputs that are not the
 input (all_gather, reduce_scatter), async handles, and receives copied back at `wait()`.
 """
@@ -16,7 +16,7 @@ def _staged_cases() -> dict:
     from pathlib import Path
 
     from capstan import comm
-    from capstan.comm import collectives
+    from capstan.comm.ops import collectives
 
     sys.path.insert(0, str(Path(__file__).parent))  # the unstaged cases, from the test modules beside this one
     from test_collectives import _all_cases
@@ -62,7 +62,7 @@ def test_a_group_of_one_stages_nothing(monkeypatch) -> None:
     """A collective on a group of one is an identity: no copies through host memory (on a GPU each
     would be a host sync, several per layer on a single-GPU run)."""
     from capstan import comm
-    from capstan.comm import collectives
+    from capstan.comm.ops import collectives
 
     monkeypatch.setattr(collectives, "STAGE_CPU_TENSORS", True)
     copies = []

@@ -101,7 +101,7 @@ def _master_memory() -> dict:
 
     import torch
 
-    from capstan.comm.procmem import peak_rss_bytes
+    from capstan.comm.health.procmem import peak_rss_bytes
     from capstan.engine import initialize, open_data, train_batches
 
     torch.set_num_threads(1)

@@ -146,7 +146,7 @@ def test_shipped_tensor_parallel_plans_for_gpt2_llama_and_bert() -> None:
 
 def test_a_model_without_a_plan_is_refused_at_tp2() -> None:
     from capstan.comm import Topology
-    from capstan.comm.groups import Group, Groups
+    from capstan.comm.job.groups import Group, Groups
 
     one = Group("x", (0,), 0)
     groups = Groups(world=Group("world", (0, 1), 0), dp=one, pp=one, tp=Group("tp", (0, 1), 0), topology=Topology(tp=2))

@@ -26,7 +26,7 @@ from capstan.native import standin
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_parameter_counts_equal_the_reference_gpt_per_layer(tp: int) -> None:
-    from capstan.comm.groups import Group
+    from capstan.comm.job.groups import Group
     from capstan.tensorpar import GPTConfig, build_gpt
 
     with torch.device("meta"):

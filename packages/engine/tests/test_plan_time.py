@@ -78,7 +78,7 @@ def test_compression_sends_what_the_compressed_collectives_send_and_adds_their_p
 
     # The numbers the planner must use, written here rather than imported from it (a test that reads the
     # constant it checks cannot fail): one int8 byte per element and a fp32 scale per block of them; fp32
-    # passes over the values counted in comm/compress.py (1-bit: sign packing, scale, residuals, unpacking,
+    # passes over the values counted in comm/ops/compress.py (1-bit: sign packing, scale, residuals, unpacking,
     # twice, and the momentum step: 20; int8: quantize and dequantize: 8), docs in plan/time.py.
     INT8_BYTES, INT8_PASSES, ONEBIT_PASSES = 1 + 4 / comm.INT8_BLOCK, 8, 20
     n, ar, ag = SHAPE.params, Link(1e-4, 1e9), Link(1e-4, 2e9)

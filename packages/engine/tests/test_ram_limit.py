@@ -40,7 +40,7 @@ def _peak_rss_per_step(disk: str, limit: int) -> tuple[list[int], int, int]:
     manager was made (what ram_limit counts from), the chunks' capacity at the end and their total bytes."""
     import torch
 
-    from capstan.comm.procmem import peak_rss_bytes
+    from capstan.comm.health.procmem import peak_rss_bytes
 
     torch.set_num_threads(1)
     cfg = {"model": {"n_layers": 4, "n_heads": 4, "d_model": 256, "seq_len": 64}, "data": {"max_bytes": 200_000},

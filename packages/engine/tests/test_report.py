@@ -97,7 +97,8 @@ def test_capstan_launch_imports_no_torch() -> None:
             "print(codes, sorted(m for m in sys.modules if m == 'torch' or m.startswith('capstan.comm.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[0, 2] ['capstan.comm.launch_env', 'capstan.comm.lazy']", out
+    expected = "[0, 2] ['capstan.comm.job', 'capstan.comm.job.launch_env', 'capstan.comm.lazy']"
+    assert out.stdout.strip().splitlines()[-1] == expected, out
     assert "capstan: error:" in out.stderr
 
 
@@ -108,3 +109,18 @@ def test_a_lazy_name_may_not_name_a_submodule_too() -> None:
     assert callable(search)  # plan's search() (its module is layout_search.py)
     with pytest.raises(ImportError, match="search"):
         lazy_attributes("capstan.engine.plan", {"search": "search"})
+    with pytest.raises(ImportError, match="world"):  # a room named like a name: comm's rooms are not world/
+        lazy_attributes("capstan.comm", {"world": "job.state", "init": "world.bootstrap"})
+
+
+def test_comm_names_survive_their_rooms_being_imported() -> None:
+    """comm.world and comm.transport are functions of job/state.py; importing every room of comm (which binds
+    each room as an attribute of the package) must leave them functions."""
+    import importlib
+
+    from capstan import comm
+
+    for room in ("job", "backends", "ops", "health"):
+        importlib.import_module(f"capstan.comm.{room}")
+    assert callable(comm.world) and callable(comm.transport) and callable(comm.all_reduce)
+    assert {comm.__getattr__.__module__} == {"capstan.comm.lazy"}

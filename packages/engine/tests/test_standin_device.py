@@ -38,7 +38,7 @@ def _run(cfg: dict, eval_after: int | None = None, model=None) -> dict:
     engine = initialize(model=model, config=cfg)
     data = open_data(engine.config)
     it = train_batches(data, engine.config, engine.groups.dp.size, engine.groups.dp.rank)
-    from capstan.comm.accelerator import is_accelerator
+    from capstan.comm.job.accelerator import is_accelerator
     from capstan.native import standin
 
     counting = is_accelerator(engine.device)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from capstan.comm.groups import Group
+from capstan.comm.job.groups import Group
 from capstan.engine import stop
 
 ONE = Group("world", (0,), 0)

@@ -139,7 +139,7 @@ def _reference(tied: bool, m: int, seq: int, seed: int) -> tuple[float, dict[str
 def _pipelined_over_mpi(pp: int, m: int) -> list:
     """`_pipelined` on the mpi backend; fails unless the stages' exchanges take MPI point-to-point."""
     from capstan import comm
-    from capstan.comm import mpi_backend
+    from capstan.comm.backends import mpi_backend
 
     assert comm.backend() == "mpi", comm.backend()
     pp_group = comm.build_groups(comm.Topology(pp=pp)).pp

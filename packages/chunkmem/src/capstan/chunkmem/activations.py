@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from capstan.comm.accelerator import current_stream, indexed, is_accelerator
+from capstan.comm.job.accelerator import current_stream, indexed, is_accelerator
 
 from .memory.disk import ALIGN, DiskStore
 

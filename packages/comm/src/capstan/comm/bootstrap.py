@@ -27,11 +27,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import mpi_backend, state
-from .accelerator import device_module, is_accelerator, pick_device, transport
-from .errors import DirLiveness, Liveness, StoreLiveness
-from .groups import Group, release_at_exit, warm_up
-from .launch_env import LaunchError, LaunchInfo, detect_launch
+from .backends import mpi_backend
+from .health.errors import DirLiveness, Liveness, StoreLiveness
+from .job import state
+from .job.accelerator import device_module, is_accelerator, pick_device, transport
+from .job.groups import Group, release_at_exit, warm_up
+from .job.launch_env import LaunchError, LaunchInfo, detect_launch
 from .log import get_logger, set_rank_context
 
 __all__ = ["init", "shutdown", "is_initialized", "nccl_environment", "BACKENDS", "CPU_DEFAULT_BACKEND"]

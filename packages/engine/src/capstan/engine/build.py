@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from capstan import comm
-from capstan.comm.accelerator import is_accelerator
+from capstan.comm.job.accelerator import is_accelerator
 
 from .config.load import ConfigError, check_world, resolve, uses_chunks
 from .config.schema import Config

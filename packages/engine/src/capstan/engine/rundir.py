@@ -2,7 +2,7 @@
 
 * `lock_run`: world rank 0 holds ``<log.run_dir>/.capstan.lock`` (and one in
   checkpoint.dir when that lies elsewhere) for the whole run
-  (capstan.comm.lockfile: an flock the kernel drops when the process ends,
+  (capstan.comm.health.lockfile: an flock the kernel drops when the process ends,
   kill -9 included). A second run on the same directory fails on every rank
   with one line naming the holder, before it writes a byte: two runs would
   splice their metrics and delete each other's ``.partial`` checkpoints.
@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from capstan import comm
-from capstan.comm.lockfile import Lock, LockHeld, hold
+from capstan.comm.health.lockfile import Lock, LockHeld, hold
 
 from .checkpoint import CheckpointError, incomplete_checkpoints, latest
 from .config import Config

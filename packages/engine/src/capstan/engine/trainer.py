@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from capstan import comm
-from capstan.comm import faults
+from capstan.comm.health import faults
 
 from . import checkpoint, stop
 from .build import initialize, resolve_groups

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from capstan import comm
-from capstan.comm import faults
+from capstan.comm.health import faults
 
 from .instructions import (
     Backward,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from capstan import comm
-from capstan.comm import state as comm_state
+from capstan.comm.job import state as comm_state
 
 __all__ = ["HEADER_LEN", "DTYPE_CODES", "encode_header", "decode_header", "shape_key", "subgroups"]
 

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from capstan.comm.accelerator import device_module, indexed, is_accelerator
+from capstan.comm.job.accelerator import device_module, indexed, is_accelerator
 
 from ..model.states import ChunkKind
 from .nonmodel import check_memory_limit, nonmodel_ahead

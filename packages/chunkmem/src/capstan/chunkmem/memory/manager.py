@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from capstan.comm.procmem import rss_bytes
+from capstan.comm.health.procmem import rss_bytes
 from capstan.native import aio
 
 from ..model.chunk import Chunk

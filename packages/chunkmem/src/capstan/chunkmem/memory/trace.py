@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from capstan.comm.procmem import rss_bytes
+from capstan.comm.health.procmem import rss_bytes
 
 from .nonmodel import check_memory_limit, nonmodel_ahead
 

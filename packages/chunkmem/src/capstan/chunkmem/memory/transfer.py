@@ -48,7 +48,7 @@ import threading
 
 import torch
 
-from capstan.comm.accelerator import current_stream, indexed, is_accelerator
+from capstan.comm.job.accelerator import current_stream, indexed, is_accelerator
 
 __all__ = ["STAGING_BUFFERS", "StagedLanding", "Staging", "Transfers", "staging_buffer_bytes"]
 

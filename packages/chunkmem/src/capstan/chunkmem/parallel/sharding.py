@@ -55,7 +55,8 @@ import torch
 from torch import nn
 
 from capstan import comm
-from capstan.comm import Group, faults
+from capstan.comm import Group
+from capstan.comm.health import faults
 
 from ..memory.manager import ChunkManager
 from ..model.chunk import Chunk

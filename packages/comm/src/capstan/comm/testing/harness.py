@@ -14,8 +14,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..launch_env import find_mpirun, one_host_mca
-from ..launch_env import mpirun_flavor as _flavor
+from ..job.launch_env import find_mpirun, one_host_mca
+from ..job.launch_env import mpirun_flavor as _flavor
 
 __all__ = ["RankFailure", "run_ranks", "run_mpirun", "clean_env", "find_mpirun", "mpirun_flavor",
            "requires_mpirun"]

@@ -50,7 +50,7 @@ def main(spec_path: str) -> int:
 
     torch.set_num_threads(int(os.environ.get("CAPSTAN_TEST_THREADS", "1")))
     from capstan import comm
-    from capstan.comm.launch_env import env_rank
+    from capstan.comm.job.launch_env import env_rank
 
     rank = -1
     try:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from capstan import comm
-from capstan.comm import faults
+from capstan.comm.health import faults
 
 from .format import DTYPE_CODES, FORMAT, MANIFEST, VERSION, Entry, fsync_dir, read_tensor, write_safetensors
 from .state import FIELDS, LocalParam, merge_tp, rng_generators, slice_tp, state_view

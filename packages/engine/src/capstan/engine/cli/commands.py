@@ -54,12 +54,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 # importing chunkmem or the checkpoint store to ask would import torch (1.4 s before `capstan launch`'s
 # one error line).
 _BAD_INPUT = (("capstan.engine.config.load", "ConfigError"), ("capstan.engine.data.sources", "DataError"),
-              ("capstan.comm.launch_env", "LaunchError"), ("capstan.chunkmem.memory.tiers", "BudgetError"),
+              ("capstan.comm.job.launch_env", "LaunchError"), ("capstan.chunkmem.memory.tiers", "BudgetError"),
               ("capstan.chunkmem.model.layout", "LayoutError"), ("capstan.chunkmem.memory.disk", "DiskTierError"),
               ("capstan.engine.checkpoint.store", "CheckpointError"), ("capstan.engine.disk_bench", "DiskBenchError"),
               ("capstan.engine.rundir", "RunDirError"), ("capstan.engine.plan.spec", "PlanError"))
 # Not capstan bugs either, but no bad input: a lost peer, fp16 gradients overflowing at the least loss scale.
-_RUN_FAILURES = (("capstan.comm.errors", "CommError"), ("capstan.chunkmem.optim.precision", "LossScaleError"))
+_RUN_FAILURES = (("capstan.comm.health.errors", "CommError"), ("capstan.chunkmem.optim.precision", "LossScaleError"))
 
 
 def _loaded(errors: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
@@ -135,7 +135,7 @@ def _launch_world_size() -> int:
 
 
 def _launch_rank() -> int:
-    from capstan.comm.launch_env import env_rank
+    from capstan.comm.job.launch_env import env_rank
 
     return env_rank() or 0
 

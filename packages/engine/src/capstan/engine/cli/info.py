@@ -36,7 +36,7 @@ def collect_info() -> dict[str, object]:
     import torch
 
     from capstan import comm, native
-    from capstan.comm.launch_env import find_mpirun
+    from capstan.comm.job.launch_env import find_mpirun
 
     launch = _guarded(comm.detect_launch)
     info: dict[str, object] = {

@@ -177,7 +177,7 @@ def _kinds(shape: ModelShape, layers: list[int] | tuple[int, ...]) -> tuple[str,
 @lru_cache(maxsize=64)
 def _kind_specs(shape: ModelShape, tp: int) -> dict[str, tuple[tuple[tuple[int, int], ...], ...]]:
     """Per layer kind, its modules' (engine group, elements) of each parameter, from the layers built on meta."""
-    from capstan.comm.groups import Group
+    from capstan.comm.job.groups import Group
     from capstan.tensorpar import GPTConfig
     from capstan.tensorpar.gpt import gpt_layer_factories
 

@@ -199,7 +199,7 @@ def _paired(forward, both, budget: float = 1.0, least: int = 7, most: int = 60) 
 
 def measure_layers(shape: ModelShape, layout: Layout, threads: int = 1) -> dict[str, LayerCost]:
     """Profile the reference GPT's layers at one tensor-parallel rank's shapes (module docstring)."""
-    from capstan.comm.groups import Group
+    from capstan.comm.job.groups import Group
     from capstan.tensorpar import GPTConfig
     from capstan.tensorpar.context import ContextParallel
     from capstan.tensorpar.gpt import gpt_layer_factories, gpt_loss

@@ -53,7 +53,7 @@ def _timed(fn, reps: int) -> float:  # noqa: ANN001
 
 def block_seconds(reps: int = 5) -> float:
     """A 512-wide block's forward and backward (8 x 128 tokens) at this rank's threads."""
-    from capstan.comm.groups import Group
+    from capstan.comm.job.groups import Group
     from capstan.tensorpar import GPTConfig
     from capstan.tensorpar.gpt import gpt_layer_factories
 

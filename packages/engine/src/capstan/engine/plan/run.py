@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from capstan.comm.procmem import peak_rss_bytes
+from capstan.comm.health.procmem import peak_rss_bytes
 
 from .layout_search import MIN_BUDGET, _with_disk_budget
 from .memory import MemoryPlan, memory_plan

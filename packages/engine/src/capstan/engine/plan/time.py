@@ -34,7 +34,7 @@ What a step costs on the slowest pipeline stage, as the engine runs it:
 * **Compression** (``layout.compression``, ZeRO 0-2): the collectives carry what the compressed ones
   send (1-bit Adam past its freeze: the momentum's signs, twice, (w-1)/w of n/8 bytes each; int8: one
   byte and 4/256 of a scale per element), and the packing costs passes over the fp32 values at the
-  measured memory bandwidth (`ONEBIT_PASSES`, `INT8_PASSES`: counted from comm/compress.py's tensor
+  measured memory bandwidth (`ONEBIT_PASSES`, `INT8_PASSES`: counted from comm/ops/compress.py's tensor
   operations; on tools/bench_slow_network.py's 3.4M-parameter model at loopback speed 1-bit Adam's
   step was 56 ms longer than exact training's with 2 ranks per core, ~28 ms per rank, where 20 passes
   at ~10 GB/s predict 27 ms), or, on a machine `--calibrate` measured, at the seconds per parameter it

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from capstan import comm
-from capstan.comm.accelerator import device_module, is_accelerator
-from capstan.comm.procmem import peak_rss_bytes
+from capstan.comm.health.procmem import peak_rss_bytes
+from capstan.comm.job.accelerator import device_module, is_accelerator
 
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
 from ..config.load import check_states_fit

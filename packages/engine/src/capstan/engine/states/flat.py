@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from capstan import comm
-from capstan.comm.procmem import peak_rss_bytes
+from capstan.comm.health.procmem import peak_rss_bytes
 from capstan.native import q8
 
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias

@@ -73,7 +73,7 @@ import torch
 from torch import nn
 
 from capstan import comm
-from capstan.comm.accelerator import is_accelerator
+from capstan.comm.job.accelerator import is_accelerator
 from capstan.native import device_ops, kernels
 from capstan.native.q8 import BLOCK as Q8_BLOCK
 

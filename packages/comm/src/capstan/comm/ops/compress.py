@@ -40,9 +40,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..job.groups import Group
 from .alltoall import all_to_all
 from .collectives import _group, all_gather
-from .groups import Group
 
 __all__ = ["onebit_all_reduce", "onebit_residual_sizes", "pack_signs", "unpack_signs", "quantize_int8",
            "dequantize_int8", "quantized_all_gather", "QuantizedGather", "quantized_reduce_scatter", "wire_bytes",

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import mpi_backend
+from ..backends import mpi_backend
+from ..job.groups import Group
+from ..job.state import world
 from .collectives import _host, guard, staged
-from .groups import Group
-from .state import world
 
 __all__ = ["send", "recv", "isend", "irecv", "P2PHandle", "P2POp", "exchange"]
 

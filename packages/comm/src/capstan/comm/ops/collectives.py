@@ -33,11 +33,12 @@ from typing import Literal, overload
 import torch
 import torch.distributed as dist
 
-from . import mpi_backend, state
-from .errors import CommError
-from .gloo_reduce_scatter import gloo_reduce_scatter
-from .groups import Group
-from .log import get_logger
+from ..backends import mpi_backend
+from ..backends.gloo_reduce_scatter import gloo_reduce_scatter
+from ..health.errors import CommError
+from ..job import state
+from ..job.groups import Group
+from ..log import get_logger
 
 __all__ = [
     "CollectiveHandle", "shard_bounds", "progresses_in_background", "staged", "all_reduce", "all_gather",

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import mpi_backend
+from ..backends import mpi_backend
+from ..job.groups import Group
 from .collectives import _check, _group, _on_host, guard, staged
-from .groups import Group
 
 __all__ = ["all_to_all"]
 

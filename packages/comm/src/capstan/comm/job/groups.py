@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..log import set_rank_context
 from . import state
-from .log import set_rank_context
 from .topology import AXES, Topology
 
 __all__ = ["Group", "Groups", "build_groups", "single_process_groups", "warm_up"]
@@ -123,7 +123,7 @@ def build_groups(topology: Topology) -> Groups:
     world = state.world()
     topology.check_world(world.size, state.launch().describe("world_size"))
     if topology.tp > 1 and topology.tp_spans_nodes(state.launch().local_world_size):
-        from .log import get_logger, warn_once
+        from ..log import get_logger, warn_once
 
         warn_once(
             get_logger(__name__),

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..job.groups import Group
 from .collectives import all_gather
-from .groups import Group
 
 __all__ = ["first_error"]
 

@@ -33,7 +33,7 @@ import os
 import signal
 import time
 
-from .launch_env import env_rank
+from ..job.launch_env import env_rank
 
 __all__ = ["crash_point", "armed", "limit_file_size", "ENV", "FSIZE_ENV"]
 
@@ -50,7 +50,7 @@ def armed(point: str | None = None) -> bool:
 
 
 def _my_rank() -> int | None:
-    from . import state
+    from ..job import state
 
     if state.is_initialized():
         return state.world().rank

@@ -31,7 +31,7 @@ from time import monotonic as _monotonic
 
 import torch
 
-from . import state
+from ..job import state
 
 __all__ = ["supports", "iall_reduce", "iall_gather", "ireduce_scatter", "wait", "all_reduce", "all_gather",
            "reduce_scatter", "reduce", "broadcast", "barrier", "p2p_ok", "post_p2p", "P2PRequests", "drain", "inflight"]

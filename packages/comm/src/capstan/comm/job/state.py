@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .errors import Liveness
+    from ..health.errors import Liveness
     from .groups import Group
     from .launch_env import LaunchInfo
 
@@ -30,7 +30,7 @@ _transport: str = "cpu"  # how CUDA tensors travel: "cpu" (none in use), "nccl" 
 def set_state(launch: LaunchInfo, world: Group, backend: str, timeout: timedelta, liveness: Liveness | None,
               device: torch.device | None = None, transport: str = "cpu") -> None:
     global _launch, _world, _backend, _timeout, _liveness, _debug, _timeout_s, _device, _transport
-    from .log import debug_comm
+    from ..log import debug_comm
 
     _launch, _world, _backend, _timeout, _liveness = launch, world, backend, timeout, liveness
     _device, _transport = device or torch.device("cpu"), transport

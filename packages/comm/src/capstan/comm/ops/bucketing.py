@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from . import state
+from ..job import state
+from ..job.groups import Group
 from .collectives import all_reduce
-from .groups import Group
 
 __all__ = ["plan_buckets", "flatten", "unflatten", "all_reduce_coalesced"]
 
