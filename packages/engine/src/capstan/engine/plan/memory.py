@@ -317,10 +317,13 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         where = f"chunks, {lists.bytes_per_element():g} B per chunk element" + (
             f", 1/{dp} per rank" if shard > 1 else
             ", on every dp rank with 1-bit Adam's residuals" if lists.onebit else "")
-        if layout.offload == "none":
+        if layout.offload == "none" and not gpu:
             items.append(Item(f"model states ({where})", compute, states))
-        elif layout.offload == "cpu":
-            items.append(Item(f"model states ({where})", "ram", states))
+        elif layout.offload in ("none", "cpu"):
+            # On a GPU the chunks' home is RAM whatever the offload (states/chunked.py): ZeRO-3 without offload
+            # computes in parameter chunks on the device and steps masters and moments with the CPU Adam.
+            items.append(Item(f"model states ({where}" + ("; ZeRO-3 on a GPU keeps them in RAM)"
+                                                          if layout.offload == "none" else ")"), "ram", states))
             if gpu:
                 items += _device_chunks(lists, largest_layer, e16)
         else:

@@ -406,8 +406,9 @@ def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rate
         else:  # at least (no replay)
             read, written = disk_traffic_floor(lists, layout.cpu_budget)
         out["disk I/O"] = read / rates.disk_read + written / rates.disk_write
-    if gpu and layout.offload != "none" and rates.host_device:
+    if gpu and rates.host_device:
         e = lists.param_bytes
-        # gradients down to the CPU optimizer and updated parameters back, per step (module docstring)
+        # gradients down to the CPU optimizer and updated parameters back, per step (module docstring); ZeRO-3
+        # without offload too: on a GPU its chunks' home is RAM (states/chunked.py)
         out["host<->device copies"] = (lists.elements // lists.shard) * (lists.grad_bytes + e) / rates.host_device
     return out
