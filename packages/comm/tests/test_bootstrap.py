@@ -131,7 +131,7 @@ def test_nccl_runs_with_async_error_handling_not_blocking_wait(monkeypatch) -> N
         seen.append((backend, {k: v for k, v in os.environ.items() if "NCCL" in k}))
         raise _ReachedProcessGroup
 
-    monkeypatch.setattr(bootstrap, "transport", lambda *args: "nccl")
+    monkeypatch.setattr(bootstrap, "transport", lambda *args, **kwargs: "nccl")
     monkeypatch.setattr(bootstrap.dist, "init_process_group", fake_init)
     with pytest.raises(_ReachedProcessGroup):
         bootstrap.init(environ={})
@@ -148,13 +148,16 @@ def test_nccl_runs_with_async_error_handling_not_blocking_wait(monkeypatch) -> N
     assert mine == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
-def _init_with_a_local_transport(local: dict[int, str]) -> str:
-    """comm.init where this rank, deciding alone, would use `local[rank]` for CUDA tensors."""
+def _init_with_a_local_transport(local: dict[int, str], identities: dict[int, str] | None = None) -> str:
+    """comm.init where this rank, deciding alone, would use `local[rank]` for CUDA tensors, on the GPU
+    `identities[rank]` (accelerator.device_identity)."""
     from capstan import comm
     from capstan.comm import bootstrap
 
-    mine = local[int(os.environ["RANK"])]
-    bootstrap.transport = lambda *args: mine  # what device.transport would say on this rank
+    rank = int(os.environ["RANK"])
+    mine = local[rank]
+    bootstrap.transport = lambda *args, **kwargs: mine  # what accelerator.transport would say on this rank
+    bootstrap.device_identity = lambda device: (identities or {}).get(rank, "")
     comm.init(timeout=30)
     t = torch.ones(1)
     comm.all_reduce(t)  # the process group works on every rank
@@ -169,6 +172,29 @@ def test_ranks_agree_on_how_cuda_tensors_travel() -> None:
     assert got == ["host", "host", "host"]
     got = run_ranks(_init_with_a_local_transport, 2, {0: "host", 1: "host"}, init=False)
     assert got == ["host", "host"]
+    # each rank could use NCCL (it sees one GPU of its own, it thinks), but two run on the same GPU: all stage
+    got = run_ranks(_init_with_a_local_transport, 3, {0: "nccl", 1: "nccl", 2: "nccl"},
+                    {0: "node1/GPU-a", 1: "node1/GPU-b", 2: "node1/GPU-a"}, init=False)
+    assert got == ["host", "host", "host"]
+
+
+def test_ranks_that_each_see_one_gpu_of_their_own_use_nccl(monkeypatch) -> None:
+    """SLURM's --gpus-per-task=1 or a CUDA_VISIBLE_DEVICES per rank: 8 local ranks, 1 visible GPU each. The
+    count alone says "shared" and would stage every collective through host memory; with the GPUs'
+    identities the ranks decide together, and distinct GPUs meet in NCCL."""
+    from capstan.comm.bootstrap import agreed_transport
+    from capstan.comm.job import accelerator
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpu = torch.device("cuda", 0)
+    assert accelerator.transport(gpu, 8) == "host"  # no identity: judged by the count
+    assert accelerator.transport(gpu, 8, identified=True) == "nccl"
+    assert accelerator.transport(gpu, 8, "gloo", identified=True) == "host"  # a CPU backend asked for
+    ids = [f"node{r // 8}/GPU-{r % 8}" for r in range(16)]
+    assert agreed_transport("nccl", ["nccl"] * 16, ids) == "nccl"
+    assert agreed_transport("nccl", ["nccl"] * 16, ids[:15] + [ids[3]]) == "host"  # two ranks on one GPU
+    assert agreed_transport("nccl", ["nccl"] * 3, ["", "", ""]) == "nccl"  # no identities: counts decided
+    assert accelerator.device_identity(torch.device("cpu")) == ""
 
 
 def test_the_agreed_transport() -> None:

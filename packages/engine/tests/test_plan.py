@@ -265,3 +265,28 @@ def test_capstan_plan_of_a_disk_config_without_a_budget(tmp_path, capsys: pytest
     assert out["fits"] and out["layout"]["offload"] == "disk"
     states = next(i["bytes"] for i in out["items"] if i["what"].startswith("model states in RAM"))
     assert out["layout"]["cpu_budget"] >= states > 0
+
+
+def test_the_planner_counts_a_flat_bf16_master_as_the_optimizer_allocates_it() -> None:
+    """precision.master_weights = "bf16" without chunks (ZeRO 0-2): the flat buffer's parameters and gradients
+    are bf16, so the planner's flat items come to 4 B a parameter less than the fp32 master's, and to what
+    ZeroOptimizer.state_bytes() holds (one process: parameters, gradients, fp32 moments)."""
+    from capstan import comm
+    from capstan.engine import initialize
+    from capstan.engine.plan.run import shape_layout
+
+    cfg = {"model": {"n_layers": 2, "n_heads": 4, "d_model": 64, "seq_len": 32},
+           "train": {"micro_batch_size": 2, "steps": 1}, "precision": {"dtype": "bf16", "master_weights": "bf16"}}
+    engine = initialize(config=cfg, groups=comm.single_process_groups())
+    try:
+        held, numel = engine.optimizer.state_bytes(), engine.optimizer.numel
+        shape, layout = shape_layout(engine.config, world=1)
+    finally:
+        engine.close()
+
+    def states(master: str) -> int:
+        plan = memory_plan(shape, machine_preset("local"), replace(layout, master_weights=master))
+        return sum(i.bytes for i in plan.items if i.what.startswith(("parameters (", "gradients (", "Adam moments")))
+
+    assert states("bf16") == held == 12 * numel
+    assert states("fp32") - states("bf16") == 4 * numel

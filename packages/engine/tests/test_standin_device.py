@@ -130,9 +130,11 @@ def _single(tmp: str) -> dict:
         for states in ("bf16", "int8"):
             out[f"{states}-states-{offload}"] = tuple(_run(_config(d, {"offload": offload}, states=states))
                                                       for d in ("cpu", "standin"))
-    # a bf16 master: bf16 parameter and gradient chunks between the device and RAM, stepped in RAM
-    out["bf16-master-cpu"] = tuple(_run(_config(d, {"offload": "cpu"}, dtype="bf16", master="bf16"))
-                                   for d in ("cpu", "standin"))
+    # a bf16 master: bf16 parameter and gradient chunks between the device and RAM, stepped in RAM; or the
+    # flat buffer's bf16 parameters and gradients on the device, stepped there through torch's ops
+    for offload in ("none", "cpu"):
+        out[f"bf16-master-{offload}"] = tuple(_run(_config(d, {"offload": offload}, dtype="bf16", master="bf16"))
+                                              for d in ("cpu", "standin"))
     hf = {"model": {"seq_len": 16}, "data": {"max_bytes": 100_000},
           "train": {"steps": STEPS, "micro_batch_size": 2, "lr": 3e-3, "lr_schedule": "constant",
                     "warmup_steps": 0, "grad_clip": 1.0}}
@@ -236,17 +238,19 @@ def test_low_bit_optimizer_states_on_the_standin_follow_the_cpu(single, case: st
     assert dev["losses"] != fp32_states["losses"]  # the moments really were bf16 / 8-bit
 
 
-def test_a_bf16_master_on_the_standin_follows_the_cpu_trajectory(single) -> None:
-    """precision.master_weights = "bf16", chunks in RAM: bf16 parameter and gradient chunks
-    move between the device and RAM (nothing fp32 left behind on either side) and step in RAM through the
-    native kernel. Under autocast the stand-in takes CUDA's op lists, so a trajectory within BF16_VS_CPU of
-    the CPU's, and not the fp32 master's."""
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_a_bf16_master_on_the_standin_follows_the_cpu_trajectory(single, offload: str) -> None:
+    """precision.master_weights = "bf16". Chunks in RAM: bf16 parameter and gradient chunks move between the
+    device and RAM (nothing fp32 left behind on either side) and step in RAM through the native kernel. The
+    flat ZeRO buffer (offload none): bf16 parameters and gradients on the device, stepped there by the
+    kernels' torch-op fallback with the CPU kernel's rounding bits. Under autocast the stand-in takes CUDA's
+    op lists, so a trajectory within BF16_VS_CPU of the CPU's, and not the fp32 master's."""
     from capstan.comm.testing import BF16_VS_CPU
 
-    cpu, dev = single["bf16-master-cpu"]
+    cpu, dev = single[f"bf16-master-{offload}"]
     assert dev["losses"] == pytest.approx(cpu["losses"], rel=BF16_VS_CPU)
     assert dev["devices"] in (["standin:0"], [])
-    assert dev["losses"] != single["bf16-cpu"][1]["losses"]  # the same run with an fp32 master: another one
+    assert dev["losses"] != single[f"bf16-{offload}"][1]["losses"]  # the same run with an fp32 master: another one
 
 
 @pytest.mark.parametrize("case", ["llama-none", "llama-cpu", "gpt2-none", "gpt2-cpu"])

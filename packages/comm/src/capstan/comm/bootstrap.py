@@ -21,7 +21,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .backends import mpi_backend
 from .health.errors import DirLiveness, Liveness, StoreLiveness
 from .job import state
-from .job.accelerator import device_module, is_accelerator, pick_device, transport
+from .job.accelerator import device_identity, device_module, is_accelerator, pick_device, transport
 from .job.groups import Group, release_at_exit, warm_up
 from .job.launch_env import LaunchError, LaunchInfo, detect_launch
 from .log import get_logger, set_rank_context
@@ -102,7 +102,8 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     if backend == "nccl" and dev.type != "cuda":
         raise ValueError(f"comm backend 'nccl' needs a CUDA device; this rank's device is {dev} "
                          f"(torch.cuda.is_available() is {torch.cuda.is_available()})")
-    how = transport(dev, info.local_world_size, backend)
+    identity = device_identity(dev)  # "" off CUDA: then sharing a GPU is judged by the local count
+    how = transport(dev, info.local_world_size, backend, identified=bool(identity))
     if backend == "nccl" and how != "nccl":
         raise ValueError(f"comm backend 'nccl' needs a GPU per local rank: {info.describe('local_world_size')} "
                          f"but {torch.cuda.device_count()} GPU(s) visible")
@@ -112,13 +113,13 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     mpi_comm = _mpi_world(info, required=backend == "mpi")
     with _InitWatchdog(info, td):
         store, liveness = _rendezvous(info, td, mpi_comm)
-        mine, how = how, agree_transport(how, store, info, td)
+        mine, how = how, agree_transport(how, store, info, td, identity)
         if backend == "nccl" and how != "nccl":
-            raise ValueError("comm backend 'nccl' needs a GPU per local rank on every rank; another rank cannot "
-                             "use NCCL (its local ranks share a GPU, or it asked for a CPU backend)")
+            raise ValueError("comm backend 'nccl' needs a GPU per local rank on every rank; a rank cannot use "
+                             "NCCL (two ranks run on one GPU, or a rank asked for a CPU backend)")
         if how != mine:
-            log.warning("this rank could use NCCL but another cannot (its local ranks share a GPU, or it asked "
-                        "for a CPU backend): CUDA tensors go through host memory on every rank")
+            log.warning("this rank could use NCCL but not every rank can (two ranks run on one GPU, or a rank "
+                        "asked for a CPU backend): CUDA tensors go through host memory on every rank")
         if how == "nccl":
             nccl_environment()
         # One process group per device type: CPU tensors keep gloo (or MPI) beside NCCL.
@@ -147,12 +148,14 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     return world
 
 
-def agree_transport(mine: str, store: object, info: LaunchInfo, td: timedelta) -> str:
-    """The transport of CUDA tensors every rank uses: `agreed_transport` over every rank's own choice.
+def agree_transport(mine: str, store: object, info: LaunchInfo, td: timedelta, identity: str = "") -> str:
+    """The transport of CUDA tensors every rank uses: `agreed_transport` over every rank's own choice and
+    GPU identity (`accelerator.device_identity`).
 
-    Each rank decides alone what it could use (`device.transport`: its local GPU count, the backend
-    it was asked for), and those can differ: nodes with different GPU counts, a backend set in one
-    rank's environment. A rank staging through host memory cannot meet a peer in NCCL, so the choice
+    Each rank decides alone what it could use (`accelerator.transport`: the backend it was asked for,
+    its local GPU count where its GPU has no identity), and those can differ: nodes with different GPU
+    counts, a backend set in one rank's environment. Whether two ranks share a GPU only the identities
+    of all tell. A rank staging through host memory cannot meet a peer in NCCL, so the choice
     is agreed before the process group exists (it decides the process group's backends): through
     the rendezvous store, the one channel every rank already shares then. Keys carry torchrun's
     restart count, as torch's own do, since its agent store outlives a restart.
@@ -160,16 +163,19 @@ def agree_transport(mine: str, store: object, info: LaunchInfo, td: timedelta) -
     if info.world_size == 1:
         return mine
     prefix = f"capstan/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/transport/"
-    store.set(prefix + str(info.rank), mine)  # type: ignore[attr-defined]
+    store.set(prefix + str(info.rank), f"{mine} {identity}")  # type: ignore[attr-defined]
     keys = [prefix + str(r) for r in range(info.world_size)]
     store.wait(keys, td)  # type: ignore[attr-defined]
-    return agreed_transport(mine, [store.get(k).decode() for k in keys])  # type: ignore[attr-defined]
+    every = [store.get(k).decode().split(" ", 1) for k in keys]  # type: ignore[attr-defined]
+    return agreed_transport(mine, [t for t, _ in every], [i for _, i in every])
 
 
-def agreed_transport(mine: str, every: list[str]) -> str:
-    """NCCL only if every rank can use it, else "host" (staged) for a rank that could: if any rank
-    stages, all stage. "host" and "cpu" (no GPU in use) stand as they are."""
-    if mine == "nccl" and any(t != "nccl" for t in every):
+def agreed_transport(mine: str, every: Sequence[str], identities: Sequence[str] = ()) -> str:
+    """NCCL only if every rank can use it and no two ranks run on one GPU (the same identity: NCCL
+    refuses a communicator with two ranks on one device), else "host" (staged) for a rank that could:
+    if any rank stages, all stage. "host" and "cpu" (no GPU in use) stand as they are."""
+    named = [i for i in identities if i]
+    if mine == "nccl" and (any(t != "nccl" for t in every) or len(set(named)) < len(named)):
         return "host"
     return mine
 

@@ -1,7 +1,8 @@
 """Mixed precision: the autocast context and the fp16 dynamic loss scaler.
 
-Master weights and optimizer state stay fp32 in every mode; bf16/fp16 only
-change the dtype of the forward/backward computation (`torch.autocast`).
+Master weights and optimizer state stay fp32 unless precision.master_weights or
+precision.optimizer_states say otherwise; bf16/fp16 change the dtype of the
+forward/backward computation (`torch.autocast`).
 fp16 needs loss scaling (Micikevicius et al. 2018, section 3.2): the loss is
 multiplied by `scale` before backward so small gradients survive fp16, the
 optimizer divides it out, and a step whose gradients hold inf/NaN is skipped.
@@ -36,7 +37,8 @@ def moment_dtype(config: object) -> torch.dtype:
 
 
 def master_dtype(config: object) -> torch.dtype:
-    """The dtype of the optimizer's master weights (`precision.master_weights`) in chunks."""
+    """The dtype of the optimizer's master weights (`precision.master_weights`), in chunks and in the flat
+    ZeRO 0-2 buffer alike."""
     return torch.bfloat16 if config.precision.master_weights == "bf16" else torch.float32  # type: ignore[attr-defined]
 
 

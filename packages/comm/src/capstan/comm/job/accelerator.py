@@ -33,6 +33,8 @@ accepted as a device kind where that stand-in is loaded; "auto" never picks it.
 
 from __future__ import annotations
 
+import socket
+
 import torch
 
 __all__ = ["pick_device", "transport", "DEVICE_KINDS", "DeviceError", "cuda_report", "is_accelerator", "indexed",
@@ -97,18 +99,35 @@ def pick_device(kind: str | torch.device = "auto", local_rank: int = 0) -> torch
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def transport(device: torch.device, local_world_size: int, backend: str | None = None) -> str:
+def transport(device: torch.device, local_world_size: int, backend: str | None = None,
+              identified: bool = False) -> str:
     """How device tensors are communicated: "cpu" (no accelerator in use), "nccl" or "host" (staged).
-    The stand-in has no collective library of its own: its tensors are always staged through RAM."""
+    The stand-in has no collective library of its own: its tensors are always staged through RAM.
+
+    Ranks sharing a GPU cannot meet in NCCL. With `identified` (this rank's GPU has a `device_identity`)
+    whether they share is left to the ranks' agreement on identities (bootstrap.agreed_transport): a
+    count would be wrong where each rank sees only its own GPU (SLURM's --gpus-per-task=1, a
+    CUDA_VISIBLE_DEVICES per rank), since 8 local ranks then see 1 GPU each and would all stage through
+    host memory for nothing. Without one, more local ranks than visible GPUs means sharing."""
     if not is_accelerator(device):
         return "cpu"
     if device.type != "cuda":
         return "host"
     if backend in ("gloo", "mpi"):
         return "host"
-    if local_world_size > torch.cuda.device_count():
+    if not identified and local_world_size > torch.cuda.device_count():
         return "host"  # ranks share a GPU: NCCL cannot run there
     return "nccl"
+
+
+def device_identity(device: torch.device) -> str:
+    """Which physical GPU `device` is, as one string in every process that sees it: its host and UUID
+    (CUDA_VISIBLE_DEVICES renumbers devices, never their UUIDs); "" for other devices or where torch
+    reports no UUID."""
+    if device.type != "cuda":
+        return ""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"{socket.gethostname()}/{uuid}" if uuid else ""
 
 
 def cuda_report() -> dict[str, object]:

@@ -325,20 +325,21 @@ def check_cross(cfg: Config, sources: Sources, reference_model: bool = True) -> 
 
 
 def _check_bf16_master(cfg: Config, sources: Sources) -> None:
-    """precision.master_weights = "bf16": bf16 parameters that are their own master, which the chunked path
-    (chunkmem's ChunkedModel) keeps; the flat ZeRO buffers and 1-bit Adam's replicated chunks keep fp32."""
-    pr, p, mem = cfg.precision, cfg.parallel, cfg.memory
+    """precision.master_weights = "bf16": bf16 parameters that are their own master, in chunks (chunkmem's
+    ChunkedModel) or in the flat ZeRO 0-2 buffer (zero/optimizer.py); 1-bit Adam's replicated chunks and
+    the flat buffer's int8-compressed master shard keep fp32."""
+    pr, p = cfg.precision, cfg.parallel
     what = f"precision.master_weights = \"bf16\" (from {_src(sources, 'precision.master_weights')})"
     if pr.dtype != "bf16":
         raise ConfigError(f"{what} needs precision.dtype = \"bf16\" (got {pr.dtype!r}): the bf16 parameters are "
                           "the master")
-    if not uses_chunks(cfg):
-        raise ConfigError(f"{what} needs chunked memory: memory.offload = \"cpu\" or \"disk\", or parallel."
-                          f"zero_stage = 3 (got offload = {mem.offload!r}, zero_stage = {p.zero_stage}); the flat "
-                          "ZeRO 0-2 buffers keep an fp32 master")
     if p.compression == "onebit":
         raise ConfigError(f"{what} cannot be used with parallel.compression = \"onebit\": 1-bit Adam's replicated "
                           "chunks keep an fp32 master")
+    if p.compression == "int8" and not uses_chunks(cfg):
+        raise ConfigError(f"{what} cannot be used with parallel.compression = \"int8\" on the flat ZeRO 1-2 "
+                          "buffer: its quantized gathers come from an exact fp32 master shard (in chunks, ZeRO-3 "
+                          "or offload, it can)")
 
 
 def _check_compression(cfg: Config, sources: Sources) -> None:

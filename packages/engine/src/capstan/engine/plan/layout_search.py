@@ -89,8 +89,8 @@ def candidate_layouts(shape: ModelShape, machine: Machine, global_batch: int, ba
                 if (base.compression == "onebit" and zero) or (base.compression == "int8" and not zero
                                                                and offload == "none"):
                     continue  # the job's compression does not apply there (Layout refuses it)
-                if base.master_weights == "bf16" and zero != 3 and offload == "none":
-                    continue  # a bf16 master lives in chunks (Layout refuses it elsewhere)
+                if base.master_weights == "bf16" and zero != 3 and offload == "none" and base.compression == "int8":
+                    continue  # the flat buffer's int8 compression keeps an fp32 master (Layout refuses it)
                 out.append(replace(base, dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, zero_stage=zero,
                                    offload=offload, micro=micro, accum=accum, recompute=recompute, schedule="1f1b",
                                    virtual_stages=1, cpu_budget=None if offload != "disk" else MIN_BUDGET))

@@ -291,15 +291,18 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         # shard and at most IN_FLIGHT buckets in flight, one filling and one waiting; under a pipeline the
         # flat gradient with its shard range in place; else (int8 reduces after backward, no buckets) the
         # flat gradient and a shard accumulator
+        # (a bf16 master: parameters, gradients and shard accumulator bf16; the packed buckets stay fp32)
+        mb, kind = (2, "bf16") if layout.master_weights == "bf16" else (4, "fp32")
         overlapped = layout.zero_stage == 2 and dp > 1 and layout.bucket_bytes > 0 and layout.compression == "none"
         if overlapped and layout.pp == 1:
-            what = "gradients (fp32 shard + buckets in flight)"
-            grads = 4 * params // dp + (IN_FLIGHT + 2) * 4 * packed_bucket_elems(layout.bucket_bytes // 4, params)
+            what = f"gradients ({kind} shard + fp32 buckets in flight)"
+            grads = mb * params // dp + (IN_FLIGHT + 2) * 4 * packed_bucket_elems(layout.bucket_bytes // 4, params)
         elif layout.zero_stage == 2 and not overlapped:
-            what, grads = "gradients (fp32 flat buffer + shard accumulator)", 4 * params + 4 * params // dp
+            what, grads = f"gradients ({kind} flat buffer + shard accumulator)", mb * params + mb * params // dp
         else:
-            what, grads = "gradients (fp32 flat buffer)", 4 * params
-        items += [Item("parameters (fp32 flat buffer)", compute, 4 * params), Item(what, compute, grads),
+            what, grads = f"gradients ({kind} flat buffer)", mb * params
+        master = "the bf16 master" if mb == 2 else "fp32"
+        items += [Item(f"parameters ({master} flat buffer)", compute, mb * params), Item(what, compute, grads),
                   Item(f"Adam moments ({layout.optimizer_states}"
                        f"{', sharded over dp' if layout.zero_stage >= 1 else ''})", compute, moments)]
         if gpu and layout.optimizer_states != "fp32":  # stepped in torch ops on the device, a window at a time

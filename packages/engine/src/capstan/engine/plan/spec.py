@@ -138,7 +138,7 @@ class Layout:
     recompute: bool = False
     precision: str = "fp32"
     optimizer_states: str = "fp32"  # precision.optimizer_states: Adam's moments in "fp32", "bf16" or "int8"
-    master_weights: str = "fp32"  # precision.master_weights: "bf16" makes the bf16 parameters the master (chunks)
+    master_weights: str = "fp32"  # precision.master_weights: "bf16" makes the bf16 parameters the master
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -178,10 +178,11 @@ class Layout:
                              ("compression", ("none", "onebit", "int8")), ("cp_mode", ("ulysses", "ring"))):
             if getattr(self, key) not in allowed:
                 raise PlanError(f"layout.{key} = {getattr(self, key)!r}: expected one of {', '.join(allowed)}")
-        if self.master_weights == "bf16" and (self.precision != "bf16" or (
-                self.zero_stage != 3 and self.offload == "none") or self.compression == "onebit"):
-            raise PlanError("layout.master_weights = 'bf16' needs precision 'bf16' and chunks (zero_stage 3 or "
-                            f"offload), not 1-bit compression (got precision {self.precision!r}, zero_stage "
+        flat = self.zero_stage != 3 and self.offload == "none"
+        if self.master_weights == "bf16" and (self.precision != "bf16" or self.compression == "onebit" or (
+                flat and self.compression == "int8")):
+            raise PlanError("layout.master_weights = 'bf16' needs precision 'bf16', not 1-bit compression, nor int8 "
+                            f"compression without chunks (got precision {self.precision!r}, zero_stage "
                             f"{self.zero_stage}, offload {self.offload!r}, compression {self.compression!r})")
         for key in ("cpu_budget", "gpu_budget"):
             if getattr(self, key) is not None:

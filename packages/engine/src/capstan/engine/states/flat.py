@@ -1,8 +1,9 @@
-"""`FlatStates`: plain tensors, with the optimizer's fp32 states in a flat buffer (zero/: ZeRO 0-2).
+"""`FlatStates`: plain tensors, with the optimizer's states in a flat buffer (zero/: ZeRO 0-2).
 
-The model lives on the device it computes on; `ZeroOptimizer` keeps the fp32 masters and Adam moments
-in one flat buffer (sharded over dp with ZeRO 1-2), reduces gradients in buckets during backward and
-steps the whole buffer at once."""
+The model lives on the device it computes on; `ZeroOptimizer` keeps the masters (fp32, or the bf16
+parameters themselves under precision.master_weights = "bf16") and Adam moments in one flat buffer
+(sharded over dp with ZeRO 1-2), reduces gradients in buckets during backward and steps the whole buffer
+at once."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from capstan.native import q8
 
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
 from ..config.schema import Config
-from ..precision import moment_dtype
+from ..precision import master_dtype, moment_dtype
 from ..zero.optimizer import ZeroOptimizer
 from .base import ModelStates, UpdateScale, overflowed
 
@@ -49,7 +50,8 @@ class FlatStates(ModelStates):
         compression = p.compression if groups.replicas.size > 1 else "none"
         self.optimizer = ZeroOptimizer(model, groups, p.zero_stage, config.train, bucket_bytes, p.zero2_collective,
                                        gather_bytes, micro, late, compression=compression,
-                                       freeze_steps=p.compression_freeze_steps, moment_dtype=moment_dtype(config))
+                                       freeze_steps=p.compression_freeze_steps, moment_dtype=moment_dtype(config),
+                                       master_dtype=master_dtype(config))
         comm.reset_wire_bytes()
         # state_dict() between steps must see every rank's updated parameters.
         model.register_state_dict_pre_hook(lambda *args, **kwargs: self.optimizer.wait_params())
@@ -153,7 +155,9 @@ class FlatView(StateView):
         return self._moment(field)[pos + a - self.opt.lo : pos + b - self.opt.lo].to("cpu", copy=True)
 
     def dtype(self, field: str) -> torch.dtype:
-        if field == "param" or self.opt.q8:  # 8-bit moments are saved as their fp32 values
+        if field == "param":  # the master as it is: fp32, or a bf16 master (precision.master_weights)
+            return self.opt.master_dtype
+        if self.opt.q8:  # 8-bit moments are saved as their fp32 values
             return torch.float32
         return self.opt.exp_avg.dtype
 

@@ -86,7 +86,7 @@ class ParamPrefetch:
         lo = self.group.rank * self.shard
         self._pending = []
         for a, b in self.bounds:
-            out = torch.empty((b - a) * self.group.size, device=self.flat.device)
+            out = torch.empty((b - a) * self.group.size, device=self.flat.device, dtype=self.flat.dtype)
             if self.source is not None:
                 handle = comm.quantized_all_gather(out, self.source[a:b], group=self.group,
                                                    cuts=self.bucket_cuts(a, b), async_op=True)

@@ -1,4 +1,5 @@
-"""Data parallelism with ZeRO stages 0-2 over one flat fp32 parameter buffer.
+"""Data parallelism with ZeRO stages 0-2 over one flat fp32 parameter buffer (or a bf16 one that is its
+own master, below).
 
 Every parameter becomes a view into one flat buffer, and its gradient a view
 into a flat gradient buffer of the same layout (Rajbhandari et al. 2020,
@@ -61,6 +62,15 @@ reduce-scatter after backward (no buckets) and gathers parameters with an int8
 all-gather at stages 1/2 (in buckets overlapped with the next forward where
 the exact gather would be: gather.py), keeping the master shard exact in
 `master`.
+
+``master_dtype = torch.bfloat16`` (``precision.master_weights = "bf16"``): the flat buffer holds bf16
+parameters that are their own master, as the chunks' bf16 master does (docs/chunkmem.md): the model
+computes with them, their gradients are bf16 in a flat gradient of the same dtype, and Adam steps them in
+fp32 and stores them with stochastic rounding drawn from (step, flat position), so an element gets the
+bits it gets in the chunks. The packed ZeRO-2 buckets and the reduce-scatter buckets reduce in fp32 (the
+shard accumulator is bf16); in-place all-reduces (stages 0 and 1) reduce the bf16 gradient itself, as
+the chunks' own reductions of a bf16 master's gradients do. int8 compression keeps an fp32 master shard
+and is refused with it (the config's check).
 """
 
 from __future__ import annotations
@@ -125,7 +135,7 @@ class ZeroOptimizer:
                  bucket_bytes: int = 0, zero2_collective: str = "all_reduce", gather_bytes: int = 0,
                  pipeline_microbatches: int = 0, late_params: Sequence[torch.Tensor] = (),
                  compression: str = "none", freeze_steps: int = 0,
-                 moment_dtype: torch.dtype = torch.float32) -> None:
+                 moment_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32) -> None:
         """pipeline_microbatches > 0: gradients come from a pipeline schedule, one `after_backward` per
         step after all its micro-batches; the buckets then count that many accumulations per parameter
         and start while the schedule's last backwards run. late_params: sent only after the schedule
@@ -136,12 +146,16 @@ class ZeroOptimizer:
         if (compression, stage == 0) in (("onebit", False), ("int8", True)) or compression not in (
                 "none", "onebit", "int8"):
             raise ValueError(f"compression {compression!r} does not apply to ZeRO stage {stage}")
+        if master_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"master_dtype must be torch.float32 or torch.bfloat16, got {master_dtype}")
+        if master_dtype != torch.float32 and compression != "none":
+            raise ValueError(f"compression {compression!r} keeps an fp32 master: it cannot take a bf16 one")
         self.compression = compression
         self.groups, self.stage, self.train = groups, stage, train
         params = [p for p in model.parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in model.named_parameters()}  # for overflow diagnostics
         if any(p.dtype != torch.float32 for p in params):
-            raise ValueError("ZeroOptimizer keeps fp32 master weights: build the model in fp32")
+            raise ValueError("ZeroOptimizer takes an fp32 model (a bf16 master is cast from it): build it in fp32")
         # Replicated across tp = tp_dim is None (tensorpar marks); plain modules count as replicated.
         # Late parameters first: buckets start from the buffer's end, in order, so theirs go last.
         late_ids = {id(t) for t in late_params}
@@ -161,15 +175,16 @@ class ZeroOptimizer:
         all_reduce = overlap and stage == 2 and zero2_collective == "all_reduce" and compression == "none"
         self.lean = all_reduce and not pipeline_microbatches
         in_place = all_reduce and bool(pipeline_microbatches)
-        self.flat_param = torch.zeros(self.padded, device=dev)
-        self.flat_grad = None if self.lean else torch.zeros(self.padded, device=dev)
+        self.master_dtype = master_dtype  # the parameters' and their gradients' dtype (bf16: the master itself)
+        self.flat_param = torch.zeros(self.padded, device=dev, dtype=master_dtype)
+        self.flat_grad = None if self.lean else torch.zeros(self.padded, device=dev, dtype=master_dtype)
         self.segments: list[Segment] = []
         pos = 0
         for i in order:
             p = params[i]
             n = p.numel()
             self.flat_param[pos : pos + n].copy_(p.detach().reshape(-1))
-            p.data = self.flat_param[pos : pos + n].view_as(p)
+            p.data = self.flat_param[pos : pos + n].view_as(p)  # (a bf16 master: the parameter becomes bf16)
             seg = Segment(pos, pos + n, decays(p), not key[i][1], not key[i][3])
             last = self.segments[-1] if self.segments else None
             if last and (last.decay, last.sliced, last.counted) == (seg.decay, seg.sliced, seg.counted) \
@@ -217,7 +232,8 @@ class ZeroOptimizer:
         # apart (a scale over replicated values alone is the same on every tp rank), else all in one.
         self.regions = _regions(self.segments, groups.tp.size)
         self.onebit = OneBitAdam(self.regions, groups.replicas, freeze_steps, dev) if compression == "onebit" else None
-        self.shard_grad = torch.zeros(self.hi - self.lo, device=dev) if stage == 2 and not in_place else None
+        self.shard_grad = (torch.zeros(self.hi - self.lo, device=dev, dtype=master_dtype) if stage == 2 and not in_place
+                           else None)
         self.overlap: OverlappedBuckets | None = None
         if overlap:
             offsets, sizes = _offsets(self.params), [p.numel() for p in self.params]
@@ -280,7 +296,7 @@ class ZeroOptimizer:
             self._int8_reduce(self.shard_grad, accumulate=True)  # type: ignore[arg-type]
             self.flat_grad.zero_()
         elif self.stage == 2:
-            part = torch.empty(self.hi - self.lo, device=self.device)
+            part = torch.empty(self.hi - self.lo, device=self.device, dtype=self.flat_grad.dtype)
             # flat_grad is cleared next
             comm.reduce_scatter(part, self.flat_grad, op="avg", group=self.groups.replicas, overwrite_input=True)
             self.shard_grad.add_(part)  # type: ignore[union-attr]
