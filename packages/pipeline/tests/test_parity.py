@@ -73,8 +73,53 @@ def _pipelined(pp: int, m: int) -> list:
             }
             steps.append((loss, grads))
         out.append(steps)
+    out.append(_most_sends_held(groups, pp))
     out.append(_trajectory(groups, pp, m))
     return out
+
+
+def _most_sends_held(groups, pp: int) -> int:
+    """The most activations and activation gradients alive at once in this stage's sends over a 1F1B step
+    of 4 pp micro-batches, where a send's handle holds its tensor until waited, as NCCL's work does (it
+    stashes a collective's tensors for the caching allocator until wait; gloo's frees them on completion,
+    so each handle here holds its sends' tensors itself). A send kept to the step's end would hold every
+    micro-batch's boundary tensor, GPipe's memory in a 1F1B schedule."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from capstan import comm
+    from capstan.pipeline import PipelineExecutor, make_schedule
+
+    class Holding:  # the handle of comm.exchange, holding its tensors until waited
+        def __init__(self, handle, tensors: list[torch.Tensor]) -> None:  # noqa: ANN001
+            self.handle, self.tensors = handle, tensors
+
+        def is_completed(self) -> bool:
+            return self.handle.is_completed()
+
+        def wait(self) -> None:
+            self.handle.wait()
+            self.tensors = []
+
+    m = 4 * pp
+    ex = PipelineExecutor(partition(_specs(False), pp, "parameters"), make_schedule("1f1b", pp, m), groups,
+                          gpt_loss, seed=7)
+    sent: list[StorageWeakRef] = []  # (the storage: a work keeps the tensor, not the Python object)
+    most = 0
+    exchange = comm.exchange
+
+    def holding(ops, group=None):  # noqa: ANN001, ANN202 - comm.exchange's signature
+        nonlocal most
+        most = max(most, sum(not r.expired() for r in sent))
+        floats = [op.tensor for op in ops if op.kind == "send" and op.tensor.is_floating_point()]
+        sent.extend(StorageWeakRef(x.untyped_storage()) for x in floats)
+        return Holding(exchange(ops, group=group), floats)
+
+    comm.exchange = holding
+    try:
+        ex.step(*_data(m, SEQ, 0))
+    finally:
+        comm.exchange = exchange
+    return most
 
 
 TRAJECTORY_STEPS = 8
@@ -153,6 +198,7 @@ def _check(pp: int, m: int, over_mpi: bool = False) -> None:
     else:
         results = run_ranks(_pipelined, pp, pp, m, timeout=240)
     _check_trajectory(results, pp, m)
+    _check_sends_held(results, pp, over_mpi)
     for ci, (name, chunks, tied, ckpt) in enumerate(CONFIGS):
         for si, (seq, seed) in enumerate(STEPS):
             tag = f"pp={pp} {name} chunks={chunks} tied={tied} checkpoint={ckpt} step={si}"
@@ -173,6 +219,18 @@ def _check(pp: int, m: int, over_mpi: bool = False) -> None:
             for n, g in want.items():
                 err = (got[n] - g).norm() / g.norm().clamp_min(1e-30)
                 assert err <= 1e-6, f"{tag}: gradient of {n} off by {err:.2e} (relative)"
+
+
+def _check_sends_held(results: list, pp: int, over_mpi: bool) -> None:
+    """1F1B keeps a stage's in-flight micro-batches alive, and a batch of sends that also receives is
+    waited at once; the warm-up's sends alone are left in flight. Where a send's completion can be seen
+    (MPI's requests here, NCCL's events on a GPU) the executor retires them as the step goes: measured at
+    pp 2 over MPI, 1 boundary tensor at most on the first stage, 2 when they waited for the step's end.
+    gloo's sends tell their completion only when waited: there the bound is the in-flight one (measured
+    2 at pp 2, 6 at pp 4)."""
+    held = [r[-2] for r in results]
+    most = pp - 1 if over_mpi else 2 * pp
+    assert max(held) <= most, f"pp={pp}: sends held {held} boundary tensors at once over {4 * pp} micro-batches"
 
 
 def _check_trajectory(results: list, pp: int, m: int) -> None:

@@ -189,7 +189,7 @@ class PipelineExecutor:
         self._y: dict[tuple[int, int], torch.Tensor] = {}  # output (loss on the last virtual stage)
         self._dy: dict[tuple[int, int], torch.Tensor] = {}  # received gradient of the output
         self._pending: list[tuple[comm.P2PHandle, str]] = []  # sends in flight
-        self._loss = 0.0
+        self._losses: list[torch.Tensor] = []  # each micro-batch's scaled loss, read by the host once, at the end
         self.times = {"forward": 0.0, "backward": 0.0, "comm": 0.0}
         start = time.perf_counter()
         self._negotiate = self._check_shapes(inputs)
@@ -210,7 +210,16 @@ class PipelineExecutor:
         except Exception as exc:
             raise PipelineError(self.stage, str(current), f"{type(exc).__name__}: {exc}") from exc
         self.times["total"] = time.perf_counter() - start
-        return self._loss if self._holds(first=False) else None
+        return self._mean_loss() if self._holds(first=False) else None
+
+    def _mean_loss(self) -> float:
+        """The sum of the micro-batches' scaled losses, added in order in Python floats as a per-micro-batch
+        read would (the same bits), from one read of the device: a `float()` per micro-batch made the
+        host wait for each forward of the last stage on a GPU."""
+        total = 0.0
+        for value in (torch.stack(self._losses).tolist() if self._losses else []):
+            total += value
+        return total
 
     def _holds(self, first: bool) -> bool:
         return any(
@@ -257,7 +266,7 @@ class PipelineExecutor:
         if last:
             # Scaled so gradients accumulated over the microbatches are those of the mean loss.
             y = self.loss_fn(y, self.targets[ins.mb]) / self.schedule.microbatches  # type: ignore[index]
-            self._loss += float(y.detach())
+            self._losses.append(y.detach())
         self._y[key] = y
         self.times["forward"] += time.perf_counter() - t0
 
@@ -327,11 +336,29 @@ class PipelineExecutor:
             self._x[key] = buf.requires_grad_(buf.is_floating_point())
 
     def _post(self, ops: list[comm.P2POp], what: str, group: comm.Group | None = None) -> None:
+        self._retire_sends()
         handle = comm.exchange(ops, group=group or self.pp)
         if any(op.kind == "recv" for op in ops):
             handle.wait()
         else:
             self._pending.append((handle, what))
+
+    def _retire_sends(self) -> None:
+        """Wait for the sends that completed: a send's handle holds its tensor (a stage's output, an input's
+        gradient) until waited, so sends kept to the step's end would hold every micro-batch's boundary
+        tensors where 1F1B needs a stage's in-flight ones only (on a GPU, device memory)."""
+        if not self._pending:
+            return
+        still = []
+        for handle, what in self._pending:
+            if handle.is_completed():
+                try:
+                    handle.wait()
+                except comm.CommError as exc:
+                    raise self._error(what, exc) from exc
+            else:
+                still.append((handle, what))
+        self._pending = still
 
     def _exchange_headers(self, batch: list[CommInstruction]) -> None:
         ops, received = [], []
