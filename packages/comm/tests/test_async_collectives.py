@@ -111,3 +111,14 @@ def test_async_wait_on_a_dead_peer_raises_comm_error_naming_it(op: str) -> None:
     name, message, lost = results[0]
     assert name == "CommError" and lost == [1], message
     assert f"{op} on group world[0, 1] failed" in message
+
+
+def test_cpu_tensors_of_an_nccl_job_take_the_gloo_ring() -> None:
+    """init makes the group "cpu:gloo,cuda:nccl" when NCCL carries CUDA tensors (dist.get_backend names it
+    whole): its CPU tensors' reduce-scatters still go round capstan's gloo ring, its CUDA ones to NCCL."""
+    from capstan.comm.ops.collectives import gloo_carries
+
+    cpu, gpu = torch.zeros(1), torch.empty(1, device="meta")  # (meta stands for a device tensor)
+    assert gloo_carries("gloo", cpu) and gloo_carries("cpu:gloo,cuda:nccl", cpu)
+    assert not gloo_carries("cpu:gloo,cuda:nccl", gpu)
+    assert not gloo_carries("nccl", cpu) and not gloo_carries("mpi", cpu)

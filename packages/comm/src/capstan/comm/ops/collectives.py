@@ -430,10 +430,20 @@ def _reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, op: str, g
     return CollectiveHandle("reduce_scatter", g, work, finish, nbytes, (output, src, dst))
 
 
+def gloo_carries(backend: str, tensor: torch.Tensor) -> bool:
+    """Whether gloo runs `tensor`'s collectives on a group of `backend` (`dist.get_backend`): a gloo group,
+    or a CPU tensor on the mixed group `init` makes when NCCL carries CUDA tensors, which get_backend
+    names whole ("cpu:gloo,cuda:nccl"), so a plain comparison with "gloo" sent CPU reduce-scatters of an
+    NCCL job to torch's gloo reduce-scatter, an all-reduce that keeps a shard (twice the ring's bytes)."""
+    if backend == "gloo":
+        return True
+    return tensor.device.type == "cpu" and "cpu:gloo" in backend.split(",")
+
+
 def _torch_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, op: object, pg: object,
                           async_op: bool = False, scratch: bool = False) -> object:
     """scratch: `src` may be overwritten (the gloo ring then sums in it rather than in a copy)."""
-    if dist.get_backend(pg) == "gloo":  # type: ignore[arg-type]
+    if gloo_carries(str(dist.get_backend(pg)), src):  # type: ignore[arg-type]
         return gloo_reduce_scatter(dst, src, op, pg, async_op, scratch=scratch)  # gloo's own is an all-reduce
     single = getattr(dist, "reduce_scatter_single", None)
     if single is not None:
