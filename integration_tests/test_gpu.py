@@ -68,10 +68,15 @@ def test_two_ranks_sharing_the_gpu_match_the_cpu() -> None:
 
 @requires_cuda()
 def test_bf16_on_the_gpu_trains() -> None:
-    for memory in ({}, {"offload": "cpu", "chunk_size": CHUNK}):
-        t = _trajectory(_cfg("cuda", precision={"dtype": "bf16"}, memory=memory, train={"steps": 12}), steps=12)
-        assert all(math.isfinite(x) for x in t["loss"]), (memory, t["loss"])
-        assert sum(t["loss"][-3:]) / 3 < t["loss"][0] - 0.1, (memory, t["loss"])
+    """bf16 autocast with an fp32 master and with a bf16 one (precision.master_weights: flat, the bf16
+    parameters and gradients on the GPU stepped by the kernels' torch-op fallback; offload, bf16 chunks
+    between the GPU and RAM), flat and offloaded: finite losses that fall."""
+    for master in ("fp32", "bf16"):
+        for memory in ({}, {"offload": "cpu", "chunk_size": CHUNK}):
+            precision = {"dtype": "bf16", "master_weights": master}
+            t = _trajectory(_cfg("cuda", precision=precision, memory=memory, train={"steps": 12}), steps=12)
+            assert all(math.isfinite(x) for x in t["loss"]), (master, memory, t["loss"])
+            assert sum(t["loss"][-3:]) / 3 < t["loss"][0] - 0.1, (master, memory, t["loss"])
 
 
 @requires_cuda()

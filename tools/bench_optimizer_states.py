@@ -14,7 +14,7 @@ fp32's own seed-to-seed difference (the noise a format's difference is to be rea
 validation curve of the first seed. Prints a markdown fragment for docs/benchmarks.md.
 
 A format may name a bf16 master after a slash (precision.master_weights = "bf16": no fp32 copy, the bf16
-parameters stepped with stochastic rounding), which needs bf16 compute and chunks:
+parameters stepped with stochastic rounding), which needs bf16 compute (chunks or the flat buffer alike):
 
     hatch run python tools/bench_optimizer_states.py --dtype bf16 --offload cpu \
         --states fp32,int8,fp32/bf16-master,int8/bf16-master --seeds 1234,1235,1236,1237
