@@ -45,11 +45,39 @@ def test_overflow_changes_nothing_and_cast_out() -> None:
     assert torch.equal(out, p.to(torch.bfloat16))
 
 
-def test_sumsq_in_float64() -> None:
+def test_sumsq_to_fp32_rounding() -> None:
     x = torch.randn(100_003, generator=torch.Generator().manual_seed(3))
-    assert device_ops.sumsq(x) == pytest.approx(float(x.double().square().sum()), rel=1e-12)
+    assert device_ops.sumsq(x) == pytest.approx(float(x.double().square().sum()), rel=1e-6)
     assert device_ops.sumsq(x) == pytest.approx(kernels.sumsq(x), rel=1e-6)  # the CPU kernel sums fp32 blocks
     assert device_ops.sumsq(torch.empty(0)) == 0.0
+    y = x.to(torch.bfloat16)  # a bf16 master's gradient: its squares summed in fp32 as the CPU kernel's are
+    assert device_ops.sumsq(y) == pytest.approx(float(y.double().square().sum()), rel=2e-6)
+    assert device_ops.sumsq(y) == pytest.approx(kernels.sumsq(y), rel=1e-7)
+
+
+def _allocated(fn) -> int:  # noqa: ANN001
+    """Bytes `fn()` allocated on the CPU, temporaries inside ATen's kernels included (the profiler sees the
+    allocator; the stand-in's device statistics would not: it runs an op's kernel on host memory)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.self_cpu_memory_usage > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_copies_no_gradient(dtype: torch.dtype) -> None:
+    """A gradient norm allocates a few bytes a row of NORM_ROW elements, not a float64 copy of the gradient:
+    `vector_norm(x, dtype=torch.float64)` converts its whole input before reducing, in ATen's reduction
+    code that the CPU and CUDA share (8 bytes an element, measured here as the premise). On the CPU a bf16
+    gradient is widened to fp32 first (4 bytes an element); CUDA widens 16-bit inputs inside the kernel."""
+    n = 1 << 20
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(dtype)
+    assert _allocated(lambda: torch.linalg.vector_norm(x, 2, dtype=torch.float64)) >= 8 * n  # the old way
+    rows = 16 * n // device_ops.NORM_ROW + 4096
+    got = _allocated(lambda: device_ops.sumsq_tensor(x))
+    assert got <= (rows if dtype == torch.float32 else 4 * n + rows), got
+    assert float(device_ops.sumsq_tensor(x)) == pytest.approx(float(x.double().square().sum()), rel=2e-6)
 
 
 def test_devices_must_agree() -> None:
