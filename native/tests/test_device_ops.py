@@ -33,6 +33,21 @@ def test_fused_adam_matches_the_native_kernel(adamw: bool, wd: float, scale: flo
         torch.testing.assert_close(got[1], ref[1] * scale)
 
 
+def test_one_fused_call_over_pieces_steps_each_as_its_own_call() -> None:
+    """adam_step_fused: pieces of one buffer in one multi-tensor call, the same bits as a call per piece (the
+    update is element-wise), the gradients left scaled alike."""
+    ref = _state(10_000, 9)
+    got = [t.clone() for t in ref]
+    pieces = [slice(0, 3000), slice(3000, 3001), slice(5000, 10_000)]
+    hp = dict(**HP, weight_decay=0.1, adamw=True, grad_scale=0.5)
+    for s in pieces:
+        device_ops.adam_step(*(t[s] for t in ref), **hp)
+    device_ops.adam_step_fused(*([t[s] for s in pieces] for t in got), **hp)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    with pytest.raises(ValueError, match="lists of one length"):
+        device_ops.adam_step_fused([got[0]], [], [got[2]], [got[3]], **hp)
+
+
 def test_overflow_changes_nothing_and_cast_out() -> None:
     p, g, m, v = _state(64, 1)
     g[5] = float("inf")

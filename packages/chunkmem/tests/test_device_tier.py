@@ -259,3 +259,21 @@ def test_staged_copies_wait_for_copies_the_device_has_not_finished(tmp_path) -> 
         assert manager.stats()["disk"]["bytes_out"] > 0 and manager.stats()[device]["evictions"] > 0
         manager.close()
         assert got == want, (lag, got, want)
+
+
+@pytest.mark.parametrize("device", [standin.param(), cuda_param()])
+def test_the_device_peak_reads_what_torch_reports(device: str) -> None:
+    """DevicePeak reads the reserved peak from the allocator's nested statistics (torch's
+    max_memory_reserved flattens every statistic in Python first): the same number, and the engine's
+    per-step read and the manager's per-moment one still share the counter."""
+    from capstan.chunkmem.memory.device import DevicePeak
+    from capstan.comm.job.accelerator import device_module
+
+    dev = torch.device(standin.load() if device == "standin" else device, 0)
+    mod = device_module(dev)
+    peak = DevicePeak(dev)
+    x = torch.empty(1 << 22, device=dev)
+    assert peak._reserved_peak() == mod.max_memory_reserved(dev) > 0
+    moment = peak.moment()  # resets torch's counter
+    del x
+    assert moment >= 1 << 24 and peak.step() >= moment

@@ -26,7 +26,7 @@ import torch
 
 from . import fallback
 
-__all__ = ["adam_step", "sumsq", "sumsq_tensor", "fused_available"]
+__all__ = ["adam_step", "adam_step_fused", "sumsq", "sumsq_tensor", "fused_available"]
 
 
 def fused_available(device: torch.device) -> bool:
@@ -78,6 +78,28 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     if out is not None and out.data_ptr() != param.data_ptr():
         out.copy_(param)
     return False
+
+
+@torch.no_grad()
+def adam_step_fused(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                    exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, beta1: float, beta2: float,
+                    eps: float, weight_decay: float, adamw: bool, grad_scale: float = 1.0) -> None:
+    """`adam_step`'s fused kernel over lists of fp32 tensors on one device that share the hyper-parameters,
+    in one multi-tensor call: the ZeRO optimizer's pieces of one flat buffer with the same weight decay,
+    where a call per piece costs its launches and their host work each (a GPU step is bound by the host).
+    The caller checked what `kernels.adam_update` checks and that `fused_available`; the gradients are
+    left multiplied by `grad_scale`, as `adam_step` leaves them."""
+    if not params:
+        return
+    if not len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs):
+        raise ValueError(f"adam_step_fused takes lists of one length, got {len(params)}, {len(grads)}, "
+                         f"{len(exp_avgs)} and {len(exp_avg_sqs)}")
+    dev = params[0].device
+    kernel = torch._fused_adamw_ if adamw else torch._fused_adam_
+    steps = [_scalar(dev, "step", float(step))] * len(params)  # (read by the kernel, never written)
+    scale = None if grad_scale == 1.0 else _scalar(dev, "scale", 1.0 / grad_scale)
+    kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+           weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
 
 
 def sumsq(x: torch.Tensor) -> float:

@@ -127,6 +127,12 @@ def memory_stats(device=None) -> dict:
     return torch.accelerator.memory_stats(_index(device))
 
 
+def memory_stats_as_nested_dict(device=None) -> dict:
+    """The allocator's statistics as torch.cuda's function of this name gives them: nested, not flattened
+    (the flattening, in Python, is most of what a `max_memory_reserved` costs: 104 us against 14)."""
+    return torch._C._accelerator_getDeviceStats(_index(device))
+
+
 def mem_get_info(device=None) -> tuple[int, int]:
     return torch.accelerator.get_memory_info(_index(device))
 

@@ -97,8 +97,17 @@ class DevicePeak:
         getattr(self._module, "init", lambda: None)()
         self._since_step = 0  # the largest peak the moments read since the last step()
 
+    def _reserved_peak(self) -> int:
+        """`max_memory_reserved`, read from the allocator's nested statistics: torch's function flattens
+        every statistic into a dict in Python first, about 0.1 ms of host time per read (on the stand-in
+        104 us against 14; CUDA's is the same Python), and the engine reads it every step."""
+        nested = getattr(self._module, "memory_stats_as_nested_dict", None)
+        if nested is None:
+            return int(self._module.max_memory_reserved(self.device))
+        return int(nested(self.device).get("reserved_bytes", {}).get("all", {}).get("peak", 0))
+
     def _take(self) -> int:
-        peak = int(self._module.max_memory_reserved(self.device))
+        peak = self._reserved_peak()
         self._module.reset_peak_memory_stats(self.device)
         return peak
 
@@ -110,7 +119,7 @@ class DevicePeak:
 
     def step(self) -> int:
         """Peak reserved bytes since the last step: the moments' peaks and what came after them."""
-        peak = max(self._since_step, int(self._module.max_memory_reserved(self.device)))
+        peak = max(self._since_step, self._reserved_peak())
         self._since_step = 0
         return peak
 

@@ -348,15 +348,19 @@ class ZeroOptimizer:
     def grad_norm(self) -> float:
         """Global L2 norm of the (loss-scaled) gradients over dp, tp and pp (stages' parameters are disjoint)."""
         g = self._shard_grad()
-        # On an accelerator the terms are summed there: one read by the host per step, not one per segment.
+        # Replicated parameters count once per tp group, tied weights once over the stages.
+        counted = [(a, b) for seg, a, b in self._pieces() if seg.counted and (seg.sliced or self.groups.tp.rank == 0)]
         on_device = is_accelerator(g.device)
-        sumsq = device_ops.sumsq_tensor if on_device else kernels.sumsq
-        local = torch.zeros((), dtype=torch.float64, device=g.device) if on_device else 0.0
-        for seg, a, b in self._pieces():
-            # Replicated parameters count once per tp group, tied weights once over the stages.
-            if seg.counted and (seg.sliced or self.groups.tp.rank == 0):
-                local = local + sumsq(g[a - self.lo : b - self.lo])
-        total = local.reshape(1) if on_device else torch.tensor([local], dtype=torch.float64)
+        if on_device:
+            # Summed there, one read by the host per step; adjacent counted pieces as one span (at tp 1 the
+            # whole shard): each reduction is a handful of kernel launches, and a GPU step's host launches them.
+            local = torch.zeros((), dtype=torch.float64, device=g.device)
+            for a, b in _spans(counted):
+                local = local + device_ops.sumsq_tensor(g[a - self.lo : b - self.lo])
+            total = local.reshape(1)
+        else:  # per piece, as the chunks sum theirs (the same bits where the layouts' math is the same)
+            total = torch.tensor([sum(kernels.sumsq(g[a - self.lo : b - self.lo]) for a, b in counted)],
+                                 dtype=torch.float64)
         if self.stage > 0:
             comm.all_reduce(total, group=self.groups.replicas)
         elif self.compressing:  # each rank's own gradient: the root mean square of their norms
@@ -412,6 +416,38 @@ class ZeroOptimizer:
         g = self._shard_grad()
         # int8: Adam steps the exact master shard, then every rank gathers the quantized shards.
         param = self.master if self.master is not None else self.flat_param[self.lo : self.hi]
+        if self._fused_on_device(param):
+            self._fused_step(param, g, lr, grad_scale)
+        else:
+            self._step_pieces(param, g, lr, grad_scale)
+        if self.prefetch is not None:
+            self.prefetch.start()  # waited for by the next forward's pre-hooks (gather.py; int8 too)
+        elif self.master is not None:
+            int8_all_gather(self.flat_param, self.master, self.groups.replicas, self.cuts)
+        elif self.stage > 0:
+            shard = self.flat_param[self.lo : self.hi].clone()  # the collective must not alias its output
+            comm.all_gather(self.flat_param, shard, group=self.groups.replicas)
+
+    def _fused_on_device(self, param: torch.Tensor) -> bool:
+        """fp32 parameters, gradients and moments on an accelerator with torch's fused AdamW: the pieces
+        step in one multi-tensor call per weight decay (device_ops.adam_step_fused)."""
+        return (is_accelerator(param.device) and param.dtype == self._shard_grad().dtype == torch.float32
+                and self.exp_avg.dtype == torch.float32 and device_ops.fused_available(param.device))
+
+    def _fused_step(self, param: torch.Tensor, g: torch.Tensor, lr: float, grad_scale: float) -> None:
+        t = self.train
+        by_decay: dict[float, list[slice]] = {}
+        for seg, a, b in self._pieces():
+            by_decay.setdefault(t.weight_decay if seg.decay else 0.0, []).append(slice(a - self.lo, b - self.lo))
+        for decay, slices in by_decay.items():
+            device_ops.adam_step_fused([param[s] for s in slices], [g[s] for s in slices],
+                                       [self.exp_avg[s] for s in slices], [self.exp_avg_sq[s] for s in slices],
+                                       step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
+                                       weight_decay=decay, adamw=True, grad_scale=grad_scale)
+
+    def _step_pieces(self, param: torch.Tensor, g: torch.Tensor, lr: float, grad_scale: float) -> None:
+        """One kernel call per piece (the CPU's native kernels; bf16 and 8-bit moments, a bf16 master)."""
+        t = self.train
         for seg, a, b in self._pieces():
             sl = slice(a - self.lo, b - self.lo)
             args = dict(step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
@@ -424,13 +460,6 @@ class ZeroOptimizer:
                                        segments=segments, block=Q8_BLOCK, **args)
             else:
                 kernels.adam_update(param[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl], index_base=a, **args)
-        if self.prefetch is not None:
-            self.prefetch.start()  # waited for by the next forward's pre-hooks (gather.py; int8 too)
-        elif self.master is not None:
-            int8_all_gather(self.flat_param, self.master, self.groups.replicas, self.cuts)
-        elif self.stage > 0:
-            shard = self.flat_param[self.lo : self.hi].clone()  # the collective must not alias its output
-            comm.all_gather(self.flat_param, shard, group=self.groups.replicas)
 
     def exact_param(self, a: int, b: int) -> torch.Tensor:
         """Flat elements [a, b) of the parameters at full precision (int8: from the master shard, which
@@ -494,6 +523,17 @@ def _regions(segments: list[Segment], tp: int) -> list[tuple[int, int]]:
         else:
             out.append((seg.start, seg.end, seg.sliced))
     return [(a, b) for a, b, _ in out]
+
+
+def _spans(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent [a, b) ranges joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def _offsets(params: list[torch.Tensor]) -> list[int]:
