@@ -285,3 +285,52 @@ def test_zero3_and_pipeline_on_two_standin_devices(tmp_path) -> None:
     # stage (measured 8 against 7 a step of 2 micro-batches; 9 when each micro-batch's loss was read)
     first, last = (dev[r]["pp2"]["syncs"][1:] for r in range(2))
     assert max(last) <= max(first) + 1, (first, last)
+
+
+def _adds_and_skips() -> dict:
+    """One process on the stand-in: in-place adds dispatched in a flat fp32 step after the first (a GPU
+    launch each); and fp16 with a loss scale that overflows, on the stand-in and on the CPU."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from capstan.engine import initialize, open_data, train_batches
+    from capstan.native import standin
+
+    torch.set_num_threads(1)
+    standin.load()
+
+    class Adds(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func.__name__.startswith("add_"):
+                Adds.count += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = tiny_gpt_config(3, 1, train={"device": "standin"})
+    engine = initialize(config=cfg)
+    it = train_batches(open_data(engine.config), engine.config, 1, 0)
+    engine.train_batch(it)
+    with Adds():
+        engine.train_batch(it)
+    out = {"adds": Adds.count, "params": len(engine.optimizer.params), "direct": engine.optimizer.direct}
+    engine.close()
+    for device in ("cpu", "standin"):
+        fp16 = tiny_gpt_config(4, 2, precision={"dtype": "fp16", "initial_scale": 2.0**40}, train={"device": device})
+        engine = initialize(config=fp16)
+        it = train_batches(open_data(engine.config), engine.config, 1, 0)
+        out[device] = [(i.skipped, i.loss_scale) for i in (engine.train_batch(it) for _ in range(4))]
+        engine.close()
+    return out
+
+
+@standin.requires()
+def test_a_flat_step_on_a_device_keeps_autograds_gradients() -> None:
+    """One replica on a device, fp32: the gradients stay autograd's own tensors, assigned by backward as in
+    plain PyTorch, and step in one fused call per weight decay; before, each was added into the flat buffer
+    (a launch per parameter a step: 54 of 340 operators in the overhead-bound stand-in step of
+    docs/benchmarks.md, "Sixteenth session"). fp16's overflow check and skip work on them alike."""
+    got = run_ranks(_adds_and_skips, 1, init=False, timeout=120)[0]
+    assert got["direct"] and got["params"] >= 10
+    assert got["adds"] <= 2, got  # (no add per parameter)
+    assert got["standin"] == got["cpu"] and all(skipped for skipped, _ in got["cpu"]), got

@@ -63,6 +63,11 @@ all-gather at stages 1/2 (in buckets overlapped with the next forward where
 the exact gather would be: gather.py), keeping the master shard exact in
 `master`.
 
+One replica on an accelerator in fp32 (``direct``): there is nothing to reduce, so the gradients stay
+autograd's own tensors, as in plain PyTorch (the first backward assigns them; adding each into a flat
+buffer cost a kernel launch per parameter a step, and a GPU step of a small model is bound by the host's
+launches), and the step is one fused multi-tensor call per weight decay over them.
+
 ``master_dtype = torch.bfloat16`` (``precision.master_weights = "bf16"``): the flat buffer holds bf16
 parameters that are their own master, as the chunks' bf16 master does (docs/chunkmem.md): the model
 computes with them, their gradients are bf16 in a flat gradient of the same dtype, and Adam steps them in
@@ -177,7 +182,14 @@ class ZeroOptimizer:
         in_place = all_reduce and bool(pipeline_microbatches)
         self.master_dtype = master_dtype  # the parameters' and their gradients' dtype (bf16: the master itself)
         self.flat_param = torch.zeros(self.padded, device=dev, dtype=master_dtype)
-        self.flat_grad = None if self.lean else torch.zeros(self.padded, device=dev, dtype=master_dtype)
+        # One replica on an accelerator, fp32 throughout, nothing to reduce: the gradients stay autograd's own
+        # tensors, as plain PyTorch's (assigned by the first backward, not added into a flat buffer: one
+        # launch fewer per parameter a step on a host-bound GPU), and the fused step takes them as a list.
+        self.direct = (dp == 1 and stage < 2 and not pipeline_microbatches and compression == "none"
+                       and is_accelerator(dev) and master_dtype == moment_dtype == torch.float32
+                       and device_ops.fused_available(dev))
+        self.flat_grad = (None if self.lean or self.direct else
+                          torch.zeros(self.padded, device=dev, dtype=master_dtype))
         self.segments: list[Segment] = []
         pos = 0
         for i in order:
@@ -224,6 +236,8 @@ class ZeroOptimizer:
             parts = [q for q in self._q8_of.values() if a <= q[0] < b]
             self._q8_calls[(a, b)] = ([(pa - a, pb - pa, pa) for pa, pb, _, _ in parts], parts[0][2],
                                       parts[-1][2] + parts[-1][3])
+        if self.direct:
+            self._direct_layout()
         self.step_count = 0
         self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
         # Backward passes per optimizer step: the accumulation's micro-batches, or one pipeline schedule.
@@ -317,6 +331,8 @@ class ZeroOptimizer:
         """Average gradients over dp at the end of gradient accumulation (1-bit Adam past its freeze:
         nothing; its step averages the momentum)."""
         micro, self.micro = self.micro, 0
+        if self.direct:  # one replica
+            return
         if self.compressing:
             self._arm()
             return
@@ -333,6 +349,31 @@ class ZeroOptimizer:
         elif self.stage == 1:
             comm.all_reduce(self.flat_grad, op="avg", group=self.groups.replicas)
 
+    def _direct_grads(self) -> list[torch.Tensor]:
+        """direct: every parameter's gradient, zeros where no backward reached it (what the flat buffer
+        would hold, so the step is the same)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]  # type: ignore[misc]
+
+    def _direct_layout(self) -> None:
+        """direct: which parameters count in the global norm on this rank, and per weight decay the indices
+        of its parameters with their tensors and moments' views in their shapes (made once: the buffers
+        never move, and a step of a host-bound GPU should not slice them again)."""
+        self._counted: list[int] = []
+        self._by_decay: dict[float, tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+        for i, (p, start) in enumerate(zip(self.params, _offsets(self.params))):
+            seg = next((s for s in self.segments if s.start <= start < s.end), None)  # (None: an empty tensor)
+            if seg is not None and seg.counted and (seg.sliced or self.groups.tp.rank == 0):
+                self._counted.append(i)
+            n = p.numel()
+            idx, ps, ms, vs = self._by_decay.setdefault(self.train.weight_decay if decays(p) else 0.0, ([], [], [], []))
+            idx.append(i)
+            ps.append(p.detach())
+            ms.append(self.exp_avg[start : start + n].view_as(p))
+            vs.append(self.exp_avg_sq[start : start + n].view_as(p))
+
     def _shard_grad(self) -> torch.Tensor:
         return self.shard_grad if self.shard_grad is not None else self.flat_grad[self.lo : self.hi]
 
@@ -347,6 +388,15 @@ class ZeroOptimizer:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (loss-scaled) gradients over dp, tp and pp (stages' parameters are disjoint)."""
+        if self.direct:  # one multi-tensor norm over autograd's gradients (clip_grad_norm_'s way), one read
+            every = self._direct_grads()
+            grads = [every[i] for i in self._counted]
+            local = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), 2, dtype=torch.float64).square()
+                     if grads else torch.zeros((), dtype=torch.float64, device=self.device))
+            total = local.reshape(1)
+            comm.all_reduce(total, group=self.groups.tp)
+            comm.all_reduce(total, group=self.groups.pp)
+            return math.sqrt(float(total.item()))
         g = self._shard_grad()
         # Replicated parameters count once per tp group, tied weights once over the stages.
         counted = [(a, b) for seg, a, b in self._pieces() if seg.counted and (seg.sliced or self.groups.tp.rank == 0)]
@@ -371,7 +421,10 @@ class ZeroOptimizer:
 
     def has_overflow(self) -> bool:
         """True if any rank's gradients hold inf/NaN (all ranks then skip the step together)."""
-        bad = self._local_nonfinite or kernels.has_nonfinite(self._shard_grad())
+        if self.direct:
+            bad = not bool(torch.stack(torch._foreach_norm(self._direct_grads())).isfinite().all())
+        else:
+            bad = self._local_nonfinite or kernels.has_nonfinite(self._shard_grad())
         flag = torch.tensor([1.0 if bad else 0.0])
         comm.all_reduce(flag, op="max", group=self.groups.replicas)
         comm.all_reduce(flag, op="max", group=self.groups.tp)
@@ -381,6 +434,9 @@ class ZeroOptimizer:
     def nonfinite_params(self) -> list[str]:
         """Names of the parameters whose gradient holds inf/NaN in this rank's shard (in buffer order):
         which layers overflowed, for the message of a skipped fp16 step. Runs only after an overflow."""
+        if self.direct:
+            return [self._names.get(id(p), "?") for p, g in zip(self.params, self._direct_grads())
+                    if kernels.has_nonfinite(g)]
         g, names = self._shard_grad(), []
         for p, start in zip(self.params, _offsets(self.params)):
             a, b = max(start, self.lo), min(start + p.numel(), self.hi)
@@ -413,6 +469,9 @@ class ZeroOptimizer:
                              step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
                              grad_scale=grad_scale)
             return
+        if self.direct:
+            self._direct_step(lr, grad_scale)
+            return
         g = self._shard_grad()
         # int8: Adam steps the exact master shard, then every rank gathers the quantized shards.
         param = self.master if self.master is not None else self.flat_param[self.lo : self.hi]
@@ -444,6 +503,15 @@ class ZeroOptimizer:
                                        [self.exp_avg[s] for s in slices], [self.exp_avg_sq[s] for s in slices],
                                        step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
                                        weight_decay=decay, adamw=True, grad_scale=grad_scale)
+
+    def _direct_step(self, lr: float, grad_scale: float) -> None:
+        """direct: one fused multi-tensor call per weight decay over the parameters, autograd's gradients
+        and the moments' views, in the parameters' shapes."""
+        t, grads = self.train, self._direct_grads()
+        for decay, (idx, ps, ms, vs) in self._by_decay.items():
+            device_ops.adam_step_fused(ps, [grads[i] for i in idx], ms, vs, step=self.step_count, lr=lr,
+                                       beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=decay, adamw=True,
+                                       grad_scale=grad_scale)
 
     def _step_pieces(self, param: torch.Tensor, g: torch.Tensor, lr: float, grad_scale: float) -> None:
         """One kernel call per piece (the CPU's native kernels; bf16 and 8-bit moments, a bf16 master)."""
@@ -497,6 +565,8 @@ class ZeroOptimizer:
         (packed ZeRO 2 buckets) the shard and the most bucket buffers alive together (autograd's own
         transient gradients, before a hook copies them, are not counted)."""
         held = sum(t.numel() * t.element_size() for t in (self.flat_grad, self.shard_grad) if t is not None)
+        if self.direct:  # autograd's gradients, one per parameter, from backward to zero_grad
+            held += 4 * self.numel
         return held + (self.overlap.held_peak if self.overlap is not None else 0)
 
     def state_bytes(self) -> int:
@@ -510,7 +580,8 @@ class ZeroOptimizer:
             tensors.append(self.master)
         if self.onebit is not None:
             tensors += list(self.onebit.state_tensors().values())
-        return sum(x.numel() * x.element_size() for x in tensors)
+        direct = 4 * self.numel if self.direct else 0  # autograd's gradients (grad_bytes_peak)
+        return direct + sum(x.numel() * x.element_size() for x in tensors)
 
 
 def _regions(segments: list[Segment], tp: int) -> list[tuple[int, int]]:
