@@ -122,3 +122,32 @@ def test_cpu_tensors_of_an_nccl_job_take_the_gloo_ring() -> None:
     assert gloo_carries("gloo", cpu) and gloo_carries("cpu:gloo,cuda:nccl", cpu)
     assert not gloo_carries("cpu:gloo,cuda:nccl", gpu)
     assert not gloo_carries("nccl", cpu) and not gloo_carries("mpi", cpu)
+
+
+def _reduce_scatter_on_a_mixed_group() -> list[str]:
+    """One process with a group named per device type, as `init` makes when NCCL carries CUDA tensors
+    ("cpu:gloo,cuda:nccl"; a CPU build of torch has no NCCL, so "cpu:gloo", which dist.get_backend names
+    alike): which reduce-scatter a CPU tensor takes (the gloo ring is recorded, then runs)."""
+    import torch.distributed as dist
+
+    from capstan.comm.ops import collectives
+
+    store = dist.HashStore()
+    dist.init_process_group("cpu:gloo", store=store, rank=0, world_size=1)
+    backend = str(dist.get_backend())
+    taken, ring = [], collectives.gloo_reduce_scatter
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        taken.append("ring")
+        return ring(*args, **kwargs)
+
+    collectives.gloo_reduce_scatter = recording
+    src, dst = torch.arange(8.0), torch.empty(8)
+    collectives._torch_reduce_scatter(dst, src, dist.ReduceOp.SUM, dist.group.WORLD)
+    assert torch.equal(dst, src)
+    dist.destroy_process_group()
+    return [backend] + taken
+
+
+def test_a_cpu_reduce_scatter_on_an_nccl_jobs_group_goes_round_the_ring() -> None:
+    assert run_ranks(_reduce_scatter_on_a_mixed_group, 1, init=False, timeout=60)[0] == ["cpu:gloo", "ring"]

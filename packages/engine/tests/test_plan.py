@@ -252,6 +252,9 @@ def test_the_planner_counts_the_device_fallbacks_window_for_bf16_and_8bit_moment
         return [i.bytes for i in plan.items if i.what.startswith("optimizer step's temporaries")]
 
     assert temporaries("fp32") == [] and temporaries("bf16") == temporaries("int8") == [WINDOW_BYTES]
+    # a bf16 master steps there in torch ops too, whatever its moments
+    plan = memory_plan(model, gpu, Layout(precision="bf16", master_weights="bf16"))
+    assert [i.bytes for i in plan.items if i.what.startswith("optimizer step's temporaries")] == [WINDOW_BYTES]
 
 
 def test_capstan_plan_of_a_disk_config_without_a_budget(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -70,6 +70,14 @@ def test_data_parallel_adds_its_collectives_by_zero_stage() -> None:
     z2 = step_time(SHAPE, _machine(2), Layout(micro=2, accum=2, zero_stage=2))
     assert z2.part("data-parallel collectives") == pytest.approx(2 * Link(1e-4, 1e9).seconds(grads, 1)
                                                                  + Link(1e-4, 2e9).seconds(grads / 2, 1))
+    # a bf16 master: bf16 gradients and parameters travel (ZeRO-1), but ZeRO-2's buckets reduce in fp32
+    bf16 = {"precision": "bf16", "master_weights": "bf16", "micro": 2}
+    z1 = step_time(SHAPE, _machine(2), Layout(zero_stage=1, **bf16))
+    assert z1.part("data-parallel collectives") == pytest.approx(Link(1e-4, 1e9).seconds(grads / 2, 1)
+                                                                 + Link(1e-4, 2e9).seconds(grads / 4, 1))
+    z2 = step_time(SHAPE, _machine(2), Layout(zero_stage=2, accum=2, **bf16))
+    assert z2.part("data-parallel collectives") == pytest.approx(2 * Link(1e-4, 1e9).seconds(grads, 1)
+                                                                 + Link(1e-4, 2e9).seconds(grads / 4, 1))
 
 
 def test_compression_sends_what_the_compressed_collectives_send_and_adds_their_passes() -> None:

@@ -1,6 +1,6 @@
 """The mpirun command line of `capstan launch`, and the status files its ranks leave: the library half.
 
-`build_command` finds mpirun (comm.launch_env), lays ranks out so every tp group shares a host
+`build_command` finds mpirun (comm.job.launch_env), lays ranks out so every tp group shares a host
 (`parse_hostfile`, `plan_hosts`) and forwards the environment the ranks need (`forwarded_env`); the
 planner's calibration launches through it too (plan/calibrate.py), which is why it lives outside the
 command line (cli/launch.py is the `capstan launch` command). `rank_started` / `rank_finished` write

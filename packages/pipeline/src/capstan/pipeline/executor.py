@@ -217,7 +217,7 @@ class PipelineExecutor:
         read would (the same bits), from one read of the device: a `float()` per micro-batch made the
         host wait for each forward of the last stage on a GPU."""
         total = 0.0
-        for value in (torch.stack(self._losses).tolist() if self._losses else []):
+        for value in (torch.stack([v.reshape(()) for v in self._losses]).tolist() if self._losses else []):
             total += value
         return total
 

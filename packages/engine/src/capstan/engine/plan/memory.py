@@ -305,8 +305,9 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
         items += [Item(f"parameters ({master} flat buffer)", compute, mb * params), Item(what, compute, grads),
                   Item(f"Adam moments ({layout.optimizer_states}"
                        f"{', sharded over dp' if layout.zero_stage >= 1 else ''})", compute, moments)]
-        if gpu and layout.optimizer_states != "fp32":  # stepped in torch ops on the device, a window at a time
-            items.append(Item("optimizer step's temporaries (bf16 or 8-bit moments in torch ops, one window)",
+        if gpu and (layout.optimizer_states != "fp32" or mb == 2):  # torch ops on the device, a window at a time
+            items.append(Item("optimizer step's temporaries (bf16 or 8-bit moments or a bf16 master in torch ops, "
+                              "one window)",
                               compute, min(WINDOW_BYTES, WINDOW_BYTES // WINDOW * params)))
         if dp > 1 and layout.compression == "int8":  # zero/optimizer.py: Adam steps it, the buffer holds the gather
             items.append(Item("int8 compression: the exact fp32 master shard", compute, 4 * params // dp))

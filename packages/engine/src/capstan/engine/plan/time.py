@@ -373,12 +373,16 @@ def _stage_rest(shape: ModelShape, machine: Machine, layout: Layout, rates: Rate
         if link is not None and layout.compression != "none":
             return {**out, **_compressed(layout, params, link, gather, rates, slow)}
         if link is not None:
-            grads = 4 * params
-            buckets = max(1, -(-grads // layout.bucket_bytes))
+            # a bf16 master: bf16 gradients reduced in place and bf16 parameters gathered, but ZeRO-2's
+            # buckets (packed or reduce-scatter) reduce in fp32 (zero/optimizer.py)
+            e = 2 if layout.master_weights == "bf16" else 4
+            bucketed = layout.zero_stage == 2 and layout.bucket_bytes > 0
+            grads, gathered = (4 if bucketed else e) * params, e * params
+            buckets = max(1, -(-grads // layout.bucket_bytes)) if layout.bucket_bytes else 1
             reductions = m if layout.zero_stage == 2 and layout.pp == 1 else 1
             comm = reductions * link.seconds(2 * (dp - 1) / dp * grads, buckets)
             if layout.zero_stage >= 1:  # the updated shards all-gathered into the parameters
-                comm += gather.seconds((dp - 1) / dp * grads, buckets)
+                comm += gather.seconds((dp - 1) / dp * gathered, buckets)
             out["data-parallel collectives"] = comm
         return out
     lists = chunk_lists(shape, layout, layers)

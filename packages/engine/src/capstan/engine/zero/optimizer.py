@@ -422,7 +422,8 @@ class ZeroOptimizer:
     def has_overflow(self) -> bool:
         """True if any rank's gradients hold inf/NaN (all ranks then skip the step together)."""
         if self.direct:
-            bad = not bool(torch.stack(torch._foreach_norm(self._direct_grads())).isfinite().all())
+            grads = self._direct_grads()
+            bad = bool(grads) and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
         else:
             bad = self._local_nonfinite or kernels.has_nonfinite(self._shard_grad())
         flag = torch.tensor([1.0 if bad else 0.0])
