@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--peers", default="", help="comma-separated: torch-adamw, bnb-adamw8bit, torchao-adamw8bit")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="precision.dtype of every run")
     ap.add_argument("--offload", default="none", choices=("none", "cpu"),
-                    help="memory.offload of every run (cpu: chunks, which a bf16 master needs)")
+                    help="memory.offload of every run (cpu: chunks; none: the flat buffer, a bf16 master too)")
     args = ap.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
     runs = {s: [train(s, args.steps, args.eval_every, seed, args.dtype, args.offload) for seed in seeds]
