@@ -269,8 +269,10 @@ class ChunkAdam:
     def _update(self, unscale: float, skip: set[tuple[int, int]] | frozenset = frozenset()) -> None:
         """AdamW over every owned chunk group but those in `skip` (stepped already, overlap.py), with
         gradients multiplied by `unscale`; every group's step count advances."""
-        for g, hp, i, _, n in self._chunk_groups(skip):
+        device = self.model.manager.device_tier
+        for g, hp, i, p_chunk, n in self._chunk_groups(skip):
             self._update_group(g, i, n, self._args(hp, unscale))
+            device.write_through(p_chunk.chunk_id)  # its copy up runs under the next groups' updates
 
     @staticmethod
     def _args(hp: AdamGroup, unscale: float) -> dict:
