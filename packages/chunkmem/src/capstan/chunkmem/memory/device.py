@@ -165,7 +165,7 @@ class DeviceTier:
         self._recording_compute: list[bool] = []
         self.trace_compute: list[bool] | None = None
         self.m.counters.update(device_prefetches=0, device_prefetch_hits=0, landing_waits=0, device_writes_through=0)
-        self._computes: tuple[int, frozenset[int]] | None = None  # (id of trace_compute, the chunks it computes)
+        self._computes: tuple[tuple[int, int], frozenset[int]] | None = None  # (the trace's ids, what it computes)
 
     def keeps_host(self, entry: _Entry) -> bool:
         return self.m.cpu.capacity is None and entry.chunk.kind in DEVICE_KINDS
@@ -350,8 +350,9 @@ class DeviceTier:
         up to make room for activations. Returns whether it copied."""
         if self.dev is None or self.m.trace is None or self.trace_compute is None:
             return False
-        if self._computes is None or self._computes[0] != id(self.trace_compute):
-            self._computes = (id(self.trace_compute), frozenset(
+        key = (id(self.m.trace), id(self.trace_compute))  # (both kept alive by the manager's traces)
+        if self._computes is None or self._computes[0] != key:
+            self._computes = (key, frozenset(
                 cid for cid, compute in zip(self.m.trace, self.trace_compute, strict=True) if compute))
         e = self.m.entries[chunk_id]
         if chunk_id not in self._computes[1] or e.where != "cpu" or e.pins or e.read is not None \
