@@ -325,18 +325,11 @@ class DeviceTier:
                 continue
             seen.add(cid)
             e = self.m.entries[cid]
-            if e.where != "cpu" or e.pins or e.read is not None or e.write is not None or e.stale:
-                continue  # a chunk pinned in RAM is being read there (the overlapped optimizer's worker)
-            if isinstance(e.landing, StagedLanding) and not e.landing.query():
-                continue  # its copy from the device is in flight: no host wait to prefetch it
+            if not self._idle_in_ram(e):
+                continue
             if not self.dev.fits(e.chunk.nbytes):
                 return
-            e.pins += 1
-            try:
-                self.to_device(e)
-            finally:
-                e.pins -= 1
-            e.prefetched = True
+            self._copy_up(e)
             issued += 1
             self.m.counters["device_prefetches"] += 1
 
@@ -355,23 +348,34 @@ class DeviceTier:
             self._computes = (key, frozenset(
                 cid for cid, compute in zip(self.m.trace, self.trace_compute, strict=True) if compute))
         e = self.m.entries[chunk_id]
-        if chunk_id not in self._computes[1] or e.where != "cpu" or e.pins or e.read is not None \
-                or e.write is not None or e.stale:
+        if chunk_id not in self._computes[1] or not self._idle_in_ram(e):
             return False
-        if isinstance(e.landing, StagedLanding) and not e.landing.query():
-            return False  # its copy from the device is in flight
         rooms = [r for r in (self.dev.capacity, None if self.device_limit is None else
                              self.device_limit - max(self.nonmodel_device, default=0)) if r is not None]
         if rooms and self.dev.resident + e.chunk.nbytes > min(rooms):
             return False
+        self._copy_up(e)
+        self.m.counters["device_writes_through"] += 1
+        return True
+
+    @staticmethod
+    def _idle_in_ram(e: _Entry) -> bool:
+        """In RAM and free to copy up ahead of use without a host wait: not pinned (a chunk pinned in RAM is
+        being read there: the overlapped optimizer's worker), no disk I/O in flight, not stale, and no copy
+        from the device still landing in it."""
+        if e.where != "cpu" or e.pins or e.read is not None or e.write is not None or e.stale:
+            return False
+        return not (isinstance(e.landing, StagedLanding) and not e.landing.query())
+
+    def _copy_up(self, e: _Entry) -> None:
+        """Copy an idle chunk up ahead of use (pinned meanwhile, so making room cannot evict it); its next
+        access counts as a prefetch hit."""
         e.pins += 1
         try:
             self.to_device(e)
         finally:
             e.pins -= 1
         e.prefetched = True
-        self.m.counters["device_writes_through"] += 1
-        return True
 
     def record(self, chunk_id: int, compute: bool) -> None:
         """At a moment: the warm-up records the device's non-model bytes; later moments follow them."""
