@@ -64,9 +64,7 @@ the exact gather would be: gather.py), keeping the master shard exact in
 `master`.
 
 One replica on an accelerator in fp32 (``direct``): there is nothing to reduce, so the gradients stay
-autograd's own tensors, as in plain PyTorch (the first backward assigns them; adding each into a flat
-buffer cost a kernel launch per parameter a step, and a GPU step of a small model is bound by the host's
-launches), and the step is one fused multi-tensor call per weight decay over them.
+autograd's own tensors, as in plain PyTorch, and step in fused multi-tensor calls (direct.py).
 
 ``master_dtype = torch.bfloat16`` (``precision.master_weights = "bf16"``): the flat buffer holds bf16
 parameters that are their own master, as the chunks' bf16 master does (docs/chunkmem.md): the model
@@ -95,6 +93,7 @@ from capstan.native.q8 import BLOCK as Q8_BLOCK
 from ..config.schema import TrainConfig
 from .buckets import OverlappedBuckets, packed_bucket_elems, plan_all_reduce, plan_reduce_scatter
 from .compression import OneBitAdam, int8_all_gather, int8_reduce_scatter
+from .direct import AutogradGrads
 from .gather import ParamPrefetch
 
 __all__ = ["ZeroOptimizer", "Segment", "decays", "group_order"]
@@ -183,8 +182,7 @@ class ZeroOptimizer:
         self.master_dtype = master_dtype  # the parameters' and their gradients' dtype (bf16: the master itself)
         self.flat_param = torch.zeros(self.padded, device=dev, dtype=master_dtype)
         # One replica on an accelerator, fp32 throughout, nothing to reduce: the gradients stay autograd's own
-        # tensors, as plain PyTorch's (assigned by the first backward, not added into a flat buffer: one
-        # launch fewer per parameter a step on a host-bound GPU), and the fused step takes them as a list.
+        # tensors (direct.py), not views of a flat gradient.
         self.direct = (dp == 1 and stage < 2 and not pipeline_microbatches and compression == "none"
                        and is_accelerator(dev) and master_dtype == moment_dtype == torch.float32
                        and device_ops.fused_available(dev))
@@ -236,8 +234,7 @@ class ZeroOptimizer:
             parts = [q for q in self._q8_of.values() if a <= q[0] < b]
             self._q8_calls[(a, b)] = ([(pa - a, pb - pa, pa) for pa, pb, _, _ in parts], parts[0][2],
                                       parts[-1][2] + parts[-1][3])
-        if self.direct:
-            self._direct_layout()
+        self.autograd = self._autograd_grads() if self.direct else None
         self.step_count = 0
         self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
         # Backward passes per optimizer step: the accumulation's micro-batches, or one pipeline schedule.
@@ -349,30 +346,14 @@ class ZeroOptimizer:
         elif self.stage == 1:
             comm.all_reduce(self.flat_grad, op="avg", group=self.groups.replicas)
 
-    def _direct_grads(self) -> list[torch.Tensor]:
-        """direct: every parameter's gradient, zeros where no backward reached it (what the flat buffer
-        would hold, so the step is the same)."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.params]  # type: ignore[misc]
-
-    def _direct_layout(self) -> None:
-        """direct: which parameters count in the global norm on this rank, and per weight decay the indices
-        of its parameters with their tensors and moments' views in their shapes (made once: the buffers
-        never move, and a step of a host-bound GPU should not slice them again)."""
-        self._counted: list[int] = []
-        self._by_decay: dict[float, tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
-        for i, (p, start) in enumerate(zip(self.params, _offsets(self.params))):
+    def _autograd_grads(self) -> AutogradGrads:
+        """direct: which parameters count in the global norm on this rank, and each one's weight decay."""
+        offsets, counted = _offsets(self.params), []
+        for start in offsets:
             seg = next((s for s in self.segments if s.start <= start < s.end), None)  # (None: an empty tensor)
-            if seg is not None and seg.counted and (seg.sliced or self.groups.tp.rank == 0):
-                self._counted.append(i)
-            n = p.numel()
-            idx, ps, ms, vs = self._by_decay.setdefault(self.train.weight_decay if decays(p) else 0.0, ([], [], [], []))
-            idx.append(i)
-            ps.append(p.detach())
-            ms.append(self.exp_avg[start : start + n].view_as(p))
-            vs.append(self.exp_avg_sq[start : start + n].view_as(p))
+            counted.append(seg is not None and seg.counted and (seg.sliced or self.groups.tp.rank == 0))
+        wd = [self.train.weight_decay if decays(p) else 0.0 for p in self.params]
+        return AutogradGrads(self.params, offsets, counted, wd, self.exp_avg, self.exp_avg_sq)
 
     def _shard_grad(self) -> torch.Tensor:
         return self.shard_grad if self.shard_grad is not None else self.flat_grad[self.lo : self.hi]
@@ -388,12 +369,8 @@ class ZeroOptimizer:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (loss-scaled) gradients over dp, tp and pp (stages' parameters are disjoint)."""
-        if self.direct:  # one multi-tensor norm over autograd's gradients (clip_grad_norm_'s way), one read
-            every = self._direct_grads()
-            grads = [every[i] for i in self._counted]
-            local = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), 2, dtype=torch.float64).square()
-                     if grads else torch.zeros((), dtype=torch.float64, device=self.device))
-            total = local.reshape(1)
+        if self.autograd is not None:  # one multi-tensor norm over autograd's gradients, one read
+            total = self.autograd.sumsq(self.device).reshape(1)
             comm.all_reduce(total, group=self.groups.tp)
             comm.all_reduce(total, group=self.groups.pp)
             return math.sqrt(float(total.item()))
@@ -421,9 +398,8 @@ class ZeroOptimizer:
 
     def has_overflow(self) -> bool:
         """True if any rank's gradients hold inf/NaN (all ranks then skip the step together)."""
-        if self.direct:
-            grads = self._direct_grads()
-            bad = bool(grads) and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
+        if self.autograd is not None:
+            bad = self.autograd.nonfinite()
         else:
             bad = self._local_nonfinite or kernels.has_nonfinite(self._shard_grad())
         flag = torch.tensor([1.0 if bad else 0.0])
@@ -435,9 +411,8 @@ class ZeroOptimizer:
     def nonfinite_params(self) -> list[str]:
         """Names of the parameters whose gradient holds inf/NaN in this rank's shard (in buffer order):
         which layers overflowed, for the message of a skipped fp16 step. Runs only after an overflow."""
-        if self.direct:
-            return [self._names.get(id(p), "?") for p, g in zip(self.params, self._direct_grads())
-                    if kernels.has_nonfinite(g)]
+        if self.autograd is not None:
+            return [self._names.get(id(p), "?") for p in self.autograd.nonfinite_params()]
         g, names = self._shard_grad(), []
         for p, start in zip(self.params, _offsets(self.params)):
             a, b = max(start, self.lo), min(start + p.numel(), self.hi)
@@ -470,8 +445,9 @@ class ZeroOptimizer:
                              step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
                              grad_scale=grad_scale)
             return
-        if self.direct:
-            self._direct_step(lr, grad_scale)
+        if self.autograd is not None:
+            self.autograd.step(step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
+                               grad_scale=grad_scale)
             return
         g = self._shard_grad()
         # int8: Adam steps the exact master shard, then every rank gathers the quantized shards.
@@ -504,15 +480,6 @@ class ZeroOptimizer:
                                        [self.exp_avg[s] for s in slices], [self.exp_avg_sq[s] for s in slices],
                                        step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
                                        weight_decay=decay, adamw=True, grad_scale=grad_scale)
-
-    def _direct_step(self, lr: float, grad_scale: float) -> None:
-        """direct: one fused multi-tensor call per weight decay over the parameters, autograd's gradients
-        and the moments' views, in the parameters' shapes."""
-        t, grads = self.train, self._direct_grads()
-        for decay, (idx, ps, ms, vs) in self._by_decay.items():
-            device_ops.adam_step_fused(ps, [grads[i] for i in idx], ms, vs, step=self.step_count, lr=lr,
-                                       beta1=t.beta1, beta2=t.beta2, eps=t.eps, weight_decay=decay, adamw=True,
-                                       grad_scale=grad_scale)
 
     def _step_pieces(self, param: torch.Tensor, g: torch.Tensor, lr: float, grad_scale: float) -> None:
         """One kernel call per piece (the CPU's native kernels; bf16 and 8-bit moments, a bf16 master)."""
@@ -566,8 +533,8 @@ class ZeroOptimizer:
         (packed ZeRO 2 buckets) the shard and the most bucket buffers alive together (autograd's own
         transient gradients, before a hook copies them, are not counted)."""
         held = sum(t.numel() * t.element_size() for t in (self.flat_grad, self.shard_grad) if t is not None)
-        if self.direct:  # autograd's gradients, one per parameter, from backward to zero_grad
-            held += 4 * self.numel
+        if self.autograd is not None:  # autograd's gradients, from backward to zero_grad
+            held += self.autograd.nbytes
         return held + (self.overlap.held_peak if self.overlap is not None else 0)
 
     def state_bytes(self) -> int:
@@ -581,7 +548,7 @@ class ZeroOptimizer:
             tensors.append(self.master)
         if self.onebit is not None:
             tensors += list(self.onebit.state_tensors().values())
-        direct = 4 * self.numel if self.direct else 0  # autograd's gradients (grad_bytes_peak)
+        direct = self.autograd.nbytes if self.autograd is not None else 0  # autograd's gradients
         return direct + sum(x.numel() * x.element_size() for x in tensors)
 
 
