@@ -148,7 +148,7 @@ def test_a_stop_signal_stops_every_rank(tmp_path: Path, sig: int) -> None:
     marker = tmp_path / "sig" / "metrics.jsonl"
     got = _launch(tmp_path, "sig", 100_000, signal_after=(str(marker), sig))
     # mpirun stops its ranks with SIGTERM whatever it got: they agree at the end of the step and each
-    # exits 143 (engine/stop.py); the launcher's own code says which signal stopped the job.
+    # exits 143 (engine/run/stop.py); the launcher's own code says which signal stopped the job.
     assert got.code == 128 + sig and got.ranks == {0: 143, 1: 143}, got.ranks
     assert f"stopped by {signal.Signals(sig).name}" in _summary(got), got.err[-2000:]
     assert "died without an exit status" not in got.err

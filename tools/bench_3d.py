@@ -88,7 +88,7 @@ def torch_gpt(a: dict) -> nn.Sequential:
     """[embedding, blocks..., final LayerNorm, head] with the values of capstan's tp=1 reference GPT."""
     from capstan import comm
     from capstan.engine.config.load import resolve
-    from capstan.engine.models import build_reference_model
+    from capstan.engine.model.models import build_reference_model
 
     cfg, _ = resolve(capstan_config(a, "dp"), ())
     ref = build_reference_model(cfg, comm.single_process_groups()).layers  # tp group of one: the full model
@@ -267,7 +267,7 @@ def make_peer(a: dict, axis: str, rank: int, world: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from capstan.engine.config.load import resolve
-    from capstan.engine.pipe import balanced_bounds
+    from capstan.engine.model.pipe import balanced_bounds
 
     cfg, _ = resolve(capstan_config(a, axis), ())
     bounds = balanced_bounds(cfg, world)

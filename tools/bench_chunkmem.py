@@ -66,7 +66,7 @@ class GPT(nn.Module):
 
 
 def n_params(layers: int, d: int, seq: int) -> int:
-    from capstan.engine.reference_gpt import param_count
+    from capstan.engine.model.reference_gpt import param_count
 
     return param_count(layers, d, VOCAB, seq)
 

@@ -92,7 +92,7 @@ def peak_rss() -> int:
 def plain_model(a: dict):
     from capstan import comm
     from capstan.engine.config.load import resolve
-    from capstan.engine.models import build_reference_model
+    from capstan.engine.model.models import build_reference_model
 
     cfg, _ = resolve(model_config(a), ())
     torch.manual_seed(cfg.train.seed)

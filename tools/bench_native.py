@@ -367,7 +367,7 @@ def bench_vs_deepspeed(n: int, reps: int, ds_python: str) -> list[tuple[str, flo
 def _sequential_io(path: str, total: int, inflight: int, block: int = 8 << 20) -> None:
     """Write then read `total` bytes sequentially, at most `inflight` requests queued (the loop
     `capstan bench-disk` measures with)."""
-    from capstan.engine.disk_bench import stream_file
+    from capstan.engine.machine.disk_bench import stream_file
 
     buf = aio.aligned_empty(inflight * block)
     buf.fill_(5)

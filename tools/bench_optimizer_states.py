@@ -91,7 +91,7 @@ def train_plain(name: str, steps: int, eval_every: int, seed: int) -> dict:
     from capstan import comm
     from capstan.engine import open_data, train_batches, val_batches
     from capstan.engine.config.load import resolve
-    from capstan.engine.models import build_reference_model
+    from capstan.engine.model.models import build_reference_model
     from capstan.engine.schedule_lr import lr_at
     from capstan.engine.zero.optimizer import decays
 

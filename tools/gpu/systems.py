@@ -70,7 +70,7 @@ def plain_model(cfg: dict, device: object) -> tuple:
 
     from capstan import comm
     from capstan.engine.config import resolve
-    from capstan.engine.models import build_reference_model
+    from capstan.engine.model.models import build_reference_model
 
     c, _ = resolve(cfg)
     # Built on the CPU, then moved: the reference GPT's init draws from a CPU generator into tensors made
@@ -128,7 +128,7 @@ def run_fsdp(cfg: dict) -> dict:
 
     from capstan import comm
     from capstan.engine.config import resolve
-    from capstan.engine.models import build_reference_model
+    from capstan.engine.model.models import build_reference_model
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29518"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
@@ -155,7 +155,7 @@ def run_deepspeed(cfg: dict) -> dict:
 
     from capstan import comm
     from capstan.engine.config import resolve
-    from capstan.engine.models import build_reference_model
+    from capstan.engine.model.models import build_reference_model
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1"),
                        ("LOCAL_RANK", "0")):

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from capstan.engine import cli
-from capstan.engine.disk_bench import STATE_BYTES_PER_PARAM, DiskBenchError, offload_floor, parse_count
+from capstan.engine.machine.disk_bench import STATE_BYTES_PER_PARAM, DiskBenchError, offload_floor, parse_count
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

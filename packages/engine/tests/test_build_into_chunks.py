@@ -26,7 +26,7 @@ import json, re, sys
 import torch
 torch.set_num_threads(1)
 from capstan.engine import initialize
-from capstan.engine.models import build_reference_model
+from capstan.engine.model.models import build_reference_model
 eager = sys.argv[1] == "eager"
 config = {"model": {"n_layers": 20, "n_heads": 8, "d_model": 512, "seq_len": 64},
           "memory": {"offload": "disk", "chunk_size": 1 << 20, "cpu_budget": 32 << 20, "disk_dir": sys.argv[2]},
@@ -104,8 +104,8 @@ def test_a_builder_may_return_a_meta_model_for_chunked_memory_only() -> None:
 
 
 def test_a_layer_spec_list_is_built_straight_into_chunks_like_the_eager_list(monkeypatch) -> None:
-    from capstan.engine import models as build
     from capstan.engine.config import Config
+    from capstan.engine.model import models as build
     from capstan.pipeline import LayerSpec, build_layers
 
     specs = [LayerSpec(lambda: nn.Embedding(256, 32), "emb"),

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from capstan import comm
-from capstan.engine import ConfigError, cli, initialize, open_data, ram_budget, train_batches
+from capstan.engine import ConfigError, cli, initialize, open_data, train_batches
 from capstan.engine.config import from_deepspeed, resolve
-from capstan.engine.ram_budget import with_default_cpu_budget
+from capstan.engine.machine import ram_budget
+from capstan.engine.machine.ram_budget import with_default_cpu_budget
 
 ZERO2_OFFLOAD = {  # ZeRO-Offload as in DeepSpeed's tutorial
     "train_batch_size": 16, "gradient_accumulation_steps": 2,
@@ -148,7 +149,7 @@ class _Lines(logging.Handler):
 @pytest.fixture
 def logged() -> Iterator[list[str]]:
     handler = _Lines()
-    logger = logging.getLogger("capstan.engine.ram_budget")
+    logger = logging.getLogger("capstan.engine.machine.ram_budget")
     logger.addHandler(handler)
     yield handler.lines
     logger.removeHandler(handler)

@@ -150,7 +150,7 @@ def test_a_model_without_a_plan_is_refused_at_tp2() -> None:
 
     one = Group("x", (0,), 0)
     groups = Groups(world=Group("world", (0, 1), 0), dp=one, pp=one, tp=Group("tp", (0, 1), 0), topology=Topology(tp=2))
-    from capstan.engine.models import slice_for_tp
+    from capstan.engine.model.models import slice_for_tp
 
     with pytest.raises(ValueError, match="capstan ships tensor-parallel plans for transformers models of the families "
                                          "bert, gpt2, llama, mistral, qwen2"):

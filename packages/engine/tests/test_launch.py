@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from capstan.engine.cli import main
-from capstan.engine.mpirun import (
+from capstan.engine.run.mpirun import (
     HostSlots,
     LaunchRequestError,
     build_command,

@@ -79,7 +79,7 @@ def _layouts(which: str, tmp: str = "") -> dict:
 
 def _trainer_resume(tmp: Path) -> dict:
     """`capstan train`'s loop at pp = 2: metrics with validation, then a run resumed from a checkpoint."""
-    from capstan.engine import trainer
+    from capstan.engine.run import trainer
 
     def run(name: str, steps: int, resume: bool) -> list[dict]:
         cfg = _cfg(dp=1, pp=2, schedule="1f1b")

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from capstan.comm.job.groups import Group
-from capstan.engine import stop
+from capstan.engine.run import stop
 
 ONE = Group("world", (0,), 0)
 

@@ -93,7 +93,7 @@ def test_overlapped_optimizer_step_is_the_plain_step() -> None:
 def test_overlapped_optimizer_measures_instead_of_guessing_where_ram_cannot_hold_its_copies(monkeypatch) -> None:
     """The engine tells the overlapped step how much RAM is left (ram_budget.ram_room): where the rollback
     copies would take more than half of it, no step guesses (they measure), the trajectory unchanged."""
-    from capstan.engine import ram_budget
+    from capstan.engine.machine import ram_budget
 
     cfg = _cfg(memory={"offload": "cpu", "chunk_size": 8192, "overlap_optimizer": True})
     roomy = _trajectory(cfg, steps=4)
@@ -118,7 +118,7 @@ def test_the_room_a_guess_may_take_is_this_ranks_share_and_a_full_cgroup_has_non
     from types import SimpleNamespace
 
     from capstan import comm
-    from capstan.engine import ram_budget
+    from capstan.engine.machine import ram_budget
 
     monkeypatch.setattr(ram_budget, "available_ram", lambda: (0, "the memory cgroup's limit less its working set"))
     assert ram_budget.ram_room() == 0

@@ -161,7 +161,7 @@ class _FakeGroups:
 
 def test_partition_methods_pick_the_boundaries() -> None:
     """parallel.partition for the reference GPT (closed-form counts) and a user pipeline (counted)."""
-    from capstan.engine.pipe import balanced_bounds
+    from capstan.engine.model.pipe import balanced_bounds
 
     ref = {"model": {"n_layers": 6, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab_size": 4096},
            "parallel": {"pp": 2, "dp": 1}}
@@ -171,7 +171,7 @@ def test_partition_methods_pick_the_boundaries() -> None:
     # weigh alike; by FLOPs the embedding is free and the head costs 2 x 64 x 4096 per token, about 5
     # blocks (24 x 64^2 + 4 x 32 x 64 each): stage 1 keeps one block besides the norm and head.
     assert bounds == {"parameters": (0, 4, 9), "flops": (0, 6, 9), "uniform": (0, 5, 9)}
-    from capstan.engine.pipe import user_partition
+    from capstan.engine.model.pipe import user_partition
 
     plans = {m: user_partition(resolve(_cfg(dp=1, pp=2, partition=m), reference_model=False)[0], specs(), 2)
              for m in ("parameters", "flops", "uniform")}
@@ -182,7 +182,7 @@ def test_partition_methods_pick_the_boundaries() -> None:
 def test_time_partition_times_the_reference_layers_without_touching_the_random_state() -> None:
     """"time" for the reference GPT: one block timed for all, a head with a large vocabulary costing
     several blocks moves blocks off the last stage; the caller's random state is left untouched."""
-    from capstan.engine.pipe import balanced_bounds, reference_layer_times
+    from capstan.engine.model.pipe import balanced_bounds, reference_layer_times
 
     cfg = resolve({"model": {"n_layers": 6, "d_model": 64, "n_heads": 4, "seq_len": 64, "vocab_size": 32768},
                    "train": {"micro_batch_size": 4}, "parallel": {"pp": 2, "dp": 1, "partition": "time"}})[0]

@@ -19,8 +19,8 @@ from capstan.pipeline import (
     partition,
     tie_layers,
 )
+from capstan.pipeline.runtime.transport import decode_header, encode_header, shape_key
 from capstan.pipeline.testing_models import gpt_loss, gpt_specs
-from capstan.pipeline.transport import decode_header, encode_header, shape_key
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

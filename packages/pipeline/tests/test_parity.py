@@ -23,7 +23,7 @@ from functools import cache
 import torch
 
 from capstan.comm.testing import requires_mpirun, run_mpirun, run_ranks
-from capstan.pipeline.partition import build_layers, partition, tie_layers
+from capstan.pipeline.stages.partition import build_layers, partition, tie_layers
 from capstan.pipeline.testing_models import gpt_loss, gpt_specs
 
 VOCAB, HIDDEN, BLOCKS, HEADS, SEQ, BATCH = 64, 32, 6, 4, 8, 2

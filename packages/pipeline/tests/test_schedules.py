@@ -29,7 +29,7 @@ from capstan.pipeline import (
     render_timeline,
     simulate,
 )
-from capstan.pipeline.simulate import Deadlock, SimulationError
+from capstan.pipeline.schedule.simulate import Deadlock, SimulationError
 
 
 def _configs():

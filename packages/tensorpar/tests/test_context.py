@@ -90,7 +90,7 @@ def _ring_tiles(errs: dict, cp_group: Group) -> None:
 def _gpt(errs: dict, tp: Group, cp_group: Group, mode: str, tag: str, sp: bool = False, tiled: bool = False) -> None:
     from capstan import comm
     from capstan import tensorpar as T
-    from capstan.tensorpar.gpt import loss_targets
+    from capstan.tensorpar.modules.gpt import loss_targets
     from capstan.tensorpar.testing import grad_errors, rel_err
 
     cfg = T.GPTConfig(vocab_size=52, seq_len=16, d_model=32, n_heads=4, n_layers=2, dropout=0.0)

@@ -12,9 +12,9 @@ import torch
 from capstan.comm import single_process_groups
 from capstan.native import standin
 from capstan.tensorpar import GPTConfig, build_gpt
-from capstan.tensorpar.gpt import loss_targets
+from capstan.tensorpar.modules.gpt import loss_targets
+from capstan.tensorpar.modules.tiled_loss import tiled_head_cross_entropy
 from capstan.tensorpar.testing import rel_err
-from capstan.tensorpar.tiled_loss import tiled_head_cross_entropy
 
 TOL = 1e-6
 
@@ -46,7 +46,7 @@ def test_tiled_loss_and_mlp_equal_untiled(loss_tile: int, mlp_tile: int) -> None
 
 def test_tiled_head_logits_never_exist_whole_and_any_gradient_works() -> None:
     """A per-token gradient other than a mean takes the recomputing backward: same gradients as untiled."""
-    from capstan.tensorpar.cross_entropy import vocab_parallel_cross_entropy
+    from capstan.tensorpar.modules.cross_entropy import vocab_parallel_cross_entropy
 
     group = single_process_groups().tp
     g = torch.Generator().manual_seed(2)
@@ -95,7 +95,7 @@ def test_the_default_tile_on_an_accelerator_is_sixteen_times_the_cpus(device: st
     """On a GPU each tile launches ~25 kernels and adds the head's whole gradient in fp32: 4M-logit tiles made
     capstan's step 0.33x plain PyTorch's on an H200 (50 tiles for 4,096 tokens x 50,304). The model's head
     picks the tile by where its input is: 16x more tokens a tile there (one tile for this whole batch)."""
-    from capstan.tensorpar.tiled_loss import DEVICE_TILE_ELEMENTS, TILE_ELEMENTS, default_tile
+    from capstan.tensorpar.modules.tiled_loss import DEVICE_TILE_ELEMENTS, TILE_ELEMENTS, default_tile
 
     assert (default_tile(50304), default_tile(50304, device)) == (83, 1334)
     assert DEVICE_TILE_ELEMENTS == 16 * TILE_ELEMENTS
@@ -116,7 +116,7 @@ def test_tiled_head_holds_one_tile_of_logits_on_the_device_not_all(device: str) 
     """The tiled loss's memory, measured by the stand-in device's allocator: forward and backward of the
     untiled head take more than the whole fp32 logits (8 MiB here); the tiled one stays under a quarter
     of that (its tile of 32 tokens is 512 KiB), a bound whole logits would break."""
-    from capstan.tensorpar.cross_entropy import vocab_parallel_cross_entropy
+    from capstan.tensorpar.modules.cross_entropy import vocab_parallel_cross_entropy
 
     group = single_process_groups().tp
     vocab, tokens, hidden = 4096, 512, 16
@@ -145,7 +145,7 @@ def test_tiled_mlp_holds_one_tile_of_hidden_activations_on_the_device_not_all(de
     """The tiled MLP's memory, measured by the stand-in device's allocator: the untiled MLP keeps its
     ffn-wide activations of the whole sequence for backward (fc output and GeLU: 2 x 4 MiB here); tiles of
     64 tokens recompute them in backward and stay under half of one of them."""
-    from capstan.tensorpar.blocks import ParallelMLP
+    from capstan.tensorpar.modules.blocks import ParallelMLP
 
     group = single_process_groups().tp
     tokens, d_model, d_ffn = 1024, 64, 1024

@@ -35,7 +35,8 @@ from capstan.comm.job.accelerator import is_accelerator
 from .config.load import ConfigError, check_world, resolve, uses_chunks
 from .config.schema import Config
 from .engine import Engine, LossFn
-from .models import (
+from .machine.ram_budget import with_default_cpu_budget
+from .model.models import (
     LayerwiseInit,
     activation_keeper,
     build_hf_model,
@@ -48,7 +49,6 @@ from .models import (
     resolve_device,
     slice_for_tp,
 )
-from .ram_budget import with_default_cpu_budget
 
 # The model-building names are models.py's, re-exported here where callers have always found them.
 __all__ = ["initialize", "build_reference_model", "build_reference_on_meta", "LayerwiseInit", "recompute_blocks",
@@ -87,7 +87,7 @@ def resolve_groups(cfg: Config, sources: dict[str, str]) -> comm.Groups:
 def _default_loss(model: nn.Module) -> LossFn:
     if callable(getattr(model, "loss", None)):
         return model.loss  # the reference GPT: vocab-parallel cross-entropy
-    from .pipe import token_cross_entropy
+    from .model.pipe import token_cross_entropy
 
     return token_cross_entropy
 
@@ -132,7 +132,7 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
     cfg = with_default_cpu_budget(cfg, groups, reference_model=model is None)  # a disk tier's, where unset
     torch.manual_seed(cfg.train.seed)
     if cfg.parallel.pp > 1:
-        from .pipe import PipelineStage, user_layer_specs
+        from .model.pipe import PipelineStage, user_layer_specs
 
         if model is None:
             if loss_fn is not None:
@@ -181,7 +181,7 @@ def initialize(model: ModelSpec = None, config: str | Path | Mapping[str, Any] |
     elif isinstance(model, (list, tuple)):  # LayerSpecs, as for pp > 1: built here as one nn.Sequential
         from capstan.pipeline import build_layers, tie_layers
 
-        from .pipe import user_layer_specs
+        from .model.pipe import user_layer_specs
 
         specs = user_layer_specs(model)
         seed = cfg.train.seed  # per-layer seeds, as pipe.py

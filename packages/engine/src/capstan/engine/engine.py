@@ -46,8 +46,8 @@ from capstan.comm.job.accelerator import is_accelerator
 
 from .config.load import uses_chunks
 from .config.schema import Config
-from .outputs import check_batch_convention, loss_of
-from .pipe import PipelineStage
+from .model.outputs import check_batch_convention, loss_of
+from .model.pipe import PipelineStage
 from .precision import autocast, loss_scaler
 from .schedule_lr import lr_at
 from .states import ChunkedStates, FlatStates, ModelStates
@@ -173,10 +173,10 @@ class Engine:
 
     def _targets_of(self, batch: object) -> AbstractContextManager[None]:
         """The reference GPT's head computes its loss in tiles when it knows the targets (memory.tiled_loss;
-        tensorpar.gpt.loss_targets); any other model runs as it is."""
+        tensorpar.modules.gpt.loss_targets); any other model runs as it is."""
         if not (self.reference_model and isinstance(batch, (tuple, list)) and len(batch) == 2):
             return nullcontext()
-        from capstan.tensorpar.gpt import loss_targets
+        from capstan.tensorpar.modules.gpt import loss_targets
         return loss_targets(batch[1])
 
     def tokens_of_this_rank(self, batch: object) -> object:
@@ -310,7 +310,7 @@ class Engine:
                         "mem.act.offloaded_peak_bytes": s["offloaded_peak_bytes"],
                         "mem.act.offloaded_total_bytes": s["moved_bytes"]})
         if self._heads is None:
-            from capstan.tensorpar.gpt import GPTHead
+            from capstan.tensorpar.modules.gpt import GPTHead
             self._heads = [m for m in self.module.modules() if isinstance(m, GPTHead)] if self.reference_model else []
         if self._heads:
             out["mem.act.logits_peak_bytes"] = max(head.take_logits_peak() for head in self._heads)

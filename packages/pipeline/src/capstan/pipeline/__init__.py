@@ -7,9 +7,8 @@ layer specs into stages without allocating other stages' parameters;
 docs/pipeline.md.
 """
 
-from .executor import PipelineError, PipelineExecutor
-from .hf_layers import HF_PIPELINE_FAMILIES, HF_TIED_HEADS, hf_layer_specs, hf_param_name
-from .instructions import (
+from .runtime.executor import PipelineError, PipelineExecutor
+from .schedule.instructions import (
     Backward,
     CommInstruction,
     ComputeInstruction,
@@ -23,7 +22,19 @@ from .instructions import (
     SendActivation,
     SendGrad,
 )
-from .partition import (
+from .schedule.schedules import (
+    SCHEDULES,
+    GPipe,
+    Interleaved1F1B,
+    OneFOneB,
+    Schedule,
+    ScheduleError,
+    make_schedule,
+)
+from .schedule.simulate import Deadlock, SimResult, SimulationError, batches, simulate
+from .schedule.timeline import render_timeline
+from .stages.hf_layers import HF_PIPELINE_FAMILIES, HF_TIED_HEADS, hf_layer_specs, hf_param_name
+from .stages.partition import (
     LayerSpec,
     Partition,
     PartitionError,
@@ -35,17 +46,6 @@ from .partition import (
     partition,
     tie_layers,
 )
-from .schedules import (
-    SCHEDULES,
-    GPipe,
-    Interleaved1F1B,
-    OneFOneB,
-    Schedule,
-    ScheduleError,
-    make_schedule,
-)
-from .simulate import Deadlock, SimResult, SimulationError, batches, simulate
-from .timeline import render_timeline
 
 __all__ = [
     "HF_PIPELINE_FAMILIES", "HF_TIED_HEADS", "hf_layer_specs", "hf_param_name",

@@ -13,7 +13,7 @@ Example::
 
     import torch
     from capstan.pipeline.testing_models import gpt_specs, gpt_loss
-    from capstan.pipeline.partition import build_layers
+    from capstan.pipeline.stages.partition import build_layers
     specs = gpt_specs(vocab=128, hidden=32, layers=2, heads=4, seq=16)
     model = torch.nn.Sequential(*build_layers(specs, range(len(specs)), seed=0))
 """
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .partition import LayerSpec
+from .stages.partition import LayerSpec
 
 __all__ = ["Embedding", "Block", "Head", "gpt_specs", "gpt_loss"]
 

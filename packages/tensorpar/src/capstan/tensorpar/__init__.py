@@ -17,10 +17,11 @@ Example (one process; under torchrun use ``comm.build_groups(...).tp``)::
     model.loss(model(ids), ids).backward()
 """
 
-from .apply import STYLES, Divide, parallelize
-from .blocks import ParallelBlock, ParallelMLP, ParallelSelfAttention, check_attention_sizes
-from .cross_entropy import gather_vocab_logits, vocab_parallel_cross_entropy
-from .gpt import (
+from .convert.apply import STYLES, Divide, parallelize
+from .convert.hf_plans import HF_FAMILIES, hf_plan
+from .modules.blocks import ParallelBlock, ParallelMLP, ParallelSelfAttention, check_attention_sizes
+from .modules.cross_entropy import gather_vocab_logits, vocab_parallel_cross_entropy
+from .modules.gpt import (
                   GPT,
                   GPTConfig,
                   GPTEmbedding,
@@ -31,9 +32,15 @@ from .gpt import (
                   gpt_layer_factories,
                   gpt_loss,
 )
-from .hf_plans import HF_FAMILIES, hf_plan
-from .layers import ColumnParallelLinear, ParallelLayerNorm, ParallelRMSNorm, RowParallelLinear, VocabParallelEmbedding
-from .mappings import (
+from .modules.layers import (
+                  ColumnParallelLinear,
+                  ParallelLayerNorm,
+                  ParallelRMSNorm,
+                  RowParallelLinear,
+                  VocabParallelEmbedding,
+)
+from .recompute import is_recomputed, recompute
+from .slicing.mappings import (
                   CommCounter,
                   copy_to_tensor_parallel_region,
                   count_comm,
@@ -44,9 +51,8 @@ from .mappings import (
                   scatter_to_sequence_parallel_region,
                   scatter_to_tensor_parallel_region,
 )
-from .partition import divide, tp_dim_of
-from .recompute import is_recomputed, recompute
-from .rng import TensorParallelRNG, dropout
+from .slicing.partition import divide, tp_dim_of
+from .slicing.rng import TensorParallelRNG, dropout
 
 __all__ = [
     "is_recomputed", "recompute",

@@ -16,7 +16,7 @@ from torch import nn
 
 from capstan.comm import Group
 
-from .partition import tp_dim_of
+from .slicing.partition import tp_dim_of
 
 __all__ = ["rel_err", "local_part", "param_errors", "grad_errors"]
 

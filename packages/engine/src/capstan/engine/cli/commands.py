@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from ..stop import Stopped, stop_on_signals
+from ..run.stop import Stopped, stop_on_signals
 
 __all__ = ["main", "entry", "build_parser", "EXIT_BAD_INPUT"]
 
@@ -56,8 +56,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 _BAD_INPUT = (("capstan.engine.config.load", "ConfigError"), ("capstan.engine.data.sources", "DataError"),
               ("capstan.comm.job.launch_env", "LaunchError"), ("capstan.chunkmem.memory.tiers", "BudgetError"),
               ("capstan.chunkmem.model.layout", "LayoutError"), ("capstan.chunkmem.memory.disk", "DiskTierError"),
-              ("capstan.engine.checkpoint.store", "CheckpointError"), ("capstan.engine.disk_bench", "DiskBenchError"),
-              ("capstan.engine.rundir", "RunDirError"), ("capstan.engine.plan.spec", "PlanError"))
+              ("capstan.engine.checkpoint.store", "CheckpointError"),
+              ("capstan.engine.machine.disk_bench", "DiskBenchError"),
+              ("capstan.engine.run.rundir", "RunDirError"), ("capstan.engine.plan.spec", "PlanError"))
 # Not capstan bugs either, but no bad input: a lost peer, fp16 gradients overflowing at the least loss scale.
 _RUN_FAILURES = (("capstan.comm.health.errors", "CommError"), ("capstan.chunkmem.optim.precision", "LossScaleError"))
 
@@ -95,7 +96,7 @@ def _train(args: argparse.Namespace) -> int:
         if found is None:
             raise CheckpointError(f"checkpoint.load = {cfg.checkpoint.load!r}: no complete checkpoint there")
         read_manifest(found)
-    from ..trainer import run
+    from ..run.trainer import run
 
     run(cfg, sources, data, plan=args.plan)
     if comm.is_initialized():
@@ -209,7 +210,7 @@ def _cmd_checkpoint_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_disk(args: argparse.Namespace) -> int:
-    from ..disk_bench import MiB, bench_disk, format_report, offload_floor, parse_count
+    from ..machine.disk_bench import MiB, bench_disk, format_report, offload_floor, parse_count
 
     params = parse_count(args.params)  # before the measurement: a typo costs nothing
     rates = bench_disk(args.dir, args.size_mib * MiB, args.block_mib * MiB, args.inflight, args.rounds)
@@ -220,7 +221,7 @@ def _cmd_bench_disk(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..mpirun import (  # status files for `capstan launch` (a no-op otherwise)
+    from ..run.mpirun import (  # status files for `capstan launch` (a no-op otherwise)
         rank_finished,
         rank_started,
     )

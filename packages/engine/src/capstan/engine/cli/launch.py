@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..mpirun import (
+from ..run.mpirun import (
     EXIT_BAD_INPUT,
     STATUS_DIR_VAR,
     LaunchRequestError,

@@ -203,7 +203,7 @@ def _src(sources: Sources, key: str) -> str:
 
 def reference_layer_params(cfg: Config) -> list[int]:
     """Parameters of each of the reference GPT's ``model.layers`` at tp = 1 (embedding, blocks, norm, head)."""
-    from ..reference_gpt import layer_params
+    from ..model.reference_gpt import layer_params
 
     m = cfg.model
     return layer_params(m.n_layers, m.d_model, m.vocab_size, m.seq_len)
@@ -213,7 +213,7 @@ def reference_layer_flops(cfg: Config) -> list[int]:
     """Forward FLOPs per token of each of the reference GPT's ``model.layers`` at tp = 1: a block's
     matmuls (qkv 6d^2, output 2d^2, MLP 16d^2) and attention (QK^T and AV, 2 seq d each), the head's
     2 d vocab; the embedding lookup and the norms count 0."""
-    from ..reference_gpt import layer_flops
+    from ..model.reference_gpt import layer_flops
 
     m = cfg.model
     return layer_flops(m.n_layers, m.d_model, m.vocab_size, m.seq_len)

@@ -70,7 +70,7 @@ def _fit(times: dict, factor: float) -> Link:
 
 
 def _launch_probe(ranks: int, shapes: list[tuple[ModelShape, Layout]] = ()) -> dict:
-    from ..mpirun import build_command, find_mpirun
+    from ..run.mpirun import build_command, find_mpirun
 
     if find_mpirun() is None:
         raise PlanError("capstan plan --calibrate needs mpirun to measure collectives (capstan info says which)")
@@ -79,8 +79,8 @@ def _launch_probe(ranks: int, shapes: list[tuple[ModelShape, Layout]] = ()) -> d
         # The probe's process imports what `capstan train` imports before any model (its RSS is the baseline
         # the planner adds to), so the trainer is imported here, in that process: probe.py itself needs none
         # of it, and importing it there would close a circle plan -> trainer -> plan (tools/import_graph.py).
-        args = [sys.executable, "-c", "import sys, capstan.engine.trainer; from capstan.engine.plan.probe import main; "
-                "main(*sys.argv[1:])", out]
+        args = [sys.executable, "-c", "import sys, capstan.engine.run.trainer; "
+                "from capstan.engine.plan.probe import main; main(*sys.argv[1:])", out]
         if shapes:
             args.append(os.path.join(tmp, "shapes.json"))
             Path(args[-1]).write_text(json.dumps([{"shape": asdict(s), "layout": asdict(lay)} for s, lay in shapes]))
@@ -226,7 +226,7 @@ def _layout_overhead(layout: Layout, rates: Rates, disk_dir: str | os.PathLike) 
 
 def _overhead_at(layout: Layout, rates: Rates, disk_dir: str | os.PathLike, size: dict) -> tuple[int, int]:
     """(the plan's tensor bytes, measured peak less them) of one launched run of `_job`."""
-    from ..mpirun import build_command
+    from ..run.mpirun import build_command
     from .spec import save_machine
 
     with tempfile.TemporaryDirectory(dir=disk_dir) as tmp:
@@ -247,7 +247,7 @@ def _overhead_at(layout: Layout, rates: Rates, disk_dir: str | os.PathLike, size
 
 
 def _disk(disk_dir: str | os.PathLike, size: int) -> tuple[float, float]:
-    from ..disk_bench import bench_disk
+    from ..machine.disk_bench import bench_disk
 
     Path(disk_dir).mkdir(parents=True, exist_ok=True)
     rates = bench_disk(disk_dir, size=size, block=DISK_BLOCK, inflight=1, rounds=3)

@@ -179,7 +179,7 @@ def _kind_specs(shape: ModelShape, tp: int) -> dict[str, tuple[tuple[tuple[int, 
     """Per layer kind, its modules' (engine group, elements) of each parameter, from the layers built on meta."""
     from capstan.comm.job.groups import Group
     from capstan.tensorpar import GPTConfig
-    from capstan.tensorpar.gpt import gpt_layer_factories
+    from capstan.tensorpar.modules.gpt import gpt_layer_factories
 
     cfg = GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, d_model=shape.hidden, n_heads=shape.heads,
                     n_layers=1, dropout=0.0, ffn_mult=shape.ffn_mult)

@@ -202,7 +202,7 @@ def measure_layers(shape: ModelShape, layout: Layout, threads: int = 1) -> dict[
     from capstan.comm.job.groups import Group
     from capstan.tensorpar import GPTConfig
     from capstan.tensorpar.context import ContextParallel
-    from capstan.tensorpar.gpt import gpt_layer_factories, gpt_loss
+    from capstan.tensorpar.modules.gpt import gpt_layer_factories, gpt_loss
 
     depth = min(shape.layers, STACK)
     cfg = GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, d_model=shape.hidden, n_heads=shape.heads,

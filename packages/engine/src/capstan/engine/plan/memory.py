@@ -96,7 +96,7 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-# logits per tile of the tiled loss on the CPU and on a GPU (capstan.tensorpar.tiled_loss, kept torch-free here)
+# logits per tile of the tiled loss on the CPU and on a GPU (capstan.tensorpar.modules.tiled_loss, kept torch-free here)
 TILE_ELEMENTS, DEVICE_TILE_ELEMENTS = 1 << 22, 1 << 26
 RING_TILE = 1024  # queries and keys per tile of ring attention (capstan.tensorpar.context.RING_TILE, likewise)
 
@@ -146,7 +146,7 @@ def _elem(layout: Layout) -> int:
 
 
 def mlp_tiled(shape: ModelShape, layout: Layout) -> bool:
-    """Whether the MLP runs in tiles (tensorpar.blocks.ParallelMLP: more tokens than one tile)."""
+    """Whether the MLP runs in tiles (tensorpar.modules.blocks.ParallelMLP: more tokens than one tile)."""
     tokens = shape.seq // layout.cp // (layout.tp if layout.sequence_parallel else 1)
     return 0 < layout.mlp_tile < tokens
 
@@ -393,7 +393,7 @@ def _stage_plan(shape: ModelShape, machine: Machine, layout: Layout, stage: int,
     if last in layers:
         vocab = -(-shape.vocab // layout.tp) * layout.tp // layout.tp
         tokens = shape.seq // layout.cp * layout.micro
-        if layout.tiled_loss:  # tensorpar/tiled_loss.py: a tile's logits, unit gradients of the head kept
+        if layout.tiled_loss:  # tensorpar/modules/tiled_loss.py: a tile's logits, unit gradients of the head kept
             tile = min(tokens, max(1, (DEVICE_TILE_ELEMENTS if gpu else TILE_ELEMENTS) // vocab))
             items.append(Item("tiled loss: one tile's logits and softmax (fp32), the head's unit gradients "
                               "(input and weight, fp32)", act_tier,

@@ -73,7 +73,7 @@ def _step_overhead(threads: int) -> float:
 
 def measure(threads: int = 1) -> dict[str, float]:
     """The module docstring's figures: bytes, and step_overhead_s in seconds."""
-    import capstan.engine.trainer  # noqa: F401  what `capstan train` imports before any model
+    import capstan.engine.run.trainer  # noqa: F401  what `capstan train` imports before any model
 
     torch.set_num_threads(threads)
     out: dict[str, float] = {}

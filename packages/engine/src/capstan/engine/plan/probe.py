@@ -55,7 +55,7 @@ def block_seconds(reps: int = 5) -> float:
     """A 512-wide block's forward and backward (8 x 128 tokens) at this rank's threads."""
     from capstan.comm.job.groups import Group
     from capstan.tensorpar import GPTConfig
-    from capstan.tensorpar.gpt import gpt_layer_factories
+    from capstan.tensorpar.modules.gpt import gpt_layer_factories
 
     from .costs import _local_collectives, _median_seconds
 
@@ -67,7 +67,7 @@ def block_seconds(reps: int = 5) -> float:
 
 
 def main(out: str, shapes_file: str | None = None) -> None:
-    # The process imported capstan.engine.trainer first, as `capstan train` does (calibrate._launch_probe).
+    # The process imported capstan.engine.run.trainer first, as `capstan train` does (calibrate._launch_probe).
     from capstan import comm
 
     world = comm.init()
@@ -75,7 +75,7 @@ def main(out: str, shapes_file: str | None = None) -> None:
     rss = torch.tensor([_vm_rss()], dtype=torch.float64)
     comm.all_reduce(rss, "max")
     result: dict = {"ranks": n, "threads": torch.get_num_threads(), "rss": int(rss.item()),
-                    "trainer_imported": "capstan.engine.trainer" in sys.modules,  # the baseline's premise
+                    "trainer_imported": "capstan.engine.run.trainer" in sys.modules,  # the baseline's premise
                     "all_reduce": {}, "all_gather": {}, "all_to_all": {}}
     for size in SIZES:
         elems = size // 4

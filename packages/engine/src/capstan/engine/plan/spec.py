@@ -38,7 +38,7 @@ def _positive(owner: str, **values: float) -> None:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A GPT-shaped transformer: capstan's reference GPT (tensorpar.gpt) with these sizes. A model of
+    """A GPT-shaped transformer: capstan's reference GPT (tensorpar.modules.gpt) with these sizes. A model of
     your own with the same layer, hidden, head, vocabulary and sequence sizes has the same
     parameter count to within its norms and biases."""
 
@@ -63,7 +63,7 @@ class ModelShape:
     def layer_params(self, tp: int = 1) -> list[int]:
         """Parameters of each layer of [embedding, block x layers, final norm, head] on one rank of a
         tensor-parallel group of `tp` (matrices and column biases sliced, norms and row biases not)."""
-        from ..reference_gpt import layer_params
+        from ..model.reference_gpt import layer_params
 
         return layer_params(self.layers, self.hidden, self.vocab, self.seq, self.ffn_mult, tp)
 
@@ -249,7 +249,7 @@ def virtual_parts(shape: ModelShape, layout: Layout) -> list[list[int]]:
 def _bounds(shape: ModelShape, tp: int, parts: int) -> tuple[int, ...]:
     """balanced_bounds of the layers' parameters: O(parts x layers^2), a second at 128 stages of gpt-1t, so
     computed once per shape (the search asks for the same split thousands of times)."""
-    from capstan.pipeline.partition import balanced_bounds
+    from capstan.pipeline.stages.partition import balanced_bounds
 
     return tuple(balanced_bounds(shape.layer_params(tp), parts))
 

@@ -311,9 +311,9 @@ def _simulated(name: str, pp: int, v: int, accum: int, compute: tuple[LayerCost,
     """When each stage finishes its last instruction of the schedule (capstan.pipeline.simulate); once per
     distinct pipeline (layouts that differ in ZeRO stage or offload alone share it)."""
     from capstan.pipeline import make_schedule, simulate
-    from capstan.pipeline.instructions import Backward, Forward
+    from capstan.pipeline.schedule.instructions import Backward, Forward
 
-    from ..pipe import SCHEDULE_NAMES
+    from ..model.pipe import SCHEDULE_NAMES
 
     last = pp * v - 1
     schedule = make_schedule(SCHEDULE_NAMES[name], pp, accum, v)

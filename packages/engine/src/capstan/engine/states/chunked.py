@@ -23,8 +23,8 @@ from capstan.comm.job.accelerator import device_module, is_accelerator
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
 from ..config.load import check_states_fit
 from ..config.schema import Config
+from ..machine.ram_budget import disk_room, ram_room
 from ..precision import master_dtype, moment_dtype
-from ..ram_budget import disk_room, ram_room
 from ..zero.optimizer import group_order
 from .base import ModelStates, UpdateScale, overflowed
 

@@ -16,14 +16,15 @@ import torch
 from capstan import comm
 from capstan.comm.health import faults
 
-from . import checkpoint, stop
-from .build import initialize, resolve_groups
-from .config.load import Sources, to_toml
-from .config.schema import Config
-from .data.sources import TokenData, train_batches, val_batches
-from .engine import Engine
-from .ram_budget import with_default_cpu_budget
-from .report.metrics import MetricsSink, memory_summary, plot_losses, plot_memory, progress_line
+from .. import checkpoint
+from ..build import initialize, resolve_groups
+from ..config.load import Sources, to_toml
+from ..config.schema import Config
+from ..data.sources import TokenData, train_batches, val_batches
+from ..engine import Engine
+from ..machine.ram_budget import with_default_cpu_budget
+from ..report.metrics import MetricsSink, memory_summary, plot_losses, plot_memory, progress_line
+from . import stop
 from .rundir import check_resume, lock_run
 
 __all__ = ["run"]
@@ -51,7 +52,7 @@ def _run(cfg: Config, data: TokenData, groups: comm.Groups, plan: str | None = N
     # a disk tier's RAM budget, where unset, chosen now: the prediction, the engine and config.resolved.toml use it
     cfg = with_default_cpu_budget(cfg, groups)
     if plan is not None:  # before the model exists: the prediction does not depend on the run
-        from .plan.run import RunPlan
+        from ..plan.run import RunPlan
 
         watch = RunPlan(cfg, groups.world.size, groups.world.rank, plan)
         comm.log_rank0(log, "%s", watch.describe())

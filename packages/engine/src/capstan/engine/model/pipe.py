@@ -41,16 +41,16 @@ from torch import nn
 
 from capstan import comm
 
-from .config.load import (
+from ..config.load import (
     reference_gpt_config,
     reference_layer_flops,
     reference_layer_params,
     uses_chunks,
 )
-from .config.schema import Config
+from ..config.schema import Config
+from ..precision import autocast
+from ..zero.optimizer import STAGE_COPY_ATTR
 from .outputs import logits_of
-from .precision import autocast
-from .zero.optimizer import STAGE_COPY_ATTR
 
 __all__ = ["PipelineStage", "SCHEDULE_NAMES", "balanced_bounds", "reference_layer_times", "token_cross_entropy",
            "user_layer_specs", "user_partition"]
@@ -206,7 +206,7 @@ class PipelineStage:
         meta = self.reference and uses_chunks(cfg)
         with_targets = None
         if self.reference:  # the reference GPT's head computes its loss in tiles given the targets
-            from capstan.tensorpar.gpt import loss_targets as with_targets
+            from capstan.tensorpar.modules.gpt import loss_targets as with_targets
         self.executor = PipelineExecutor(self.plan, self.schedule, groups, self._scaled_loss, seed=seed,
                                          checkpoint=ckpt, meta=meta, device=self.device, with_targets=with_targets)
         self.init_fn = None
@@ -260,7 +260,7 @@ class PipelineStage:
     @torch.no_grad()
     def eval_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """Mean loss of one batch: a forward-only pass along the virtual stages, on every stage."""
-        from capstan.pipeline.transport import HEADER_LEN, decode_header, encode_header
+        from capstan.pipeline.runtime.transport import HEADER_LEN, decode_header, encode_header
 
         x, y = batch
         pp, stages, sched = self.groups.pp, self.groups.pp.size, self.schedule

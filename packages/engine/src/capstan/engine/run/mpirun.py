@@ -114,7 +114,7 @@ def tp_from_command(command: list[str]) -> int:
             sets.append(arg.split("=", 1)[1])
     if config is None:
         return 1
-    from .config.load import resolve
+    from ..config.load import resolve
 
     try:
         cfg, _ = resolve(config, sets)

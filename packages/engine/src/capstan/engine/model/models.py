@@ -21,8 +21,8 @@ from capstan import comm
 from capstan.chunkmem.memory.nonmodel import trim_heap
 from capstan.comm.job.accelerator import is_accelerator
 
-from .config.load import ConfigError, reference_gpt_config, uses_chunks
-from .config.schema import Config
+from ..config.load import ConfigError, reference_gpt_config, uses_chunks
+from ..config.schema import Config
 
 __all__ = ["build_reference_model", "build_reference_on_meta", "LayerwiseInit", "build_hf_model", "hf_source",
            "hf_init", "hf_buffers", "slice_for_tp", "recompute_blocks", "activation_keeper", "resolve_device"]

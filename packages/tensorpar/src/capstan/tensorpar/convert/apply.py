@@ -45,8 +45,8 @@ from torch import nn
 
 from capstan.comm import Group
 
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .partition import divide
+from ..modules.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..slicing.partition import divide
 
 __all__ = ["parallelize", "Divide", "STYLES"]
 

@@ -20,7 +20,7 @@ import torch
 from capstan import comm
 from capstan.comm import Group
 
-from .mappings import gather_from_tensor_parallel_region
+from ..slicing.mappings import gather_from_tensor_parallel_region
 
 __all__ = ["vocab_parallel_cross_entropy", "gather_vocab_logits"]
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from capstan.comm import Group
 
-from .mappings import (
+from ..slicing.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
@@ -32,7 +32,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-from .partition import divide, full_normal, mark, padded_size, slice_cols, slice_rows
+from ..slicing.partition import divide, full_normal, mark, padded_size, slice_cols, slice_rows
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLayerNorm",
            "ParallelRMSNorm"]

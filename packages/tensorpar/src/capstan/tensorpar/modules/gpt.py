@@ -32,13 +32,13 @@ from torch import nn
 
 from capstan.comm import Group
 
+from ..context import ContextParallel
+from ..slicing.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
+from ..slicing.partition import divide, full_normal, mark
+from ..slicing.rng import TensorParallelRNG, dropout
 from .blocks import ParallelBlock, check_attention_sizes
-from .context import ContextParallel
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, ParallelLayerNorm, VocabParallelEmbedding
-from .mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
-from .partition import divide, full_normal, mark
-from .rng import TensorParallelRNG, dropout
 from .tiled_loss import default_tile, tiled_head_cross_entropy
 
 __all__ = ["GPTConfig", "GPT", "GPTEmbedding", "GPTFinalNorm", "GPTHead", "build_gpt", "build_gpt_layers",

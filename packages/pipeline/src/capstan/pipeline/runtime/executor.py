@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from capstan import comm
 from capstan.comm.health import faults
 
-from .instructions import (
+from ..schedule.instructions import (
     Backward,
     CommInstruction,
     Forward,
@@ -54,9 +54,9 @@ from .instructions import (
     SendActivation,
     SendGrad,
 )
-from .partition import Partition, tie_layers
-from .schedules import Schedule
-from .simulate import batches
+from ..schedule.schedules import Schedule
+from ..schedule.simulate import batches
+from ..stages.partition import Partition, tie_layers
 from .transport import HEADER_LEN, decode_header, encode_header, shape_key, subgroups
 
 __all__ = ["PipelineExecutor", "PipelineError"]

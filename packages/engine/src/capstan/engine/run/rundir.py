@@ -25,8 +25,8 @@ from pathlib import Path
 from capstan import comm
 from capstan.comm.health.lockfile import Lock, LockHeld, hold
 
-from .checkpoint import CheckpointError, incomplete_checkpoints, latest
-from .config import Config
+from ..checkpoint import CheckpointError, incomplete_checkpoints, latest
+from ..config import Config
 
 __all__ = ["RunDirError", "lock_run", "check_resume", "LOCK_NAME"]
 

@@ -22,10 +22,10 @@ from torch.utils.checkpoint import checkpoint
 
 from capstan.comm import Group
 
-from .context import ContextParallel
+from ..context import ContextParallel
+from ..slicing.partition import divide
+from ..slicing.rng import TensorParallelRNG, dropout
 from .layers import DEFAULT_STD, ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear
-from .partition import divide
-from .rng import TensorParallelRNG, dropout
 
 __all__ = ["ParallelSelfAttention", "ParallelMLP", "ParallelBlock", "check_attention_sizes"]
 

@@ -47,9 +47,9 @@ from capstan import comm
 from capstan.comm.health.procmem import proc_kib
 from capstan.comm.job.accelerator import is_accelerator
 
-from .config.load import ConfigError
-from .config.schema import Config
-from .report.metrics import human_bytes
+from ..config.load import ConfigError
+from ..config.schema import Config
+from ..report.metrics import human_bytes
 
 __all__ = ["RamBudget", "with_default_cpu_budget", "derive_budget", "available_ram", "cgroup_room", "ram_room",
            "disk_room", "HEADROOM", "ACTIVATION_SHARE"]
@@ -206,10 +206,10 @@ def _stat(path: Path, key: str) -> int:
 def _planned(cfg: Config, world: int) -> tuple[int, int] | None:
     """(bytes of activations in RAM, the chunks' minimum budget) of the reference GPT on the CPU, from the
     planner (plan/memory.py, plan/chunks.py); None where it cannot model the run."""
-    from .plan.chunks import chunk_lists
-    from .plan.memory import memory_plan
-    from .plan.run import shape_layout
-    from .plan.spec import PlanError, local_machine, virtual_parts
+    from ..plan.chunks import chunk_lists
+    from ..plan.memory import memory_plan
+    from ..plan.run import shape_layout
+    from ..plan.spec import PlanError, local_machine, virtual_parts
 
     probe = replace(cfg, memory=replace(cfg.memory, cpu_budget=1 << 30))  # any budget: its items are left out
     try:
@@ -261,7 +261,7 @@ def with_default_cpu_budget(cfg: Config, groups: comm.Groups, *, reference_model
     mem = cfg.memory
     if mem.offload != "disk" or mem.cpu_budget is not None:
         return cfg
-    from .models import resolve_device
+    from ..model.models import resolve_device
 
     chosen = derive_budget(cfg, groups, resolve_device(cfg), reference_model)
     budget = chosen.budget
