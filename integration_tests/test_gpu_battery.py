@@ -140,6 +140,39 @@ def test_summary_status_of_a_part(tmp_path: Path) -> None:
     assert "| scale | incomplete |" in md and "cut short by the deadline" in md, md
 
 
+def test_a_missing_baseline_leaves_its_step_incomplete(tmp_path: Path) -> None:
+    """A target's ratio needs both rows: plain PyTorch (or a peer) failing leaves the ratio unmeasured, and
+    the step says so instead of passing as ok (capstan failing fails it, as before)."""
+    run = lambda *a: summary.main([*a, "--out", str(tmp_path), "--part", "2", "--device", "standin"])  # noqa: E731
+    run("begin", "--budget", "540")
+    (tmp_path / "bench.json").write_text(json.dumps({"unmeasured": ["peers: deepspeed zero-offload: exit 1: boom"],
+                                                     "incomplete": [], "failed": []}))
+    run("step", "--name", "peers", "--rc", "0", "--seconds", "100", "--result", str(tmp_path / "bench.json"))
+    assert run("end") == 1
+    step = json.loads((tmp_path / "summary.json").read_text())["parts"]["2"]["steps"]["peers"]
+    assert step["status"] == "incomplete" and "not measured: peers: deepspeed" in step["reason"]
+
+
+def test_a_failed_measurement_is_named_by_its_error_not_cudas_advice(capsys) -> None:
+    """CUDA ends an error's message with lines of advice; the error named is the line before them, an
+    out-of-memory anywhere in the exception's end counts as one (a pinned host allocation's CUDA error
+    included), a warning earlier in the run does not, and the child's last lines reach the step's log."""
+    advice = ["CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace",
+              "below might be incorrect.", "For debugging consider passing CUDA_LAUNCH_BLOCKING=1",
+              "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.", ""]
+    crash = ["Traceback (most recent call last):", '  File "x.py", line 1', "RuntimeError: CUDA error: an illegal "
+             "memory access was encountered", *advice]
+    assert bench._why(1, crash) == ("exit 1: Traceback (most recent call last): | File \"x.py\", line 1 | "
+                                    "RuntimeError: CUDA error: an illegal memory access was encountered")
+    pinned = ["Traceback (most recent call last):", "torch.AcceleratorError: CUDA error: out of memory", *advice]
+    assert bench._why(1, pinned) == "out of memory"
+    early = ["warning: a probe ran out of memory and was retried smaller", *(f"step {i}" for i in range(20)),
+             "ValueError: bad config"]
+    assert bench._why(1, early).startswith("exit 1:") and "ValueError: bad config" in bench._why(1, early)
+    bench._echo("speed", b"line one\nline two\n")
+    assert "speed failed; its last 2 lines:\n  line one\n  line two" in capsys.readouterr().err
+
+
 def test_scale_search_finds_the_largest_and_says_when_it_was_cut() -> None:
     clock = iter(range(10_000)).__next__  # one "second" per reading
     found = bench.search_largest(lambda n: n <= 37, 8, deadline=10_000, resolution=1.0, clock=clock)

@@ -86,7 +86,9 @@ class Runner:
         if timeout < 5:
             return {"error": "not started: the run's deadline (--deadline) was reached"}
         load = "from capstan.native import standin; standin.load(); " if self.args.device == "standin" else ""
-        code = (f"import json, sys; {load}sys.path.insert(0, {str(ROOT / 'tools' / 'gpu')!r}); import systems; "
+        # faulthandler: a measurement that hangs leaves its threads' stacks in its stderr before it is killed
+        code = (f"import faulthandler, json, sys; faulthandler.dump_traceback_later({max(1.0, timeout - 5):.0f}); "
+                f"{load}sys.path.insert(0, {str(ROOT / 'tools' / 'gpu')!r}); import systems; "
                 f"print('RESULT ' + json.dumps(systems.{kind}(json.loads(sys.argv[1]))))")
         env = dict(os.environ)
         if self.args.device == "standin":
@@ -95,27 +97,53 @@ class Runner:
         try:
             done = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], capture_output=True, text=True,
                                   timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
+            _echo(kind, exc.stderr)
             return {"error": f"timed out after {timeout:.0f} s", "wall_s": round(time.monotonic() - t0, 1)}
         wall = round(time.monotonic() - t0, 1)
         for line in done.stdout.splitlines():
             if line.startswith("RESULT "):
                 return {**json.loads(line[7:]), "wall_s": wall}
-        return {"error": _why(done.returncode, (done.stderr or done.stdout).strip().splitlines()[-3:]), "wall_s": wall}
+        _echo(kind, done.stderr or done.stdout)
+        return {"error": _why(done.returncode, (done.stderr or done.stdout).strip().splitlines()), "wall_s": wall}
+
+
+ECHO_LINES = 60
+
+
+def _echo(kind: str, text: str | bytes | None) -> None:
+    """A failed measurement's own output, its last ECHO_LINES lines, on this process's stderr (the battery
+    keeps it in the step's log): its error line alone often is not enough, and a CUDA error's message ends
+    in several lines of advice that would leave nothing else."""
+    if isinstance(text, bytes):  # (a timeout's partial output is bytes even with text=True)
+        text = text.decode(errors="replace")
+    lines = (text or "").rstrip().splitlines()[-ECHO_LINES:]
+    if lines:
+        print(f"bench_gpu: {kind} failed; its last {len(lines)} lines:", *("  " + x for x in lines), sep="\n",
+              file=sys.stderr)
 
 
 OOM_TEXTS = ("out of memory", "outofmemory", "can't allocate memory", "cannot allocate memory",
              "no space left on device")
 
 
-def _why(code: int, tail: list[str]) -> str:
-    """A failed measurement's error: "out of memory" for every way a size limit shows (the device's
-    allocator, the host's, a full disk, the host's out-of-memory killer's SIGKILL), else its last lines."""
-    if any(t in x.lower() for x in tail for t in OOM_TEXTS):
+# The advice CUDA appends to an error's message (c10's cuda check suffix): never the error itself.
+ADVICE = ("cuda kernel errors might be asynchronously reported", "below might be incorrect",
+          "for debugging consider passing",
+          "compile with `torch_use_cuda_dsa`", "search for `cuda", "device-side assertions")
+
+
+def _why(code: int, lines: list[str]) -> str:
+    """A failed measurement's error from its whole output: "out of memory" for every way a size limit shows
+    (the device's allocator, a pinned host allocation's CUDA error, the host's allocator, a full disk, the
+    host's out-of-memory killer's SIGKILL), else its last three lines that are not CUDA's advice. Only the
+    end is read (the exception and its chained causes), not a warning earlier in the run."""
+    said = [x for x in lines if x.strip() and not any(a in x.lower() for a in ADVICE)]
+    if any(t in x.lower() for x in said[-12:] for t in OOM_TEXTS):
         return "out of memory"
     if code == -9:
         return "out of memory (killed by SIGKILL: the host's out-of-memory killer, most likely)"
-    return f"exit {code}: " + " | ".join(tail)
+    return f"exit {code}: " + " | ".join(x.strip() for x in said[-3:])
 
 
 def _cut(error: str) -> bool:
@@ -124,9 +152,14 @@ def _cut(error: str) -> bool:
 
 
 def _has_deepspeed() -> bool:
-    from importlib.util import find_spec
-
-    return find_spec("deepspeed") is not None
+    """Whether DeepSpeed imports here, tried in a child process: a wheel installed with --no-deps is found
+    by `find_spec` even where a dependency it imports is missing, and would then fail as an error row
+    instead of a recorded skip."""
+    try:
+        return subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True,
+                              timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def peer_skips(device: str) -> dict[str, str]:
@@ -461,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
                             if "error" in r and _cut(r["error"])]
     report["incomplete"] += [f"scale: {name}" for name, r in report.get("scale", {}).get("systems", {}).items()
                              if r["end"] == "deadline"]
+    # a baseline or a peer that failed (not skipped by design, not cut by the deadline): its ratio, a target's
+    # other half, was never measured, which the summary must not pass over as ok
+    report["unmeasured"] = [f"{section}: {name}: {r['error']}" for section in ("speed", "peers")
+                            for name, r in report.get(section, {}).items()
+                            if not name.startswith("capstan") and "error" in r and not _cut(r["error"])]
     _write(args, report)
     if failed:
         print(f"bench_gpu: failed: {failed}", file=sys.stderr)

@@ -95,6 +95,22 @@ def test_the_norm_copies_no_gradient(dtype: torch.dtype) -> None:
     assert float(device_ops.sumsq_tensor(x)) == pytest.approx(float(x.double().square().sum()), rel=2e-6)
 
 
+def test_the_overflow_check_copies_no_gradient() -> None:
+    """An accelerator's overflow check (fp16's, and int8 compression's before quantizing) reads a flag off
+    the row norms, not a bool per element (`torch.isfinite(x).all()`: 1 byte an element at the step's peak,
+    measured here as the premise): inf and NaN anywhere, the tail row included, are found, and a finite
+    gradient is not."""
+    n = 1 << 20
+    x = torch.randn(n + 5, generator=torch.Generator().manual_seed(6))
+    assert _allocated(lambda: torch.isfinite(x).all()) >= n  # the old way
+    assert _allocated(lambda: device_ops.nonfinite_tensor(x)) <= 16 * n // device_ops.NORM_ROW + 4096
+    assert not bool(device_ops.nonfinite_tensor(x))
+    for where, bad in ((0, float("inf")), (n // 2, float("-inf")), (n + 4, float("nan"))):
+        y = x.clone()
+        y[where] = bad
+        assert bool(device_ops.nonfinite_tensor(y)) and bool(device_ops.nonfinite_tensor(y.to(torch.bfloat16)))
+
+
 def test_devices_must_agree() -> None:
     p, g, m, v = _state(16, 4)
     with pytest.raises(ValueError, match="^param must be on the cpu or an accelerator"):

@@ -128,6 +128,10 @@ step() {
   local t0=$(date +%s)
   timeout -k 10 "$cap" "${cmd[@]}" 2>&1 | tee "$OUT/$name.log" | tail -n 40
   local rc=${PIPESTATUS[0]}
+  # Ranks a test started run in sessions of their own (comm.testing): a step stopped at its limit leaves
+  # them running, holding the GPU's memory into the next step. None outlives its step on the GPU machine
+  # (not on the stand-in: this machine may be running another suite's ranks).
+  [[ $DEVICE == cuda ]] && { pkill -KILL -f "capstan.comm.testing.worker" 2> /dev/null || true; }
   summary step --name "$name" --rc "$rc" --seconds $(( $(date +%s) - t0 )) --log "$OUT/$name.log" \
     $([[ $result != - ]] && echo --result "$result")
   LAST_RC=$rc

@@ -166,6 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     label_phases()
     for offload in args.offload.split(","):
         profile(args, offload)
+        # The next layout starts from an empty device, as bench_gpu's fresh process per system does: the cpu
+        # layout's device budget is read from the free memory, which blocks cached by the last one would cut.
+        import gc
+
+        import torch
+
+        gc.collect()
+        empty = getattr(torch.accelerator, "empty_cache", None)  # (torch.cuda's is the same where it lacks it)
+        if torch.accelerator.is_available():
+            (empty or torch.cuda.empty_cache)()
     return 0
 
 

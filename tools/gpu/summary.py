@@ -12,7 +12,8 @@ far, even when a part is stopped from outside:
 summary.json: {"parts": {"1": {"device", "started", "budget_s", "wall_s", "status", "steps": {name:
 {"status", "rc", "seconds", "log", "reason", "result"}}}, "2": ...}}. A step's status is "ok" (exit 0),
 "failed", "timed out" (exit 124 or 137: `timeout` stopped it), "incomplete" (it stopped itself at its
-deadline: the report's "incomplete" names what did not finish), "skipped" (with the reason: by design,
+deadline: the report's "incomplete" names what did not finish; or a baseline or peer of a target's ratio
+failed: its "unmeasured"), "skipped" (with the reason: by design,
 e.g. `pytest -m cuda` on the stand-in) or "not run" (the part's time was spent). A part is "ok" when
 every step is ok or skipped, "incomplete" when some did not run or were cut off, "failed" otherwise.
 Parts of earlier runs into the same $OUT are kept. summary.md renders it: the steps, then the parity
@@ -120,7 +121,8 @@ def _result(name: str, result: dict) -> list[str]:
         lines.append("")
     ratios = {k: v for k, v in result.get("ratios", {}).items() if v is not None}
     lines += [f"- {k}: {v:.2f}x" for k, v in ratios.items()]
-    return lines + ([""] if ratios else [])
+    missing = [f"- not measured: {u[:300]}" for u in result.get("unmeasured", [])]
+    return lines + missing + ([""] if ratios or missing else [])
 
 
 def render(summary: dict) -> str:
@@ -183,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
                     step["result"] = json.loads(Path(args.result).read_text())
                 except json.JSONDecodeError as exc:
                     step["result_error"] = f"{args.result}: {exc}"
-            incomplete = step.get("result", {}).get("incomplete") if isinstance(step.get("result"), dict) else None
+            result = step.get("result") if isinstance(step.get("result"), dict) else {}
+            incomplete, unmeasured = result.get("incomplete"), result.get("unmeasured")
             if step["status"] == "ok" and incomplete:
                 step.update(status="incomplete", reason="cut short by the deadline: " + ", ".join(incomplete))
+            elif step["status"] == "ok" and unmeasured:  # a target's baseline or peer failed: its ratio is missing
+                step.update(status="incomplete", reason="not measured: " + "; ".join(u[:200] for u in unmeasured))
             part["steps"][args.name] = step
         part["wall_s"] = round(time.time() - part.get("t0", time.time()), 1)
         part["status"] = _status(part["steps"]) if args.command == "end" else "running"

@@ -6,6 +6,8 @@ test_training_parity.py and test_mixed_precision.py; here each mechanism is show
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -280,18 +282,29 @@ def test_the_device_peak_reads_what_torch_reports(device: str) -> None:
     assert peak._reserved_peak() == mod.max_memory_reserved(dev) > 0
     moment = peak.moment()  # resets torch's counter
     del x
+    mod.empty_cache()
     assert moment >= 1 << 24 and peak.step() >= moment
+    small = torch.empty(1 << 10, device=dev)
+    assert peak.step() < 1 << 24  # each step's own peak, not the most since the warm-up (step resets it too)
+    del small
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("budget", [None, 4 * CHUNK * 4])
-def test_updated_parameters_go_back_up_under_the_optimizer(device: str, budget: int | None) -> None:
+@pytest.mark.parametrize("way", ["plain", "late copies", "overlapped"])
+def test_updated_parameters_go_back_up_under_the_optimizer(device: str, budget: int | None, way: str) -> None:
     """After backward the optimizer updates each parameter chunk in RAM; each is copied up to the device as
     soon as its group is stepped, into room the budget leaves (write-through), so the next forward finds
     them there instead of prefetching two ahead: with room for all, every parameter chunk the trace
     computes with is on the device when the step ends; with room for four of the five, as many as fit
-    and the budget holds (audited). The same losses as chunks kept in RAM, to the bit on the stand-in."""
-    want, _ = _train(ChunkManager(None, audit=True), 4, "cpu", dtype=torch.float32)
+    and the budget holds (audited). The same losses as chunks kept in RAM, to the bit on the stand-in.
+    "late copies": the copies off the device that the optimizer's reads start are not done when it asks,
+    as on a GPU, where their bytes stayed counted and every write-through found no room. "overlapped": the
+    groups stepped during backward (the guess held: no clipping) go up too, not only those stepped after."""
+    overlap, clip = (True, None) if way == "overlapped" else (False, 1.0)
+    if way == "late copies" and device != "standin":
+        pytest.skip("late events are the stand-in's (a GPU's copies are late by themselves)")
+    want, _ = _train(ChunkManager(None, audit=True), 4, "cpu", dtype=torch.float32, overlap=overlap, clip=clip)
     where: list[list[str | None]] = []
 
     def params_at_step_end(s: int, m: ChunkManager) -> None:
@@ -299,8 +312,10 @@ def test_updated_parameters_go_back_up_under_the_optimizer(device: str, budget: 
         where.append([m.entries[cid].where for cid in computes
                       if m.entries[cid].chunk.kind == ChunkKind.PARAM])
 
-    manager = ChunkManager(None, audit=True, device=device, device_budget=budget)
-    got, _ = _train(manager, 4, device, dtype=torch.float32, each_step=params_at_step_end)
+    manager, opts = ChunkManager(None, audit=True, device=device, device_budget=budget), []
+    with standin.late_events(3) if way == "late copies" else contextlib.nullcontext():
+        got, _ = _train(manager, 4, device, dtype=torch.float32, each_step=params_at_step_end,
+                        overlap=overlap, clip=clip, opts=opts)
     if device == "cuda":
         assert got == pytest.approx(want, rel=1e-4)
     else:
@@ -312,3 +327,71 @@ def test_updated_parameters_go_back_up_under_the_optimizer(device: str, budget: 
         else:
             assert 2 < on_device <= budget // (CHUNK * 4) < len(step), where
     assert manager.counters["device_writes_through"] > 0
+    if overlap:
+        assert opts[0].speculation.stepped_early > 0  # (the groups this checks were stepped during backward)
+
+
+@pytest.mark.parametrize("device", [standin.param(), cuda_param()])
+@pytest.mark.parametrize("lag", [0, 3])
+def test_chunks_nothing_wrote_on_the_device_go_back_without_a_copy(device: str, lag: int) -> None:
+    """fp32: forward and backward only read the parameter chunks on the device, and the CPU optimizer then
+    takes each back to RAM. With RAM unbounded the buffer kept for the way back still holds what the
+    device holds, so none is copied: after the warm-up, the bytes copied off the device are the gradient
+    chunks' alone. The same bits as the CPU (lag: copies up not yet done when the host asks, as on a GPU)."""
+    want, _ = _train(ChunkManager(None), 4, "cpu", dtype=torch.float32)
+    manager = ChunkManager(None, audit=True, device=device, device_budget=None)
+    stats = manager.device_tier.dev.stats
+    out_per_step: list[int] = []
+    with standin.late_events(lag) if lag else contextlib.nullcontext():
+        got, model = _train(manager, 4, device, dtype=torch.float32,
+                            each_step=lambda s, m: out_per_step.append(stats.bytes_out))
+    if device == "cuda":
+        assert got == pytest.approx(want, rel=1e-4)
+    else:
+        assert got == want
+    grads = sum(c.nbytes for per_list in model.chunks[ChunkKind.GRAD] for c in per_list)
+    params = [c for per_list in model.chunks[ChunkKind.PARAM] for c in per_list if c.used]
+    steps = [b - a for a, b in zip(out_per_step, out_per_step[1:])]
+    assert grads > 0 and all(0 < s <= grads for s in steps), (steps, grads)
+    assert manager.counters["device_clean_drops"] >= 3 * len(params)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_checkpoint_between_steps_leaves_the_trace_alone(device: str) -> None:
+    """Saving reads every state and resuming writes them, between steps: those accesses are no moments of a
+    step. After a save the next step starts at moment 0 on the same trace, and a run resumed from the
+    states (written before its first step) records the warm-up trace an uninterrupted run records.
+    Recorded, a resume's accesses became the head of the warm-up trace for the whole run: on a GPU every
+    later moment took its device capacity and prefetch from the wrong one (the eval's old defect)."""
+    from capstan.chunkmem.model.state_io import FIELDS, owned_homes, read_state, write_state
+
+    saved: dict[tuple[str, str], torch.Tensor] = {}
+    opts: list = []
+    manager = ChunkManager(None, audit=True, device=device, device_budget=None)
+
+    def save_after_step_two(s: int, m: ChunkManager) -> None:
+        if s != 1:
+            return
+        trace, model = list(m.trace), opts[0].model
+        for home in owned_homes(model):
+            for field in FIELDS:
+                saved[(home.name, field)] = read_state(model, home, field)
+        assert m.moment == 0 and m.trace == trace
+
+    _train(manager, 3, device, dtype=torch.float32, each_step=save_after_step_two, opts=opts)
+    warmup = manager._traces[manager.trace_key][0]
+    manager.close()
+
+    resumed = ChunkManager(None, audit=True, device=device, device_budget=None)
+    model = ChunkedModel(_net(), resumed, CHUNK, dtype=torch.float32)
+    opt = ChunkAdam(model, lr=1e-2, weight_decay=0.1)
+    for home in owned_homes(model):
+        for field in FIELDS:
+            write_state(model, home, field, saved[(home.name, field)])
+    assert resumed.moment == 0
+    resumed.begin_step()
+    model.backward(_loss(model, 2, device))
+    opt.step(grad_clip=1.0)
+    resumed.end_step()
+    assert resumed.trace == warmup and len(warmup) > 0
+    resumed.close()

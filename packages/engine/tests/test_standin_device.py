@@ -10,6 +10,8 @@ size in one process per rank (the stand-in takes torch's PrivateUse1 slot for th
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from capstan.comm.testing import run_ranks
@@ -300,13 +302,15 @@ def _adds_and_skips() -> dict:
     standin.load()
 
     class Adds(TorchDispatchMode):
-        count = fused = 0
+        count = fused = norms = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             if func.__name__.startswith("add_"):
                 Adds.count += 1
             if func.__name__.startswith("_fused_adamw_"):
                 Adds.fused += 1
+            if func.__name__.startswith("_foreach_norm"):
+                Adds.norms += 1
             return func(*args, **(kwargs or {}))
 
     cfg = tiny_gpt_config(3, 1, train={"device": "standin"})
@@ -322,8 +326,12 @@ def _adds_and_skips() -> dict:
         precision = {"dtype": "fp16", "initial_scale": 2.0**20, "hysteresis": 1}
         engine = initialize(config=tiny_gpt_config(6, 2, precision=precision, train={"device": device}))
         it = train_batches(open_data(engine.config), engine.config, 1, 0)
-        out[device] = [(i.skipped, i.loss_scale, i.loss) for i in (engine.train_batch(it) for _ in range(6))]
+        Adds.norms = 0
+        with Adds() if device == "standin" else contextlib.nullcontext():
+            out[device] = [(i.skipped, i.loss_scale, i.loss) for i in (engine.train_batch(it) for _ in range(6))]
+        out["clip"] = engine.config.train.grad_clip
         engine.close()
+    out["norms"] = Adds.norms  # the stand-in's fp16 steps: per-gradient norm passes
     return out
 
 
@@ -342,3 +350,6 @@ def test_a_flat_step_on_a_device_keeps_autograds_gradients() -> None:
     assert [s[:2] for s in dev] == [s[:2] for s in cpu], got
     assert any(s[0] for s in cpu) and not all(s[0] for s in cpu), got  # some steps skip, some step
     assert dev[-1][2] == pytest.approx(cpu[-1][2], rel=1e-4) and dev[-1][2] < dev[0][2] - 0.3, got
+    # One pass over the gradients a step: the overflow check and the clipping norm share its norms (they
+    # took one each, so a step that stepped took two).
+    assert got["clip"] and got["norms"] == len(dev), got

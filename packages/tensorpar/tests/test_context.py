@@ -16,6 +16,7 @@ import torch
 
 from capstan.comm import Group
 from capstan.comm.testing import run_ranks
+from capstan.native import standin
 from capstan.tensorpar.context import ContextParallel, check_context_sizes, cp_positions
 
 TOL = 1e-6
@@ -32,6 +33,23 @@ def test_positions_shard_and_gather_round_trip() -> None:
         assert all(p.shape == (2, 4) for p in parts)
         assert torch.equal(ContextParallel(Group("cp", (0, 1, 2, 3), 0), mode).gather(parts), x)
         assert sorted(sum((cp_positions(r, 4, 4, mode) for r in range(4)), [])) == list(range(16))
+
+
+@standin.requires()
+def test_positions_on_a_device_are_made_once() -> None:
+    """The GPT's forward and the sharding of its inputs and targets ask for this rank's positions every
+    micro-batch; made from a Python list on an accelerator each would be a blocking copy (the host waiting
+    for the device): they are made once per size and device, so asking again makes the host wait for
+    nothing, and the tokens are the same."""
+    device = torch.device(standin.load(), 0)
+    cp = ContextParallel(Group("cp", (0, 1), 1), "ring")
+    first = cp.positions(4, device)
+    before = standin.host_syncs()
+    assert cp.positions(4, device) is first and standin.host_syncs() == before
+    x = torch.arange(16, device=device).view(2, 8)
+    mine = cp.shard(x)
+    assert standin.host_syncs() == before and mine.cpu().tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert cp.positions(4).device.type == "cpu" and cp.positions(2, device) is not first
 
 
 @pytest.mark.parametrize(("seq", "heads", "cp", "mode", "message"), [

@@ -112,6 +112,15 @@ def sumsq(x: torch.Tensor) -> float:
 NORM_ROW = 4096  # elements summed in fp32 before the sums go on in float64 (sumsq_tensor)
 
 
+def nonfinite_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Whether `x` holds inf/NaN, as a 0-dim bool tensor left on its device: from `sumsq_tensor`'s row norms,
+    so no temporary the size of `x` (`torch.isfinite(x).all()` makes a bool per element, 1.3 GB for a
+    1.3B-element shard at the step's peak, and a 16-bit `x` went through an fp32 copy first). A norm is
+    inf/NaN exactly when an element is, but for finite values past 1.8e19, whose square fp32 cannot hold:
+    those count too (no gradient under a loss scale is worth stepping with them)."""
+    return ~torch.isfinite(sumsq_tensor(x))
+
+
 def sumsq_tensor(x: torch.Tensor) -> torch.Tensor:
     """The squared L2 norm left on `x`'s device as a 0-dim float64 tensor (a norm summed over segments reads
     the host once, not once per segment): the norms of rows of NORM_ROW elements in fp32 (one reduction

@@ -337,11 +337,14 @@ def sumsq(x: torch.Tensor) -> float:
 
 
 def has_nonfinite(x: torch.Tensor) -> bool:
-    """True if any element of x is inf or NaN."""
+    """True if any element of x is inf or NaN (on an accelerator also a finite value past 1.8e19:
+    `device_ops.nonfinite_tensor`, which makes no temporary the size of x)."""
     dev = _where("x", x)
     check_tensor("x", x, device=dev)
     lib = _lib.get()
-    if lib is None or dev is not None:
+    if dev is not None:
+        return bool(device_ops.nonfinite_tensor(x))
+    if lib is None:
         return fallback.has_nonfinite(x)
     out = ctypes.c_int(0)
     _lib.check(lib, lib.capstan_nonfinite(x.data_ptr(), _code(x.dtype), x.numel(),

@@ -62,8 +62,9 @@ def to_device(batch: object, device: torch.device) -> object:
     if isinstance(batch, torch.Tensor):
         if batch.device.type == "cpu" and is_accelerator(device) and not batch.is_pinned():
             # From pageable memory a copy to a GPU waits for the device; from pinned memory it does not
-            # (what DataLoader(pin_memory=True) does).
-            batch = batch.pin_memory()
+            # (what DataLoader(pin_memory=True) does). Contiguous first: a strided view (inputs cut from
+            # a token block) would be copied to pageable memory again on its way, waiting all the same.
+            batch = batch.contiguous().pin_memory()
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
@@ -286,8 +287,9 @@ class Engine:
                     check_batch_convention(batch, pipelined=True)  # a dict is refused on every rank
                 losses = [self.pipeline.eval_loss(self.tokens_of_this_rank(to_device(batch, self.device)))
                           for batch in batches]
-            else:
-                losses = [float(self(batch)) for batch in batches]
+            else:  # each loss stays on the device until all are in: one host read, not one a batch
+                held = [self(batch).detach().float().reshape(()) for batch in batches]
+                losses = torch.stack(held).tolist() if held else []
         self.module.train()
         local = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64)
         comm.all_reduce(local, op="avg", group=self.groups.replicas)

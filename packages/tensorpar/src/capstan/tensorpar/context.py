@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +85,9 @@ class ContextParallel:
     ring_tile: int = RING_TILE
     """Ring mode: queries and keys per tile of a chunk pair, so at most ring_tile^2 scores per head exist."""
 
+    _positions: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    """`positions`' tensors by (tokens per rank, device)."""
+
     def __post_init__(self) -> None:
         if self.mode not in CP_MODES:
             raise ValueError(f"cp mode {self.mode!r}: expected one of {', '.join(CP_MODES)}")
@@ -99,8 +102,16 @@ class ContextParallel:
         return self.group.size
 
     def positions(self, local: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """This rank's token positions, for `local` tokens per rank."""
-        return torch.tensor(cp_positions(self.group.rank, self.size, local, self.mode), device=device)
+        """This rank's token positions, for `local` tokens per rank: made once per size and device, since
+        a tensor made from a Python list on an accelerator is a blocking copy from pageable memory (the
+        host waits for the device), and the GPT's forward and the sharding of its inputs and targets ask
+        every micro-batch (never written to: callers index with it)."""
+        key = (local, str(torch.device(device)))
+        cached = self._positions.get(key)
+        if cached is None:
+            cached = torch.tensor(cp_positions(self.group.rank, self.size, local, self.mode), device=device)
+            self._positions[key] = cached
+        return cached
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of a whole-sequence tensor (along `dim`)."""

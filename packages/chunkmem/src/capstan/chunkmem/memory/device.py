@@ -13,7 +13,10 @@ the device is waited for by the compute stream on the GPU, not by the host;
 a chunk leaving it is waited for by the host only when CPU code reads it
 (`_land`). The RAM buffer a chunk leaves behind on its way to the device is
 kept for its way back when RAM is unbounded (`_Entry.spare`, still counted
-in the cpu tier), so pinned memory is allocated once per chunk. Under a RAM
+in the cpu tier), so pinned memory is allocated once per chunk; a chunk
+nothing wrote on the device (`access(write=True)` marks it) goes back by
+taking that buffer, with no copy: the parameters forward and backward only
+read, which the CPU optimizer then reads and writes. Under a RAM
 budget chunk buffers are pageable and freed once copied up: copies go
 through a fixed pool of page-locked staging buffers counted in the cpu tier
 (transfer.py says why: the caching host allocator's rounding and cached
@@ -118,8 +121,9 @@ class DevicePeak:
         return peak
 
     def step(self) -> int:
-        """Peak reserved bytes since the last step: the moments' peaks and what came after them."""
-        peak = max(self._since_step, self._reserved_peak())
+        """Peak reserved bytes since the last step: the moments' peaks and what came after them (the counter
+        is reset here too, else after the warm-up's last moment it would be a running maximum)."""
+        peak = max(self._since_step, self._take())
         self._since_step = 0
         return peak
 
@@ -164,7 +168,8 @@ class DeviceTier:
         self._pinned_device: list[int] = []
         self._recording_compute: list[bool] = []
         self.trace_compute: list[bool] | None = None
-        self.m.counters.update(device_prefetches=0, device_prefetch_hits=0, landing_waits=0, device_writes_through=0)
+        self.m.counters.update(device_prefetches=0, device_prefetch_hits=0, landing_waits=0, device_writes_through=0,
+                               device_clean_drops=0)
         self._computes: tuple[tuple[int, int], frozenset[int]] | None = None  # (the trace's ids, what it computes)
 
     def keeps_host(self, entry: _Entry) -> bool:
@@ -201,6 +206,7 @@ class DeviceTier:
             self.ensure_staging()
             buf, event, reading = self.transfers.to_device(host)
         chunk.payload, entry.where, entry.arriving, entry.landing = buf, "device", event, None
+        entry.device_written = fresh is not None  # made on the device: RAM holds none of it
         if host is None:
             pass  # nothing in RAM (a kept buffer of an earlier visit stays kept, and counted)
         elif self.keeps_host(entry):
@@ -220,6 +226,16 @@ class DeviceTier:
             raise RuntimeError(f"chunk {chunk.chunk_id} is in use on the device and cannot move to RAM")
         for cb in self.m.on_evict:
             cb(chunk)
+        if entry.spare is not None and not entry.device_written:
+            # Clean: the RAM buffer kept for the way back holds what the device holds (parameters that forward
+            # only read, a 16-bit parameter chunk the optimizer is about to overwrite), so nothing is copied.
+            # Host code waits, through `landing`, for the copy up that may still be reading it.
+            host, landing = entry.spare, entry.spare_busy
+            entry.spare = entry.spare_busy = None
+            self.retire(None, self.dev, chunk.nbytes, chunk.payload)  # (the allocator orders its reuse)
+            chunk.payload, entry.where, entry.landing, entry.arriving = host, "cpu", landing, None
+            self.m.counters["device_clean_drops"] += 1
+            return
         if entry.spare is not None:
             host, entry.spare, entry.spare_busy = entry.spare, None, None  # counted already; in stream order
         else:
@@ -317,6 +333,7 @@ class DeviceTier:
         """Copy the next chunks the trace computes with onto the device, into free budget only."""
         if self.dev is None or self.m.trace is None or self.trace_compute is None:
             return
+        self.reap()  # copies off the device that finished since: their bytes are free room
         issued, m, seen = 0, self.m.moment, set()
         while issued < DEVICE_PREFETCH and m < len(self.m.trace) and len(seen) < 8 * DEVICE_PREFETCH:
             cid, compute = self.m.trace[m], self.trace_compute[m]
@@ -350,6 +367,9 @@ class DeviceTier:
         e = self.m.entries[chunk_id]
         if chunk_id not in self._computes[1] or not self._idle_in_ram(e):
             return False
+        # The optimizer's reads took chunks off the device, each copy's bytes counted until it is seen done:
+        # on a GPU nothing else releases them during the optimizer (a stand-in's copies are done at once).
+        self.reap()
         rooms = [r for r in (self.dev.capacity, None if self.device_limit is None else
                              self.device_limit - max(self.nonmodel_device, default=0)) if r is not None]
         if rooms and self.dev.resident + e.chunk.nbytes > min(rooms):

@@ -63,6 +63,8 @@ class _Entry:
     spare: torch.Tensor | None = None
     spare_busy: object | None = None
     prefetched: bool = False
+    # Written on the device since it went up (or made there): the kept RAM buffer no longer holds its data.
+    device_written: bool = False
 
 
 class ChunkManager(StepTrace):
@@ -199,6 +201,7 @@ class ChunkManager(StepTrace):
         entry.pins += 1
         if write or overwrite:
             entry.disk_valid = False
+            entry.device_written = entry.where == "device"
         self.readahead.run()
         self.device_tier.prefetch()
         self._after_move()

@@ -539,10 +539,11 @@ class ChunkedModel(MinimumBudget, nn.Module):
         out: dict[str, torch.Tensor] = {}
         kind = ChunkKind.MASTER if self.mixed else ChunkKind.PARAM  # the master (fp32, or a bf16 master)
         run = self.pending_update  # an update left for the next forward (adam.py): run it first
-        for home in self.homes.values():
-            if run is not None:
-                run(home.group, home.index)
-            chunk = self.manager.access(self.chunk_of(home, kind).chunk_id)
-            out[home.name] = chunk.view(home.slot).to(torch.float32, copy=True)
-            self.manager.release(chunk.chunk_id)
+        with self.manager.off_trace():  # between steps: its accesses are no moments of a step
+            for home in self.homes.values():
+                if run is not None:
+                    run(home.group, home.index)
+                chunk = self.manager.access(self.chunk_of(home, kind).chunk_id)
+                out[home.name] = chunk.view(home.slot).to(torch.float32, copy=True)
+                self.manager.release(chunk.chunk_id)
         return out

@@ -7,7 +7,10 @@ are read as their exact fp32 values and written back by rounding to nearest,
 which gives back the very codes and scales they were read from: capstan.native.q8).
 These live at the parameter's slot in sibling chunks, which may be on disk;
 each call brings the chunk in through the manager (so the RAM budget holds)
-and releases it. Only chunks this rank owns have optimizer state
+and releases it, outside the manager's trace (`off_trace`): a save or a
+resume runs between steps, and its accesses recorded as moments would shift
+the next step's device capacity, prefetch and Belady order (a resume's would
+have become the head of the warm-up trace for the whole run). Only chunks this rank owns have optimizer state
 (`owned_homes`); with ZeRO-3 sharding every parameter is owned by exactly one
 data-parallel rank.
 
@@ -52,7 +55,8 @@ def read_state(model: ChunkedModel, home: ParamHome, field: str) -> torch.Tensor
     as their exact fp32 values."""
     kind = _kind(model, field)
     chunk = model.chunk_of(home, kind)
-    model.manager.access(chunk.chunk_id)
+    with model.manager.off_trace():  # between steps: out of the trace (module docstring)
+        model.manager.access(chunk.chunk_id)
     try:
         if model.q8 and kind in MOMENT_KINDS:
             codes, scales = _q8_parts(model, home, chunk)
@@ -76,7 +80,8 @@ def write_state(model: ChunkedModel, home: ParamHome, field: str, value: torch.T
         kinds.append(ChunkKind.PARAM)
     for kind in kinds:
         chunk = model.chunk_of(home, kind)
-        model.manager.access(chunk.chunk_id, write=True)
+        with model.manager.off_trace():  # between steps: out of the trace (module docstring)
+            model.manager.access(chunk.chunk_id, write=True)
         try:
             if model.q8 and kind in MOMENT_KINDS:
                 codes, scales = _q8_parts(model, home, chunk)

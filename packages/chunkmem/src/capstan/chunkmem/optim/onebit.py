@@ -161,7 +161,8 @@ class OneBitChunkAdam(ChunkAdam):
     def read_state(self, key: str) -> torch.Tensor:
         """A copy of residual `key` (`state_chunks`) in RAM."""
         cid, _ = self._residuals[key]
-        chunk = self.model.manager.access(cid)
+        with self.model.manager.off_trace():  # between steps (a checkpoint): not moments of the next one
+            chunk = self.model.manager.access(cid)
         try:
             return chunk.payload.to("cpu", copy=True)  # type: ignore[union-attr]
         finally:
@@ -172,7 +173,8 @@ class OneBitChunkAdam(ChunkAdam):
         cid, numel = self._residuals[key]
         if value.numel() != numel:
             raise ValueError(f"{key}: {value.numel()} elements, expected {numel}")
-        chunk = self.model.manager.access(cid, overwrite=True)
+        with self.model.manager.off_trace():  # between steps (a resume): not moments of the next one
+            chunk = self.model.manager.access(cid, overwrite=True)
         try:
             chunk.payload.copy_(value.reshape(-1))  # type: ignore[union-attr]
         finally:

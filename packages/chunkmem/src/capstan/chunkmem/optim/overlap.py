@@ -517,8 +517,17 @@ class Speculation:
         done = {k for k, j in self.jobs.items() if j.stepped}
         self._settle()
         opt._update(unscale, skip=done)
+        self._write_through(done)
         opt._drop_grads()
         return norm, False
+
+    def _write_through(self, done: set[tuple[int, int]]) -> None:
+        """The parameter chunks stepped during backward, kept now: copied up to the device as `_update` copies
+        those it steps (write-through), after them, so the first layers, which the next forward needs first,
+        had the room first. (During backward they could not go up: a rollback would rewrite them in RAM.)"""
+        tier, params = self.opt.model.manager.device_tier, self.opt.model.chunks[ChunkKind.PARAM]
+        for g, i in sorted(done):
+            tier.write_through(params[g][i].chunk_id)
 
     def _roll_back(self, job: _Job) -> None:
         """Put a speculatively stepped chunk group back as it was before its update."""

@@ -450,20 +450,22 @@ class ShardedChunkedModel(ChunkedModel):
         out: dict[str, torch.Tensor] = {}
         # Remote values come from the gathered PARAM chunks (16-bit in mixed precision), gathered exactly
         # (not quantized): every rank gets the owners' values.
-        quantized, self.quantized = self.quantized, False
-        try:
-            if quantized:
-                self.drop_remote()  # units gathered in int8 must not stand in for the exact values
-            for home in self.homes.values():
-                self._gather(home.group, self._unit(home.index))
-                chunk: Chunk = self.chunk_of(home, ChunkKind.PARAM)
-                if self.owned(home.index):
-                    chunk = self.manager.access(chunk.chunk_id)
-                    out[home.name] = chunk.view(home.slot).to("cpu", torch.float32, copy=True)
-                    self.manager.release(chunk.chunk_id)
-                else:  # a copy in RAM: the gathered buffer is reused (or on the device)
-                    out[home.name] = chunk.view(home.slot).to("cpu", torch.float32, copy=True)
-            self.drop_remote()
-        finally:
-            self.quantized = quantized
+        # Between steps: its gathers and reads are no moments of a step (the chunk manager's off_trace).
+        with self.manager.off_trace():
+            quantized, self.quantized = self.quantized, False
+            try:
+                if quantized:
+                    self.drop_remote()  # units gathered in int8 must not stand in for the exact values
+                for home in self.homes.values():
+                    self._gather(home.group, self._unit(home.index))
+                    chunk: Chunk = self.chunk_of(home, ChunkKind.PARAM)
+                    if self.owned(home.index):
+                        chunk = self.manager.access(chunk.chunk_id)
+                        out[home.name] = chunk.view(home.slot).to("cpu", torch.float32, copy=True)
+                        self.manager.release(chunk.chunk_id)
+                    else:  # a copy in RAM: the gathered buffer is reused (or on the device)
+                        out[home.name] = chunk.view(home.slot).to("cpu", torch.float32, copy=True)
+                self.drop_remote()
+            finally:
+                self.quantized = quantized
         return out

@@ -124,7 +124,10 @@ def run_ranks(
             procs.append(subprocess.Popen([sys.executable, "-m", "capstan.comm.testing.worker", str(spec)],
                                           env=rank_env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
-        headline = _wait(procs, timeout, grace=comm_timeout + 10.0, tolerate=tolerate_dead)
+        try:
+            headline = _wait(procs, timeout, grace=comm_timeout + 10.0, tolerate=tolerate_dead)
+        finally:  # the ranks run in sessions of their own: a test stopped meanwhile (pytest-timeout) must not
+            _kill(procs)  # leave them running (on a GPU, holding its memory into the next step)
         for log in logs:
             log.close()
         codes = [p.returncode for p in procs]

@@ -35,6 +35,7 @@ class AutogradGrads:
             ps.append(p.detach())
             ms.append(exp_avg[start : start + n].view_as(p))
             vs.append(exp_avg_sq[start : start + n].view_as(p))
+        self._norms: list[torch.Tensor] | None = None  # this step's gradient norms (`norms`)
 
     def grads(self) -> list[torch.Tensor]:
         """Every parameter's gradient, zeros where no backward reached it (what a flat buffer would hold, so
@@ -44,18 +45,31 @@ class AutogradGrads:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.params]  # type: ignore[misc]
 
+    def norms(self) -> list[torch.Tensor]:
+        """Every gradient's L2 norm (fp32, 0-dim, on the device), taken once a step: fp16's overflow check and
+        the clipping norm both read them, where each used to take its own pass over every gradient. Forgotten
+        after every backward and step (`forget`), when the gradients change."""
+        if self._norms is None:
+            grads = self.grads()
+            self._norms = list(torch._foreach_norm(grads)) if grads else []
+        return self._norms
+
+    def forget(self) -> None:
+        self._norms = None
+
     def sumsq(self, device: torch.device) -> torch.Tensor:
         """The counted gradients' squared norm, a 0-dim float64 tensor on the device (no host read)."""
-        every = self.grads()
-        grads = [every[i] for i in self.counted]
-        if not grads:
+        every = self.norms()
+        norms = [every[i] for i in self.counted]
+        if not norms:
             return torch.zeros((), dtype=torch.float64, device=device)
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), 2, dtype=torch.float64).square()
+        return torch.linalg.vector_norm(torch.stack(norms), 2, dtype=torch.float64).square()
 
     def nonfinite(self) -> bool:
-        """Whether any gradient holds inf/NaN (one host read)."""
-        grads = self.grads()
-        return bool(grads) and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
+        """Whether any gradient holds inf/NaN (one host read; a norm is inf/NaN exactly then, but for finite
+        values past 1.8e19, whose square fp32 cannot hold: no gradient under a loss scale worth stepping)."""
+        norms = self.norms()
+        return bool(norms) and not bool(torch.stack(norms).isfinite().all())
 
     def nonfinite_params(self) -> list[torch.Tensor]:
         """The parameters whose gradient holds inf/NaN (after an overflow only)."""
@@ -64,6 +78,7 @@ class AutogradGrads:
     def step(self, *, step: int, lr: float, beta1: float, beta2: float, eps: float, grad_scale: float) -> None:
         """AdamW: one fused multi-tensor call per weight decay."""
         grads = self.grads()
+        self.forget()
         for decay, (idx, ps, ms, vs) in self.by_decay.items():
             device_ops.adam_step_fused(ps, [grads[i] for i in idx], ms, vs, step=step, lr=lr, beta1=beta1,
                                        beta2=beta2, eps=eps, weight_decay=decay, adamw=True, grad_scale=grad_scale)

@@ -264,7 +264,8 @@ class ZeroOptimizer:
         # int8: this rank's exact fp32 master shard; flat_param holds what the quantized gather delivered.
         self.master = self.flat_param[self.lo : self.hi].clone() if compression == "int8" else None
         self.cuts = [b for _, b in self.regions]  # int8 blocks break at the regions' ends
-        self._local_nonfinite = False  # int8: an inf/NaN seen before quantizing (which would hide it)
+        # int8: an inf/NaN seen before quantizing (which would hide it); on an accelerator a flag left there
+        self._local_nonfinite: bool | torch.Tensor = False
         self.prefetch: ParamPrefetch | None = None
         if gather_bytes > 0 and dp > 1 and stage > 0:  # (int8: its buckets quantized from the master shard)
             self.prefetch = ParamPrefetch(model, self.params, _offsets(self.params), self.flat_param, groups.replicas,
@@ -294,6 +295,8 @@ class ZeroOptimizer:
 
     def after_backward(self) -> None:
         """Called after every micro-batch's backward."""
+        if self.autograd is not None:
+            self.autograd.forget()
         self._repoint_grads()
         self.micro += 1
         if self.overlap is not None:
@@ -316,7 +319,11 @@ class ZeroOptimizer:
     def _int8_reduce(self, out: torch.Tensor, accumulate: bool) -> None:
         """This rank's shard of the dp average of the flat gradient, reduced in int8, into (or onto) `out`;
         an inf/NaN is noted first (quantizing would turn it into a finite value)."""
-        self._local_nonfinite = self._local_nonfinite or kernels.has_nonfinite(self.flat_grad)
+        if self.flat_grad.device.type == "cpu":
+            self._local_nonfinite = self._local_nonfinite or kernels.has_nonfinite(self.flat_grad)
+        else:  # kept on the device, read once in has_overflow: not a host wait per micro-batch
+            flag = device_ops.nonfinite_tensor(self.flat_grad)
+            self._local_nonfinite = flag if self._local_nonfinite is False else self._local_nonfinite | flag
         part = torch.empty(self.hi - self.lo, device=self.device)
         int8_reduce_scatter(self.flat_grad, part, self.groups.replicas, self.cuts)
         if accumulate:
@@ -401,7 +408,7 @@ class ZeroOptimizer:
         if self.autograd is not None:
             bad = self.autograd.nonfinite()
         else:
-            bad = self._local_nonfinite or kernels.has_nonfinite(self._shard_grad())
+            bad = bool(self._local_nonfinite) or kernels.has_nonfinite(self._shard_grad())
         flag = torch.tensor([1.0 if bad else 0.0])
         comm.all_reduce(flag, op="max", group=self.groups.replicas)
         comm.all_reduce(flag, op="max", group=self.groups.tp)
@@ -423,6 +430,8 @@ class ZeroOptimizer:
     def zero_grad(self) -> None:
         self.micro = 0
         self._local_nonfinite = False
+        if self.autograd is not None:
+            self.autograd.forget()
         self._arm()
         if self.flat_grad is not None:
             self.flat_grad.zero_()
