@@ -56,7 +56,7 @@ class _Entry:
     slot: int = -1  # disk slot
     host: torch.Tensor | None = None  # pinned copy (to_host)
     write: object | None = None  # the in-flight write (disk)
-    read: object | None = None  # the in-flight prefetch (disk: the staging buffer read into; host: a device copy)
+    read: object | None = None  # the in-flight prefetch (disk: its read; host: True, the copy back started)
     staging: torch.Tensor | None = None
     event: object | None = None
     restored: bool = False
@@ -152,10 +152,10 @@ class ActivationOffload:
         if x is None or entry.kept:
             self._release(entry)
             return
-        x.untyped_storage().resize_(entry.nbytes)
         if self.store is not None:
+            x.untyped_storage().resize_(entry.nbytes)
             self._restore_from_disk(x, entry)
-        else:
+        else:  # (the copy back grows the storage itself, on the side stream)
             self._restore_from_host(x, entry)
         self._release(entry)
         self._prefetch_before(entry)
@@ -262,13 +262,19 @@ class ActivationOffload:
         entry.event = stream.record_event()
 
     def _start_copy_back(self, entry: _Entry) -> None:
+        """Copy the values back on the side stream straight into the tensor's storage, grown again there: a
+        buffer of its own and a copy from it at the restore held the block's input twice on the device, and
+        cost a device-to-device copy a block."""
         stream = self._stream
+        x = entry.tensor()
         assert stream is not None and entry.host is not None
+        if x is None:  # dropped meanwhile: nothing to bring back (its release settles the rest)
+            return
         with stream:
             stream.wait_event(entry.event)  # type: ignore[arg-type]
-            back = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
-            back.copy_(entry.host, non_blocking=True)
-        entry.read, entry.event = back, stream.record_event()
+            x.untyped_storage().resize_(entry.nbytes)  # allocated in the side stream's order
+            x.detach().reshape(-1).view(torch.uint8).copy_(entry.host, non_blocking=True)
+        entry.read, entry.event = True, stream.record_event()
 
     def _pinned_buffer(self, nbytes: int) -> torch.Tensor:
         """An idle pinned buffer: one whose copy back to the GPU has completed, or a new one."""
@@ -283,9 +289,7 @@ class ActivationOffload:
         if entry.read is None:
             self._start_copy_back(entry)
         current.wait_event(entry.event)  # type: ignore[arg-type]
-        back: torch.Tensor = entry.read  # type: ignore[assignment]
-        back.record_stream(current)
-        x.detach().reshape(-1).view(torch.uint8).copy_(back)
+        x.record_stream(current)  # grown on the side stream, computed with here: freed after both are done
         entry.read = None
         # the pinned buffer is reused once the side stream's copy out of it is done
         self._pinned_busy.append((entry.event, entry.host))  # type: ignore[arg-type]

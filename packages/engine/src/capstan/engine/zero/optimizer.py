@@ -88,13 +88,13 @@ from torch import nn
 from capstan import comm
 from capstan.comm.job.accelerator import is_accelerator
 from capstan.native import device_ops, kernels
-from capstan.native.q8 import BLOCK as Q8_BLOCK
 
 from ..config.schema import TrainConfig
 from .buckets import OverlappedBuckets, packed_bucket_elems, plan_all_reduce, plan_reduce_scatter
 from .compression import OneBitAdam, int8_all_gather, int8_reduce_scatter
 from .direct import AutogradGrads
 from .gather import ParamPrefetch
+from .moments import ShardMoments
 
 __all__ = ["ZeroOptimizer", "Segment", "decays", "group_order"]
 
@@ -212,28 +212,12 @@ class ZeroOptimizer:
         self.lo, self.hi = (0, self.padded) if stage == 0 else comm.shard_bounds(self.padded, dp, groups.replicas.rank)
         # bf16 moments (precision.optimizer_states) round stochastically from (step, flat position): the
         # same bits for an element whatever the stage and dp, and as in the chunks (chunkmem's
-        # optim/moments.py numbers elements in this buffer's order).
-        self.exp_avg = torch.zeros(self.hi - self.lo, device=dev, dtype=moment_dtype)
-        self.exp_avg_sq = torch.zeros(self.hi - self.lo, device=dev, dtype=moment_dtype)
-        # 8-bit moments (torch.uint8): blocks start at each parameter's first element in this shard, so at
-        # stage 0 (and wherever no shard boundary cuts a parameter) they are the chunks' blocks too.
-        self.q8 = moment_dtype == torch.uint8
-        self._q8_of: dict[int, tuple[int, int, int, int]] = {}  # flat start -> (a, b, first block, blocks)
-        blocks = 0
-        for p, start in zip(self.params, _offsets(self.params)):
-            a, b = max(start, self.lo), min(start + p.numel(), self.hi)
-            if self.q8 and a < b:
-                nb = kernels.q8_blocks([b - a], Q8_BLOCK)
-                self._q8_of[start] = (a, b, blocks, nb)
-                blocks += nb
-        self.scale_m = torch.zeros(blocks, device=dev) if self.q8 else None
-        self.scale_v = torch.zeros(blocks, device=dev) if self.q8 else None
-        # per update piece (a, b): its parameters' segments relative to a, and its range of scales
-        self._q8_calls: dict[tuple[int, int], tuple[list[tuple[int, int, int]], int, int]] = {}
-        for _, a, b in self._pieces() if self.q8 else ():
-            parts = [q for q in self._q8_of.values() if a <= q[0] < b]
-            self._q8_calls[(a, b)] = ([(pa - a, pb - pa, pa) for pa, pb, _, _ in parts], parts[0][2],
-                                      parts[-1][2] + parts[-1][3])
+        # optim/moments.py numbers elements in this buffer's order). 8-bit ones: moments.py.
+        self.moments = ShardMoments([p.numel() for p in self.params], _offsets(self.params), self.lo, self.hi,
+                                    [(a, b) for _, a, b in self._pieces()], dev, moment_dtype)
+        m = self.moments  # (the same tensors under the names the checkpoint views and 1-bit Adam use)
+        self.exp_avg, self.exp_avg_sq, self.scale_m, self.scale_v, self.q8 = (
+            m.exp_avg, m.exp_avg_sq, m.scale_m, m.scale_v, m.q8)
         self.autograd = self._autograd_grads() if self.direct else None
         self.step_count = 0
         self.micro = 0  # after_backward calls since the last reduce_gradients / zero_grad
@@ -458,13 +442,11 @@ class ZeroOptimizer:
             self.autograd.step(step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
                                grad_scale=grad_scale)
             return
-        g = self._shard_grad()
         # int8: Adam steps the exact master shard, then every rank gathers the quantized shards.
         param = self.master if self.master is not None else self.flat_param[self.lo : self.hi]
-        if self._fused_on_device(param):
-            self._fused_step(param, g, lr, grad_scale)
-        else:
-            self._step_pieces(param, g, lr, grad_scale)
+        pieces = [(a, b, t.weight_decay if seg.decay else 0.0) for seg, a, b in self._pieces()]
+        self.moments.step(param, self._shard_grad(), pieces, step=self.step_count, lr=lr, beta1=t.beta1,
+                          beta2=t.beta2, eps=t.eps, grad_scale=grad_scale)
         if self.prefetch is not None:
             self.prefetch.start()  # waited for by the next forward's pre-hooks (gather.py; int8 too)
         elif self.master is not None:
@@ -472,39 +454,6 @@ class ZeroOptimizer:
         elif self.stage > 0:
             shard = self.flat_param[self.lo : self.hi].clone()  # the collective must not alias its output
             comm.all_gather(self.flat_param, shard, group=self.groups.replicas)
-
-    def _fused_on_device(self, param: torch.Tensor) -> bool:
-        """fp32 parameters, gradients and moments on an accelerator with torch's fused AdamW: the pieces
-        step in one multi-tensor call per weight decay (device_ops.adam_step_fused)."""
-        return (is_accelerator(param.device) and param.dtype == self._shard_grad().dtype == torch.float32
-                and self.exp_avg.dtype == torch.float32 and device_ops.fused_available(param.device))
-
-    def _fused_step(self, param: torch.Tensor, g: torch.Tensor, lr: float, grad_scale: float) -> None:
-        t = self.train
-        by_decay: dict[float, list[slice]] = {}
-        for seg, a, b in self._pieces():
-            by_decay.setdefault(t.weight_decay if seg.decay else 0.0, []).append(slice(a - self.lo, b - self.lo))
-        for decay, slices in by_decay.items():
-            device_ops.adam_step_fused([param[s] for s in slices], [g[s] for s in slices],
-                                       [self.exp_avg[s] for s in slices], [self.exp_avg_sq[s] for s in slices],
-                                       step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
-                                       weight_decay=decay, adamw=True, grad_scale=grad_scale)
-
-    def _step_pieces(self, param: torch.Tensor, g: torch.Tensor, lr: float, grad_scale: float) -> None:
-        """One kernel call per piece (the CPU's native kernels; bf16 and 8-bit moments, a bf16 master)."""
-        t = self.train
-        for seg, a, b in self._pieces():
-            sl = slice(a - self.lo, b - self.lo)
-            args = dict(step=self.step_count, lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
-                        weight_decay=t.weight_decay if seg.decay else 0.0, adamw=True, grad_scale=grad_scale,
-                        seed=self.step_count)
-            if self.q8:
-                segments, first, last = self._q8_calls[(a, b)]
-                kernels.adam_update_q8(param[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
-                                       self.scale_m[first:last], self.scale_v[first:last],  # type: ignore[index]
-                                       segments=segments, block=Q8_BLOCK, **args)
-            else:
-                kernels.adam_update(param[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl], index_base=a, **args)
 
     def exact_param(self, a: int, b: int) -> torch.Tensor:
         """Flat elements [a, b) of the parameters at full precision (int8: from the master shard, which
@@ -526,11 +475,7 @@ class ZeroOptimizer:
     def q8_moment(self, field: str, start: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """8-bit moments: the codes and block scales of `field` of the parameter at flat offset `start`
         (its part in this shard), or None where this shard holds none of it."""
-        if start not in self._q8_of:
-            return None
-        a, b, first, nb = self._q8_of[start]
-        codes, scales = ((self.exp_avg, self.scale_m) if field == "exp_avg" else (self.exp_avg_sq, self.scale_v))
-        return codes[a - self.lo : b - self.lo], scales[first : first + nb]  # type: ignore[index]
+        return self.moments.q8_moment(field, start)
 
     def wait_params(self) -> None:
         """Finish the overlapped parameter all-gather: every rank's parameters are current afterwards."""
@@ -548,9 +493,7 @@ class ZeroOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of model and optimizer state this rank holds (params, grads, shard grads, moments)."""
-        tensors = [t for t in (self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq) if t is not None]
-        if self.q8:
-            tensors += [self.scale_m, self.scale_v]
+        tensors = [t for t in (self.flat_param, self.flat_grad) if t is not None] + self.moments.tensors()
         if self.shard_grad is not None:
             tensors.append(self.shard_grad)
         if self.master is not None:
