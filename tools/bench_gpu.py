@@ -40,6 +40,7 @@ skipped with the reason, as is anything else that cannot run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -151,6 +152,7 @@ def _cut(error: str) -> bool:
     return error.startswith(("not started", "timed out"))
 
 
+@functools.cache
 def _has_deepspeed() -> bool:
     """Whether DeepSpeed imports here, tried in a child process: a wheel installed with --no-deps is found
     by `find_spec` even where a dependency it imports is missing, and would then fail as an error row

@@ -181,3 +181,19 @@ def test_the_device_fallback_steps_in_windows_with_the_same_bits_and_bounded_mem
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(whole, windowed))
     assert whole_extra > 40 * n  # one pass over every element
     assert extra <= 96 * 4096 < whole_extra / 4, (extra, whole_extra)  # fallback.WINDOW_BYTES at this window
+
+
+@standin.requires()
+def test_an_accelerators_overflow_check_reads_the_row_norms(monkeypatch) -> None:
+    """kernels.has_nonfinite on an accelerator goes through device_ops.nonfinite_tensor (no bool per
+    element), never the fallback's `torch.isfinite(x).all()`; inf and NaN are found, finite values are not."""
+    from capstan.native import fallback
+
+    device = torch.device(standin.load(), 0)
+    monkeypatch.setattr(fallback, "has_nonfinite", lambda *a, **k: pytest.fail("the fallback ran"))
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(7)).to(device)
+    assert not kernels.has_nonfinite(x) and not kernels.has_nonfinite(x.to(torch.bfloat16))
+    for bad in (float("inf"), float("nan")):
+        y = x.clone()
+        y[9_999] = bad
+        assert kernels.has_nonfinite(y) and kernels.has_nonfinite(y.to(torch.bfloat16))

@@ -107,6 +107,9 @@ def _single(tmp: str) -> dict:
     standin.load()
     cases = dict(SINGLE)
     cases["disk"] = ({"offload": "disk", "cpu_budget": "2MiB", "gpu_budget": "256KiB", "disk_dir": tmp}, {})
+    # recomputed blocks' inputs away between forward and recompute: to pinned RAM from the device, to disk on
+    # the CPU (chunkmem's ActivationOffload), both against the same training
+    cases["act-offload"] = ({"activation_checkpointing": True, "activation_offload": True, "disk_dir": tmp}, {})
     out = {}
     for name, (memory, extra) in cases.items():
         cpu_memory = {k: v for k, v in memory.items() if k != "gpu_budget"}
@@ -174,10 +177,12 @@ def _close(got: list[float], want: list[float]) -> None:
         assert abs(g - w) <= TOL * abs(w), (got, want)
 
 
-@pytest.mark.parametrize("case", [*SINGLE, "disk", "disk-fused", "disk-guess"])
+@pytest.mark.parametrize("case", [*SINGLE, "disk", "disk-fused", "disk-guess", "act-offload"])
 def test_reference_gpt_on_the_standin_matches_the_cpu(single, case: str) -> None:
     cpu, dev = single[case]
     _close(dev["losses"], cpu["losses"])
+    if case == "act-offload":  # the blocks' inputs really left: to pinned RAM on the device, to disk on the CPU
+        assert dev["mem"]["mem.act.offloaded_total_bytes"] > 0 and cpu["mem"]["mem.act.offloaded_total_bytes"] > 0
     assert dev["devices"] in (["standin:0"], [])  # buffers (and unchunked parameters) where forward runs
     if case != "none":  # chunks on the device, counted by the tier and by the device allocator
         assert dev["mem"]["mem.standin.peak_bytes"] > 0

@@ -273,7 +273,9 @@ class ActivationOffload:
         with stream:
             stream.wait_event(entry.event)  # type: ignore[arg-type]
             x.untyped_storage().resize_(entry.nbytes)  # allocated in the side stream's order
-            x.detach().reshape(-1).view(torch.uint8).copy_(entry.host, non_blocking=True)
+            # Through `.data` (a version counter of its own): autograd checks x's version when the recompute
+            # unpacks its input, and this copy runs before that, as the previous block's restore's prefetch.
+            x.data.reshape(-1).view(torch.uint8).copy_(entry.host, non_blocking=True)
         entry.read, entry.event = True, stream.record_event()
 
     def _pinned_buffer(self, nbytes: int) -> torch.Tensor:

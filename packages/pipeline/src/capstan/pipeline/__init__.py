@@ -1,10 +1,10 @@
 """capstan.pipeline: pipeline-parallel partitioning, schedules and their executor.
 
-Schedules are data (`schedules.py`), checked by a simulator (`simulate.py`)
-and drawn as ASCII timelines (`timeline.py`); `partition.py` splits a list of
-layer specs into stages without allocating other stages' parameters;
-`executor.py` runs a schedule over `capstan.comm` point-to-point. See
-docs/pipeline.md.
+Schedules are data (`schedule/schedules.py`), checked by a simulator
+(`schedule/simulate.py`) and drawn as ASCII timelines (`schedule/timeline.py`);
+`stages/partition.py` splits a list of layer specs into stages without
+allocating other stages' parameters; `runtime/executor.py` runs a schedule over
+`capstan.comm` point-to-point. See docs/pipeline.md ("Layout": the rooms).
 """
 
 from .runtime.executor import PipelineError, PipelineExecutor

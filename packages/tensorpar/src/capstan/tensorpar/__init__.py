@@ -1,8 +1,9 @@
 """capstan.tensorpar: Megatron-style tensor slicing on an explicit tp `Group`.
 
-Layers (`layers`, `blocks`), the autograd collectives they are made of
-(`mappings`), vocabulary-parallel cross-entropy (`cross_entropy`), dropout
-streams (`rng`), `parallelize` for existing dense models (`apply`) and a
+Layers (`modules.layers`, `modules.blocks`), the autograd collectives they are
+made of (`slicing.mappings`), vocabulary-parallel cross-entropy
+(`modules.cross_entropy`), dropout streams (`slicing.rng`), `parallelize` for
+existing dense models (`convert.apply`) and a
 reference GPT (`gpt`). See docs/tensorpar.md.
 
 Example (one process; under torchrun use ``comm.build_groups(...).tp``)::

@@ -110,7 +110,8 @@ class ContextParallel:
         cached = self._positions.get(key)
         if cached is None:
             cached = torch.tensor(cp_positions(self.group.rank, self.size, local, self.mode), device=device)
-            self._positions[key] = cached
+            if not torch.is_inference_mode_enabled():  # (an inference tensor cannot index a training forward)
+                self._positions[key] = cached
         return cached
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:

@@ -89,7 +89,9 @@ class DevicePeak:
     would each see only part of their interval. Here `moment()` (chunkmem's `device_measure`) resets it
     and `step()` (the engine's report) takes the maximum of what the moments saw since the last step.
     Both read *reserved* bytes: what the caching allocator holds (fragmentation and blocks whose stream
-    use is still pending included) is what runs a device out of memory, not what tensors occupy.
+    use is still pending included) is what runs a device out of memory, not what tensors occupy. A reset
+    clears the *allocated* peak too, which benchmarks compare with other programs' `max_memory_allocated`:
+    `allocated_peak()` keeps it over the whole run.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -99,6 +101,7 @@ class DevicePeak:
         # first GPU lease); a manager can measure before its first chunk reaches the device.
         getattr(self._module, "init", lambda: None)()
         self._since_step = 0  # the largest peak the moments read since the last step()
+        self._allocated_before = 0  # the allocated peak before the last reset (`allocated_peak`)
 
     def _reserved_peak(self) -> int:
         """`max_memory_reserved`, read from the allocator's nested statistics: torch's function flattens
@@ -111,8 +114,17 @@ class DevicePeak:
 
     def _take(self) -> int:
         peak = self._reserved_peak()
+        self._allocated_before = self.allocated_peak()
         self._module.reset_peak_memory_stats(self.device)
         return peak
+
+    def allocated_peak(self) -> int:
+        """The most bytes tensors occupied on the device since this process started (torch's
+        `max_memory_allocated` without the resets this class makes)."""
+        nested = getattr(self._module, "memory_stats_as_nested_dict", None)
+        now = (int(nested(self.device).get("allocated_bytes", {}).get("all", {}).get("peak", 0)) if nested
+               else int(self._module.max_memory_allocated(self.device)))
+        return max(self._allocated_before, now)
 
     def moment(self) -> int:
         """Peak reserved bytes since the last moment (what `device_measure` wants)."""
@@ -232,7 +244,8 @@ class DeviceTier:
             # Host code waits, through `landing`, for the copy up that may still be reading it.
             host, landing = entry.spare, entry.spare_busy
             entry.spare = entry.spare_busy = None
-            self.retire(None, self.dev, chunk.nbytes, chunk.payload)  # (the allocator orders its reuse)
+            # its bytes count until a copy up still writing it (a prefetch not computed with yet) is done
+            self.retire(entry.arriving, self.dev, chunk.nbytes, chunk.payload)
             chunk.payload, entry.where, entry.landing, entry.arriving = host, "cpu", landing, None
             self.m.counters["device_clean_drops"] += 1
             return
@@ -331,8 +344,8 @@ class DeviceTier:
     # ---- prefetch and the non-model memory of the device ----------------------------------------------------------
     def prefetch(self) -> None:
         """Copy the next chunks the trace computes with onto the device, into free budget only."""
-        if self.dev is None or self.m.trace is None or self.trace_compute is None:
-            return
+        if self.dev is None or self.m.trace is None or self.trace_compute is None or self.m._off_trace:
+            return  # (between steps the moment stands still: an eval or a checkpoint would fetch step's first chunks)
         self.reap()  # copies off the device that finished since: their bytes are free room
         issued, m, seen = 0, self.m.moment, set()
         while issued < DEVICE_PREFETCH and m < len(self.m.trace) and len(seen) < 8 * DEVICE_PREFETCH:

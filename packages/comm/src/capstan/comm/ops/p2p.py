@@ -143,13 +143,17 @@ def _exchange_host(ops: list[P2POp], g: Group) -> P2PHandle:
 
 def _exchange(ops: list[P2POp], g: Group, peers: list[int]) -> P2PHandle:
     what = f"exchange with ranks {sorted(set(peers))}"
+    # Posting can fail too (a peer that died first closed the connection): named as the wait would name it,
+    # the one peer the suspect where there is one
+    posting = (f"{'send to' if ops[0].kind == 'send' else 'recv from'} rank {peers[0]}" if len(ops) == 1 else what)
+    peer = peers[0] if len(set(peers)) == 1 else None
     if mpi_backend.p2p_ok(g) and all(op.tensor.is_cpu for op in ops):
-        with guard("exchange", g):
+        with guard(posting, g, peer=peer):
             requests = mpi_backend.post_p2p([(op.kind, op.tensor, op.peer) for op in ops], g)
         return P2PHandle([requests], what, g, sorted(set(peers)))
     torch_ops = [dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, peer, group=g.pg)
                  for op, peer in zip(ops, peers)]
-    with guard("exchange", g):
+    with guard(posting, g, peer=peer):
         if len(torch_ops) == 1 and ops[0].tensor.is_cpu:  # a lone message needs no coalescing (gloo)
             works = [torch_ops[0].op(torch_ops[0].tensor, peers[0], group=g.pg)]
         else:

@@ -116,20 +116,20 @@ def run_ranks(
         base = clean_env(env)
         base["CAPSTAN_RENDEZVOUS_FILE"] = str(run_dir / "rendezvous")
         procs, logs = [], []
-        for r in range(world_size):
-            rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
-                            LOCAL_WORLD_SIZE=str(world_size))
-            log = open(run_dir / f"output.{r}.log", "wb")  # noqa: SIM115 - closed below
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, "-m", "capstan.comm.testing.worker", str(spec)],
-                                          env=rank_env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
         try:
+            for r in range(world_size):
+                rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
+                                LOCAL_WORLD_SIZE=str(world_size))
+                log = open(run_dir / f"output.{r}.log", "wb")  # noqa: SIM115 - closed below
+                logs.append(log)
+                procs.append(subprocess.Popen([sys.executable, "-m", "capstan.comm.testing.worker", str(spec)],
+                                              env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
             headline = _wait(procs, timeout, grace=comm_timeout + 10.0, tolerate=tolerate_dead)
-        finally:  # the ranks run in sessions of their own: a test stopped meanwhile (pytest-timeout) must not
-            _kill(procs)  # leave them running (on a GPU, holding its memory into the next step)
-        for log in logs:
-            log.close()
+        finally:  # the ranks run in sessions of their own: a test stopped meanwhile (pytest-timeout), or a rank
+            _kill(procs)  # that failed to start, must not leave the others running (on a GPU, holding its memory)
+            for log in logs:
+                log.close()
         codes = [p.returncode for p in procs]
         return _collect(run_dir, world_size, codes, tolerate_dead, headline, lambda r: run_dir / f"output.{r}.log")
 
