@@ -116,6 +116,8 @@ def test_parity_verdict_fails_past_the_tolerance() -> None:
     assert parity.compare(cpu, _traj([5.0, 4.0, 3.0 * (1 + 2e-6)], "cuda:0"), "cuda", 3)["ok"]  # 1e-4 there
     assert not parity.compare(cpu, _traj([5.0, 4.0, 3.0], "cpu"), "standin", 3)["ok"]  # never left the CPU
     assert not parity.compare(cpu, _traj([5.0, 4.0]), "standin", 3)["ok"]  # a step missing
+    assert parity.compare(cpu, _traj([5.0, 4.0, 3.0 * (1 + 6e-6)]), "standin", 3, low_bit=True)["ok"]  # 8-bit codes
+    assert not parity.compare(cpu, _traj([5.0, 4.0, 3.0 * (1 + 2e-5)]), "standin", 3, low_bit=True)["ok"]
     budget = parity.compare(cpu, {**_traj([5.0, 4.0, 3.0]), "moved": 1, "device_bytes": [(10, 200, 5)]},
                             "standin", 3, budget=100)
     assert not budget["ok"] and "budget" in budget["problems"][0]
