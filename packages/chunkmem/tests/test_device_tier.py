@@ -290,9 +290,18 @@ def test_the_device_peak_reads_what_torch_reports(device: str) -> None:
     del small
 
 
-@pytest.mark.parametrize("device", DEVICES)
+def _with_ways(devices: list, ways: tuple[str, ...]) -> list:
+    """(device, way) parameters of every device in `devices` (pytest params keep their marks) and way."""
+    out = []
+    for d in devices:
+        value, marks, ident = (d.values[0], d.marks, d.id) if hasattr(d, "values") else (d, (), d)
+        out += [pytest.param(value, way, marks=marks, id=f"{way}-{ident}") for way in ways]
+    return out
+
+
+@pytest.mark.parametrize(("device", "way"), _with_ways(DEVICES, ("plain", "overlapped"))
+                         + _with_ways([standin.param()], ("late copies",)))  # (late events are the stand-in's)
 @pytest.mark.parametrize("budget", [None, 4 * CHUNK * 4])
-@pytest.mark.parametrize("way", ["plain", "late copies", "overlapped"])
 def test_updated_parameters_go_back_up_under_the_optimizer(device: str, budget: int | None, way: str) -> None:
     """After backward the optimizer updates each parameter chunk in RAM; each is copied up to the device as
     soon as its group is stepped, into room the budget leaves (write-through), so the next forward finds
@@ -303,8 +312,6 @@ def test_updated_parameters_go_back_up_under_the_optimizer(device: str, budget: 
     as on a GPU, where their bytes stayed counted and every write-through found no room. "overlapped": the
     groups stepped during backward (the guess held: no clipping) go up too, not only those stepped after."""
     overlap, clip = (True, None) if way == "overlapped" else (False, 1.0)
-    if way == "late copies" and device != "standin":
-        pytest.skip("late events are the stand-in's (a GPU's copies are late by themselves)")
     want, _ = _train(ChunkManager(None, audit=True), 4, "cpu", dtype=torch.float32, overlap=overlap, clip=clip)
     where: list[list[str | None]] = []
 

@@ -103,28 +103,32 @@ class DevicePeak:
         self._since_step = 0  # the largest peak the moments read since the last step()
         self._allocated_before = 0  # the allocated peak before the last reset (`allocated_peak`)
 
-    def _reserved_peak(self) -> int:
-        """`max_memory_reserved`, read from the allocator's nested statistics: torch's function flattens
-        every statistic into a dict in Python first, about 0.1 ms of host time per read (on the stand-in
-        104 us against 14; CUDA's is the same Python), and the engine reads it every step."""
+    def _peaks(self) -> tuple[int, int]:
+        """(reserved, allocated) peaks, from one read of the allocator's nested statistics: torch's
+        `max_memory_reserved` flattens every statistic into a dict in Python first, about 0.1 ms of host time
+        per read (on the stand-in 104 us against 14; CUDA's is the same Python), and this runs every moment
+        under a device limit and every step."""
         nested = getattr(self._module, "memory_stats_as_nested_dict", None)
         if nested is None:
-            return int(self._module.max_memory_reserved(self.device))
-        return int(nested(self.device).get("reserved_bytes", {}).get("all", {}).get("peak", 0))
+            return (int(self._module.max_memory_reserved(self.device)),
+                    int(self._module.max_memory_allocated(self.device)))
+        stats = nested(self.device)
+        return tuple(int(stats.get(k, {}).get("all", {}).get("peak", 0))  # type: ignore[return-value]
+                     for k in ("reserved_bytes", "allocated_bytes"))
+
+    def _reserved_peak(self) -> int:
+        return self._peaks()[0]
 
     def _take(self) -> int:
-        peak = self._reserved_peak()
-        self._allocated_before = self.allocated_peak()
+        reserved, allocated = self._peaks()
+        self._allocated_before = max(self._allocated_before, allocated)
         self._module.reset_peak_memory_stats(self.device)
-        return peak
+        return reserved
 
     def allocated_peak(self) -> int:
         """The most bytes tensors occupied on the device since this process started (torch's
         `max_memory_allocated` without the resets this class makes)."""
-        nested = getattr(self._module, "memory_stats_as_nested_dict", None)
-        now = (int(nested(self.device).get("allocated_bytes", {}).get("all", {}).get("peak", 0)) if nested
-               else int(self._module.max_memory_allocated(self.device)))
-        return max(self._allocated_before, now)
+        return max(self._allocated_before, self._peaks()[1])
 
     def moment(self) -> int:
         """Peak reserved bytes since the last moment (what `device_measure` wants)."""
@@ -346,7 +350,6 @@ class DeviceTier:
         """Copy the next chunks the trace computes with onto the device, into free budget only."""
         if self.dev is None or self.m.trace is None or self.trace_compute is None or self.m._off_trace:
             return  # (between steps the moment stands still: an eval or a checkpoint would fetch step's first chunks)
-        self.reap()  # copies off the device that finished since: their bytes are free room
         issued, m, seen = 0, self.m.moment, set()
         while issued < DEVICE_PREFETCH and m < len(self.m.trace) and len(seen) < 8 * DEVICE_PREFETCH:
             cid, compute = self.m.trace[m], self.trace_compute[m]
@@ -357,7 +360,7 @@ class DeviceTier:
             e = self.m.entries[cid]
             if not self._idle_in_ram(e):
                 continue
-            if not self.dev.fits(e.chunk.nbytes):
+            if not self._fits(e.chunk.nbytes):
                 return
             self._copy_up(e)
             issued += 1
@@ -380,16 +383,24 @@ class DeviceTier:
         e = self.m.entries[chunk_id]
         if chunk_id not in self._computes[1] or not self._idle_in_ram(e):
             return False
-        # The optimizer's reads took chunks off the device, each copy's bytes counted until it is seen done:
-        # on a GPU nothing else releases them during the optimizer (a stand-in's copies are done at once).
-        self.reap()
         rooms = [r for r in (self.dev.capacity, None if self.device_limit is None else
                              self.device_limit - max(self.nonmodel_device, default=0)) if r is not None]
-        if rooms and self.dev.resident + e.chunk.nbytes > min(rooms):
+        if rooms and not self._fits(e.chunk.nbytes, min(rooms)):
             return False
         self._copy_up(e)
         self.m.counters["device_writes_through"] += 1
         return True
+
+    def _fits(self, nbytes: int, room: int | None = None) -> bool:
+        """Whether `nbytes` more fit on the device (within `room`, else its capacity), counting the copies off
+        it that have finished as gone: the optimizer's reads take chunks off the device, each copy's bytes
+        counted until it is seen done, and on a GPU nothing else looks during the optimizer (a stand-in's
+        copies are done at once)."""
+        assert self.dev is not None
+        room = self.dev.capacity if room is None else room
+        if room is None or self.dev.resident + nbytes <= room:
+            return True
+        return bool(self._retiring) and self.reap() and self.dev.resident + nbytes <= room
 
     @staticmethod
     def _idle_in_ram(e: _Entry) -> bool:
