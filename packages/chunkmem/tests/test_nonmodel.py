@@ -67,7 +67,9 @@ def test_chunks_fill_what_the_activations_leave(tmp_path) -> None:
     caps = [limit - nonmodel_ahead(nonmodel, m) for m in range(len(steady))]
     assert min(caps) < 24 * MIB < max(caps)  # 24 MiB of model states: they do not fit at the peak
     assert manager.stats()["disk"]["bytes_out"] > 0
-    assert min(steady) < max(steady) - 8 * MIB  # chunks left RAM as activations grew, and came back
+    # Chunks left RAM as activations grew, and came back: at least four of them. How many more depends on
+    # how the machine's allocator returns freed activations (the last CI machine: 7 chunks, this one: 15).
+    assert min(steady) <= max(steady) - 4 * CHUNK * 4  # four chunks of fp32
     manager.close()
 
 

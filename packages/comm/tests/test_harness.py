@@ -101,3 +101,48 @@ def test_device_tolerances_are_keyed_on_the_arithmetic() -> None:
             assert torch.backends.cudnn.allow_tf32  # nothing to do off CUDA
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _what_a_rank_sees() -> dict:
+    import os
+    import sys
+
+    return {"ppid": os.getppid(), "sid": os.getsid(0) == os.getpid(), "cwd": os.getcwd(),
+            "omp": os.environ.get("OMP_NUM_THREADS"), "extra": os.environ.get("CAPSTAN_HARNESS_PROBE"),
+            "stdin": os.path.realpath(f"/proc/self/fd/{sys.stdin.fileno()}"), "seed": __import__("random").random()}
+
+
+def test_ranks_forked_from_a_server_see_what_fresh_ones_would(tmp_path, monkeypatch) -> None:
+    """forkserver.py: a rank forked from the process that imported torch gets the harness's environment,
+    working directory, a session of its own and /dev/null on stdin, as a fresh interpreter does; a variable
+    read while torch is imported (OMP_NUM_THREADS) gets a server started with it; and the ranks draw
+    different random numbers. CAPSTAN_TEST_FORKSERVER=0 starts fresh interpreters, children of this process."""
+    import os
+
+    from capstan.comm.testing import forkserver
+
+    monkeypatch.chdir(tmp_path)
+    forked = run_ranks(_what_a_rank_sees, 2, env={"CAPSTAN_HARNESS_PROBE": "a"})
+    assert all(r["ppid"] != os.getpid() and r["sid"] and r["cwd"] == str(tmp_path) for r in forked)
+    assert [r["extra"] for r in forked] == ["a", "a"] and all(r["stdin"] == os.devnull for r in forked)
+    assert forked[0]["seed"] != forked[1]["seed"]
+    threads = run_ranks(_what_a_rank_sees, 2, env={"OMP_NUM_THREADS": "2"})
+    assert [r["omp"] for r in threads] == ["2", "2"] and threads[0]["ppid"] != forked[0]["ppid"]
+    assert any(dict(key).get("OMP_NUM_THREADS") == "2" for key in forkserver._SERVERS)
+    monkeypatch.setenv("CAPSTAN_TEST_FORKSERVER", "0")
+    fresh = run_ranks(_what_a_rank_sees, 2, env={"CAPSTAN_HARNESS_PROBE": "b"})
+    assert [(r["ppid"], r["extra"], r["sid"]) for r in fresh] == [(os.getpid(), "b", True)] * 2
+
+
+def _killed_by_signal() -> None:
+    import os
+    import signal
+
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_forked_rank_killed_by_a_signal_is_reported_as_popen_would() -> None:
+    with pytest.raises(RankFailure, match=r"rank 1 exited with code -9 and no result") as info:
+        run_ranks(_killed_by_signal, 2, init=False, timeout=60)
+    assert "rank 0" not in str(info.value)
