@@ -48,6 +48,10 @@ done
 [[ $PART == 1 || $PART == 2 || $PART == all ]] || { echo "battery: --part is 1, 2 or all" >&2; exit 2; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# Multi-rank tests start their ranks as fresh interpreters on the GPU machine, as every lease so far did: the
+# fork server (docs/testing.md) saves seconds a rank on 2 CI cores, little on 16, and has not met a CUDA
+# build yet. The stand-in run keeps it, as the suite does.
+[[ $DEVICE == cuda ]] && export CAPSTAN_TEST_FORKSERVER=${CAPSTAN_TEST_FORKSERVER:-0}
 
 if [[ $DEVICE == standin ]] && compgen -G ".whl/*.whl" > /dev/null; then
   # .whl/ holds the GPU machine's wheels (its Python, its platform): the stand-in runs on this machine's

@@ -250,7 +250,10 @@ def _close_servers() -> None:
 
 
 def main(address: str, authkey: str) -> None:
-    import torch  # noqa: F401 - the reason this process exists
+    import torch  # the reason this process exists
+
+    if torch.cuda.is_initialized():  # a forked rank could not use the GPU: let the harness start fresh ones
+        raise SystemExit("CUDA was initialized while torch was imported")
 
     with Listener(address, family="AF_UNIX", authkey=bytes.fromhex(authkey)) as listener:
         with listener.accept() as conn:
