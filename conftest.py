@@ -8,7 +8,13 @@ that cannot be built here skips its tests with the reason rather than stopping t
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Multi-rank tests fork their ranks from a process that imported torch once (docs/testing.md, "Ranks
+# forked from a server"); CAPSTAN_TEST_FORKSERVER=0 in the environment starts fresh interpreters.
+os.environ.setdefault("CAPSTAN_TEST_FORKSERVER", "1")
 
 from capstan.comm.testing import no_tf32
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from capstan.comm.health.procmem import pid_alive
 from capstan.comm.testing import clean_env, requires_mpirun
-from capstan.engine.cli.launch import _alive
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "capstan.engine.cli"]
@@ -90,7 +90,7 @@ def _launch(tmp: Path, name: str, steps: int, *sets: str, env: dict[str, str] | 
                 except (OSError, IndexError, ValueError):
                     continue
                 seen.add(pid)
-                if fault_at is None and not _alive(pid) and not (status / f"rank_{r}.exit").exists():
+                if fault_at is None and not pid_alive(pid) and not (status / f"rank_{r}.exit").exists():
                     fault_at = time.monotonic()  # a rank died (killed: it wrote no exit status)
             time.sleep(0.02)
         end = time.monotonic()
@@ -104,7 +104,7 @@ def _launch(tmp: Path, name: str, steps: int, *sets: str, env: dict[str, str] | 
         exit_file = status / f"rank_{r}.exit"
         ranks[r] = int(exit_file.read_text().split()[0]) if exit_file.exists() else None
     time.sleep(0.2)
-    assert not [p for p in seen if _alive(p)], f"{name}: rank processes left behind"
+    assert not [p for p in seen if pid_alive(p)], f"{name}: rank processes left behind"
     lines = [ln.strip() for ln in err.splitlines() if ln.strip().startswith("capstan: error:")]
     assert "Traceback" not in err, err[-3000:]
     return Launch(proc.returncode, err, ranks, sorted(seen), None if fault_at is None else end - fault_at, run, lines)

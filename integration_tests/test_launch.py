@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from capstan.comm.health.procmem import pid_alive
 from capstan.comm.testing import clean_env, requires_mpirun
-from capstan.engine.cli.launch import _alive
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "examples" / "tiny.toml")
@@ -89,7 +89,7 @@ def test_launch_kill9_one_rank_ends_the_job(tmp_path: Path) -> None:
     summary = [ln for ln in err.splitlines() if ln.startswith("capstan launch:")]
     assert len(summary) == 1 and f"rank 1 (pid {pids[1]} " in summary[0], err
     for p in pids:  # nobody is left behind
-        _wait_for(lambda p=p: not _alive(p), 5, f"pid {p} to exit")
+        _wait_for(lambda p=p: not pid_alive(p), 5, f"pid {p} to exit")
     assert took < COMM_TIMEOUT, took
     print(f"launch ended {took:.2f} s after kill -9 of rank 1")
 

@@ -109,7 +109,8 @@ def _what_a_rank_sees() -> dict:
 
     return {"ppid": os.getppid(), "sid": os.getsid(0) == os.getpid(), "cwd": os.getcwd(),
             "omp": os.environ.get("OMP_NUM_THREADS"), "extra": os.environ.get("CAPSTAN_HARNESS_PROBE"),
-            "stdin": os.path.realpath(f"/proc/self/fd/{sys.stdin.fileno()}"), "seed": __import__("random").random()}
+            "stdin": os.path.realpath(f"/proc/self/fd/{sys.stdin.fileno()}"), "seed": __import__("random").random(),
+            "path0": sys.path[0]}
 
 
 def test_ranks_forked_from_a_server_see_what_fresh_ones_would(tmp_path, monkeypatch) -> None:
@@ -122,8 +123,9 @@ def test_ranks_forked_from_a_server_see_what_fresh_ones_would(tmp_path, monkeypa
     from capstan.comm.testing import forkserver
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CAPSTAN_TEST_FORKSERVER", "1")
     forked = run_ranks(_what_a_rank_sees, 2, env={"CAPSTAN_HARNESS_PROBE": "a"})
-    assert all(r["ppid"] != os.getpid() and r["sid"] and r["cwd"] == str(tmp_path) for r in forked)
+    assert all(r["ppid"] != os.getpid() and r["sid"] and r["cwd"] == r["path0"] == str(tmp_path) for r in forked)
     assert [r["extra"] for r in forked] == ["a", "a"] and all(r["stdin"] == os.devnull for r in forked)
     assert forked[0]["seed"] != forked[1]["seed"]
     threads = run_ranks(_what_a_rank_sees, 2, env={"OMP_NUM_THREADS": "2"})
@@ -131,7 +133,7 @@ def test_ranks_forked_from_a_server_see_what_fresh_ones_would(tmp_path, monkeypa
     assert any(dict(key).get("OMP_NUM_THREADS") == "2" for key in forkserver._SERVERS)
     monkeypatch.setenv("CAPSTAN_TEST_FORKSERVER", "0")
     fresh = run_ranks(_what_a_rank_sees, 2, env={"CAPSTAN_HARNESS_PROBE": "b"})
-    assert [(r["ppid"], r["extra"], r["sid"]) for r in fresh] == [(os.getpid(), "b", True)] * 2
+    assert [(r["ppid"], r["extra"], r["sid"], r["stdin"]) for r in fresh] == [(os.getpid(), "b", True, os.devnull)] * 2
 
 
 def _killed_by_signal() -> None:

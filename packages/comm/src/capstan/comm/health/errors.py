@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+from .procmem import pid_alive
+
 __all__ = ["CommError", "Liveness", "StoreLiveness", "DirLiveness"]
 
 HEARTBEAT_S = 0.5
@@ -149,13 +151,8 @@ class Liveness:
         if record is None:
             return False
         host, pid, stamp = record.split()
-        if host == self.host:
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                pass
+        if host == self.host and not pid_alive(int(pid)):
+            return True
         return now - float(stamp) > STALE_S
 
     def find_lost(self, ranks: Sequence[int], wait_s: float = STALE_S + HEARTBEAT_S) -> list[int]:

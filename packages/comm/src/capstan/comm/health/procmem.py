@@ -3,13 +3,15 @@
 Every reader returns bytes, and 0 where /proc (or the field) is not there, so callers on
 other systems degrade to "unknown" instead of failing. The one home of these readers:
 chunkmem's non-model memory, the engine's metrics and RAM budget and the tools all use it.
+`pid_alive` is here too: the launcher, the liveness checks and the test harness's fork server
+ask whether a process still exists.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["proc_kib", "rss_bytes", "peak_rss_bytes", "mem_available_bytes"]
+__all__ = ["proc_kib", "rss_bytes", "peak_rss_bytes", "mem_available_bytes", "pid_alive"]
 
 
 def proc_kib(path: str, key: str) -> int:
@@ -44,3 +46,15 @@ def mem_available_bytes() -> int:
     """The machine's MemAvailable (/proc/meminfo: free RAM plus what the kernel can reclaim, bytes; 0 where
     it is not there)."""
     return proc_kib("/proc/meminfo", "MemAvailable")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this host (signal 0: nothing is sent); one owned by another user
+    counts as alive."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

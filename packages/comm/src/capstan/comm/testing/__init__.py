@@ -3,8 +3,8 @@
 `run_ranks(fn, n)` starts n processes with a file rendezvous (no fixed
 ports, so tests can run concurrently), each calling ``fn(*args)`` after
 `capstan.comm.init()`, and returns the n results in rank order. The ranks are
-forked from a process that has imported torch once (forkserver.py), or are
-fresh interpreters with CAPSTAN_TEST_FORKSERVER=0.
+fresh interpreters, or with CAPSTAN_TEST_FORKSERVER=1 (as the suite runs)
+forked from a process that has imported torch once (forkserver.py).
 `run_mpirun(fn, n)` does the same under a real ``mpirun``. Either one fails
 the test, with every rank's traceback and output tail in the message, when a
 rank raises or exits non-zero, and kills everything at `timeout` instead of

@@ -132,8 +132,9 @@ def run_ranks(
 
 
 def _start_rank(env: dict[str, str], spec: Path, run_dir: Path, rank: int, logs: list) -> Any:
-    """Rank `rank`'s process: forked from a process that has imported torch (forkserver.py: 3.5 s of CPU
-    less per rank here), or a fresh interpreter where that cannot be. Output goes to output.RANK.log."""
+    """Rank `rank`'s process: forked from a process that has imported torch where CAPSTAN_TEST_FORKSERVER=1
+    (forkserver.py: 3.5 s of CPU less per rank on a 2-core machine; the suite's conftest.py sets it), a fresh
+    interpreter otherwise or where no server can fork it. Output goes to output.RANK.log."""
     log = run_dir / f"output.{rank}.log"
     if forkserver.enabled():
         try:
@@ -142,8 +143,8 @@ def _start_rank(env: dict[str, str], spec: Path, run_dir: Path, rank: int, logs:
             pass  # started below, as without the server
     out = open(log, "wb")  # noqa: SIM115 - closed by run_ranks
     logs.append(out)
-    return subprocess.Popen([sys.executable, "-m", "capstan.comm.testing.worker", str(spec)], env=env, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "capstan.comm.testing.worker", str(spec)], env=env,
+                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _kill(procs: list[Any]) -> None:
@@ -151,8 +152,11 @@ def _kill(procs: list[Any]) -> None:
         if p.poll() is None:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            except ProcessLookupError:  # a forked rank not yet in its own session (setsid comes first thing)
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     for p in procs:
         p.wait()
 

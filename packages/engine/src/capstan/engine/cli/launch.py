@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from capstan.comm.health.procmem import pid_alive
+
 from ..run.mpirun import (
     EXIT_BAD_INPUT,
     STATUS_DIR_VAR,
@@ -86,7 +88,7 @@ def _run_watching(cmd: list[str], env: dict[str, str], status_dir: str) -> tuple
             for r, s in read_status(status_dir).items():
                 if r in watch.deaths or s["host"] != here or s["pid"] is None or s["code"] is not None:
                     continue
-                if not _alive(s["pid"]):
+                if not pid_alive(s["pid"]):
                     watch.deaths[r] = time.time()
             if watch.stopped_by is not None:
                 stop_deadline = stop_deadline or time.monotonic() + STOP_GRACE_S
@@ -103,16 +105,6 @@ def _run_watching(cmd: list[str], env: dict[str, str], status_dir: str) -> tuple
     return proc.returncode, watch
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_ranks(status_dir: str, host: str) -> None:
     for s in read_status(status_dir).values():
         if s["host"] == host and s["pid"] is not None and s["code"] is None:
@@ -127,7 +119,7 @@ def _wait_ranks_gone(status_dir: str, host: str, limit: float) -> None:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         alive = [s["pid"] for s in read_status(status_dir).values()
-                 if s["host"] == host and s["pid"] is not None and _alive(s["pid"])]
+                 if s["host"] == host and s["pid"] is not None and pid_alive(s["pid"])]
         if not alive:
             return
         time.sleep(0.05)
