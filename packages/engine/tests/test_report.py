@@ -97,7 +97,8 @@ def test_capstan_launch_imports_no_torch() -> None:
             "print(codes, sorted(m for m in sys.modules if m == 'torch' or m.startswith('capstan.comm.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    expected = "[0, 2] ['capstan.comm.job', 'capstan.comm.job.launch_env', 'capstan.comm.lazy']"
+    expected = ("[0, 2] ['capstan.comm.health', 'capstan.comm.health.procmem', 'capstan.comm.job', "
+                "'capstan.comm.job.launch_env', 'capstan.comm.lazy']")
     assert out.stdout.strip().splitlines()[-1] == expected, out
     assert "capstan: error:" in out.stderr
 
