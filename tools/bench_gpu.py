@@ -125,6 +125,7 @@ def _echo(kind: str, text: str | bytes | None) -> None:
 
 
 OOM_TEXTS = ("out of memory", "outofmemory", "can't allocate memory", "cannot allocate memory",
+             "states do not fit",
              "no space left on device")
 
 

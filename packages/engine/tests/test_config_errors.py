@@ -87,6 +87,12 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
          "the size chosen for this model)"),
         (s + ["memory.offload=\"cpu\"", "--set", "memory.cpu_budget=4194304", "--set", "model.d_model=256"],
          "below the model states'"),
+        # States past the machine's RAM or disk (a 257B-parameter GPT, never materialized): refused at start
+        (s + ["model.n_layers=20", "--set", "model.d_model=32768", "--set", "memory.offload=\"disk\"", "--set",
+              "memory.cpu_budget=1000000000", "--set", f"memory.disk_dir={tmp / 'huge'}"],
+         "this rank's model states do not fit RAM and disk: they need at least"),
+        (s + ["model.n_layers=20", "--set", "model.d_model=32768", "--set", "memory.offload=\"cpu\""],
+         "keeps every chunk in RAM: this rank's model states do not fit: they need at least"),
         (s + ["parallel.zero_stage=4"], "parallel.zero_stage = 4 must be <= 3"),
         (s + ["parallel.compression=\"onebit\"", "--set", "parallel.zero_stage=1"],
          "parallel.compression = \"onebit\" needs parallel.zero_stage = 0"),
@@ -131,6 +137,7 @@ def test_every_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.C
         assert code == 2, (argv, out.err)
         assert len(lines) == 1, (argv, out.err)
         assert lines[0].startswith("capstan: error:") and expected in lines[0], (argv, lines[0])
+    assert not (tmp_path / "huge").exists()  # refused before the disk tier made its directory or file
 
 
 def test_bpe_without_the_tokenizers_package_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,

@@ -46,7 +46,30 @@ def _two_rank_layouts() -> dict:
     out["dp2-zero3-disk"] = _trajectory(_cfg(train={"grad_accum_steps": 1}, parallel={"dp": 2, "zero_stage": 3},
                                              memory={"offload": "disk", "chunk_size": 8192, "cpu_budget": 16 * 8192 * 4,
                                                      "disk_dir": tempfile.mkdtemp(prefix="capstan-z3-")}))
-    return out
+    return {"layouts": out, "disk short on rank 1": _disk_short_on_rank_1()}
+
+
+def _disk_short_on_rank_1() -> str:
+    """ZeRO-3 on disk where rank 1's disk has no room (its `disk_room` says 0): the states cannot fit, and
+    every rank fails at start with the same agreed verdict (rank 0 naming the other rank's shortfall)."""
+    from capstan import comm
+    from capstan.engine.config.load import ConfigError
+    from capstan.engine.machine import ram_budget
+
+    real = ram_budget.disk_room
+    if comm.world().rank == 1:
+        ram_budget.disk_room = lambda directory: 0
+    disk_dir = tempfile.mkdtemp(prefix="capstan-short-")
+    try:
+        initialize(config=_cfg(model={"d_model": 128}, train={"grad_accum_steps": 1},
+                               parallel={"dp": 2, "zero_stage": 3},
+                               memory={"offload": "disk", "chunk_size": 8192, "cpu_budget": 16 * 8192 * 4,
+                                       "disk_dir": disk_dir}))
+    except ConfigError as e:
+        return str(e) + (" (a chunk file was made)" if any(Path(disk_dir).iterdir()) else "")
+    finally:
+        ram_budget.disk_room = real
+    return "no error"
 
 
 
@@ -55,10 +78,17 @@ def test_dp_zero_stages_and_tp_equal_one_process() -> None:
     assert max(ref["norm"]) > 0.5  # clipping really happened
     results = run_ranks(_two_rank_layouts, 2, timeout=240)
     for rank_result in results:
-        for got in rank_result.values():
+        for got in rank_result["layouts"].values():
             assert_trajectories_close(got["loss"], ref["loss"])
             assert_trajectories_close(got["norm"], ref["norm"])
-    assert results[0] == results[1] or all(results[0][k]["loss"] == results[1][k]["loss"] for k in results[0])
+    layouts = [r["layouts"] for r in results]
+    assert layouts[0] == layouts[1] or all(layouts[0][k]["loss"] == layouts[1][k]["loss"] for k in layouts[0])
+    # (the same launch) states that cannot fit one rank's disk: one error on every rank, before any chunk file
+    short = [r["disk short on rank 1"] for r in results]
+    assert short[0].startswith('memory.offload = "disk": another rank\'s model states do not fit its disk: '
+                               'short by'), short
+    assert short[1].startswith('memory.offload = "disk": this rank\'s model states do not fit RAM and disk'), short
+    assert "has 0 B free for this rank" in short[1] and "short by" in short[1], short
 
 
 def test_offload_cpu_and_disk_equal_no_offload(tmp_path: Path) -> None:
@@ -98,6 +128,8 @@ def test_overlapped_optimizer_measures_instead_of_guessing_where_ram_cannot_hold
     cfg = _cfg(memory={"offload": "cpu", "chunk_size": 8192, "overlap_optimizer": True})
     roomy = _trajectory(cfg, steps=4)
     monkeypatch.setattr(ram_budget, "available_ram", lambda: (64 << 10, "test"))
+    # (the states' own room at start is another check, which 64 KiB would refuse: left out here)
+    monkeypatch.setattr("capstan.engine.states.chunked.check_room_for_states", lambda *a, **k: None)
     assert ram_budget.ram_room() == 64 << 10
     assert _trajectory(cfg, steps=4) == roomy
     engine = initialize(config=cfg)

@@ -23,7 +23,7 @@ from capstan.comm.job.accelerator import device_module, is_accelerator
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
 from ..config.load import check_states_fit
 from ..config.schema import Config
-from ..machine.ram_budget import disk_room, ram_room
+from ..machine.ram_budget import check_room_for_states, disk_room, ram_room
 from ..precision import master_dtype, moment_dtype
 from ..zero.optimizer import group_order
 from .base import ModelStates, UpdateScale, overflowed
@@ -84,7 +84,6 @@ class ChunkedStates(ModelStates):
         if mem.offload == "cpu" and mem.cpu_budget is not None and not reference_model:
             # (the config check sized the reference GPT; this is the model being trained)
             check_states_fit(mem.cpu_budget, sum(p.numel() for p in model.parameters() if p.requires_grad), config)
-        disk = DiskStore(mem.disk_dir, rank=groups.world.rank) if mem.offload == "disk" else None
         # On a GPU, parameter (and gradient) chunks compute there within memory.gpu_budget; masters and
         # Adam moments stay in RAM / on disk, where the native CPU Adam steps them (chunkmem/memory/device.py).
         gpu = device if is_accelerator(device) else None
@@ -94,6 +93,12 @@ class ChunkedStates(ModelStates):
 
             limit = gpu_chunk_limit(gpu)
             budget, measure = limit // GPU_WARMUP_SHARE, device_peak(gpu).moment
+        # States past the machine's RAM and disk fail here, not when the disk fills during a first step
+        params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        sharded = groups.replicas.size > 1 and config.parallel.compression != "onebit"
+        check_room_for_states(config, groups, -(-params // groups.replicas.size) if sharded else params,
+                              (limit or budget or 0) if gpu is not None else 0)
+        disk = DiskStore(mem.disk_dir, rank=groups.world.rank) if mem.offload == "disk" else None
         self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction, memory_limit=mem.ram_limit,
                                     device=gpu, device_budget=budget, device_limit=limit, device_measure=measure)
         named = dict(model.named_parameters())
