@@ -406,3 +406,41 @@ def test_a_checkpoint_between_steps_leaves_the_trace_alone(device: str) -> None:
     resumed.end_step()
     assert resumed.trace == warmup and len(warmup) > 0
     resumed.close()
+
+
+def test_the_chunks_ahead_are_every_moments_in_order_of_next_use() -> None:
+    """The prefetch's walk over the runs of computing moments (`DeviceTier.chunks_ahead`) yields what a walk
+    over every moment ahead yields, at every moment of random traces: repeats, chunks the optimizer touches
+    (not computing), a limit of distinct chunks, the trace's end. The same trace twice is indexed once."""
+    import random
+    from types import SimpleNamespace
+
+    from capstan.chunkmem.memory.device import DeviceTier
+
+    def every_moment(trace: list[int], compute: list[bool], moment: int, limit: int) -> list[int]:
+        out: list[int] = []
+        for m in range(moment, len(trace)):
+            if len(out) >= limit:
+                break
+            if compute[m] and trace[m] not in out:
+                out.append(trace[m])
+        return out
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randrange(0, 60)
+        trace = [rng.randrange(0, rng.randrange(1, 12)) for _ in range(n)]
+        for k in range(1, n):  # runs of one chunk, as a module's parameters accessed in a row
+            if rng.random() < 0.4:
+                trace[k] = trace[k - 1]
+        compute = [rng.random() < 0.7 for _ in range(n)]
+        tier = object.__new__(DeviceTier)
+        tier.m, tier.trace_compute, tier._ahead = SimpleNamespace(trace=trace, moment=0), compute, None
+        for moment in range(n + 1):
+            tier.m.moment = moment
+            for limit in (1, 3, 16):
+                assert list(tier.chunks_ahead(limit)) == every_moment(trace, compute, moment, limit), \
+                    (trace, compute, moment, limit)
+        indexed = tier._ahead
+        list(tier.chunks_ahead())
+        assert tier._ahead is indexed

@@ -90,9 +90,9 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         # States past the machine's RAM or disk (a 257B-parameter GPT, never materialized): refused at start
         (s + ["model.n_layers=20", "--set", "model.d_model=32768", "--set", "memory.offload=\"disk\"", "--set",
               "memory.cpu_budget=1000000000", "--set", f"memory.disk_dir={tmp / 'huge'}"],
-         "this rank's model states do not fit RAM and disk: they need at least"),
+         "the model states of the 1 rank(s) on this node do not fit its disk: they need at least"),
         (s + ["model.n_layers=20", "--set", "model.d_model=32768", "--set", "memory.offload=\"cpu\""],
-         "keeps every chunk in RAM: this rank's model states do not fit: they need at least"),
+         "the model states of the 1 rank(s) on this node do not fit its RAM: they need at least"),
         (s + ["parallel.zero_stage=4"], "parallel.zero_stage = 4 must be <= 3"),
         (s + ["parallel.compression=\"onebit\"", "--set", "parallel.zero_stage=1"],
          "parallel.compression = \"onebit\" needs parallel.zero_stage = 0"),

@@ -49,28 +49,36 @@ def _two_rank_layouts() -> dict:
     return {"layouts": out, "disk short on rank 1": _disk_short_on_rank_1()}
 
 
-def _disk_short_on_rank_1() -> str:
-    """ZeRO-3 on disk where rank 1's disk has no room (its `disk_room` says 0): the states cannot fit, and
-    every rank fails at start with the same agreed verdict (rank 0 naming the other rank's shortfall)."""
+def _disk_short_on_rank_1() -> dict:
+    """ZeRO-3 on disk where rank 1's disk has no room: every rank fails at start with the same verdict, before
+    any chunk file. Both ranks on one node (the node's room is its least), then rank 1 alone on a node of
+    its own (rank 0's node fits, and rank 0 names the other node's shortfall)."""
+    import shutil
+
     from capstan import comm
     from capstan.engine.config.load import ConfigError
-    from capstan.engine.machine import ram_budget
+    from capstan.engine.machine import room
 
-    real = ram_budget.disk_room
-    if comm.world().rank == 1:
-        ram_budget.disk_room = lambda directory: 0
-    disk_dir = tempfile.mkdtemp(prefix="capstan-short-")
-    try:
-        initialize(config=_cfg(model={"d_model": 128}, train={"grad_accum_steps": 1},
-                               parallel={"dp": 2, "zero_stage": 3},
-                               memory={"offload": "disk", "chunk_size": 8192, "cpu_budget": 16 * 8192 * 4,
-                                       "disk_dir": disk_dir}))
-    except ConfigError as e:
-        return str(e) + (" (a chunk file was made)" if any(Path(disk_dir).iterdir()) else "")
-    finally:
-        ram_budget.disk_room = real
-    return "no error"
-
+    real_free, real_key = room._disk_free, room._node_key
+    out = {}
+    for case in ("one node", "two nodes"):
+        if comm.world().rank == 1:
+            room._disk_free = lambda where: 0
+            if case == "two nodes":
+                room._node_key = lambda *parts: real_key("another node", *parts)
+        disk_dir = Path(tempfile.mkdtemp(prefix="capstan-short-")) / "chunks"
+        try:
+            initialize(config=_cfg(model={"d_model": 128}, train={"grad_accum_steps": 1},
+                                   parallel={"dp": 2, "zero_stage": 3},
+                                   memory={"offload": "disk", "chunk_size": 8192, "cpu_budget": 16 * 8192 * 4,
+                                           "disk_dir": str(disk_dir)}))
+            out[case] = "no error"
+        except ConfigError as e:
+            out[case] = str(e) + (" (a chunk file was made)" if disk_dir.exists() else "")
+        finally:
+            room._disk_free, room._node_key = real_free, real_key
+            shutil.rmtree(disk_dir.parent, ignore_errors=True)
+    return out
 
 
 def test_dp_zero_stages_and_tp_equal_one_process() -> None:
@@ -84,11 +92,14 @@ def test_dp_zero_stages_and_tp_equal_one_process() -> None:
     layouts = [r["layouts"] for r in results]
     assert layouts[0] == layouts[1] or all(layouts[0][k]["loss"] == layouts[1][k]["loss"] for k in layouts[0])
     # (the same launch) states that cannot fit one rank's disk: one error on every rank, before any chunk file
-    short = [r["disk short on rank 1"] for r in results]
-    assert short[0].startswith('memory.offload = "disk": another rank\'s model states do not fit its disk: '
-                               'short by'), short
-    assert short[1].startswith('memory.offload = "disk": this rank\'s model states do not fit RAM and disk'), short
-    assert "has 0 B free for this rank" in short[1] and "short by" in short[1], short
+    one, two = ([r["disk short on rank 1"][case] for r in results] for case in ("one node", "two nodes"))
+    node = 'memory.offload = "disk": the model states of the {} rank(s) on this node do not fit its disk'
+    for error in one:
+        assert error.startswith(node.format(2)) and "has 0 B free: short by" in error, one
+        assert "a chunk file was made" not in error, one
+    assert two[0].startswith('memory.offload = "disk": the model states do not fit another node\'s disk: short by'), two
+    assert two[1].startswith(node.format(1)) and "has 0 B free: short by" in two[1], two
+    assert all("a chunk file was made" not in e for e in two), two
 
 
 def test_offload_cpu_and_disk_equal_no_offload(tmp_path: Path) -> None:
@@ -129,7 +140,7 @@ def test_overlapped_optimizer_measures_instead_of_guessing_where_ram_cannot_hold
     roomy = _trajectory(cfg, steps=4)
     monkeypatch.setattr(ram_budget, "available_ram", lambda: (64 << 10, "test"))
     # (the states' own room at start is another check, which 64 KiB would refuse: left out here)
-    monkeypatch.setattr("capstan.engine.states.chunked.check_room_for_states", lambda *a, **k: None)
+    monkeypatch.setattr("capstan.engine.machine.room.available_ram", lambda: (1 << 40, "test"))
     assert ram_budget.ram_room() == 64 << 10
     assert _trajectory(cfg, steps=4) == roomy
     engine = initialize(config=cfg)

@@ -120,7 +120,7 @@ class Engine:
         self._step_start: float | None = None
         # The parameters, gradients and optimizer states, and everything that depends on where they live.
         self.states: ModelStates = (
-            ChunkedStates(model, config, groups, self.device, pipeline, reference_model, init_fn)
+            ChunkedStates(model, config, groups, self.device, pipeline, init_fn)
             if uses_chunks(config) else FlatStates(model, config, groups, self.device, pipeline, reference_model))
 
     @property

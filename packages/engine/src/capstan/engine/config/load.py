@@ -429,14 +429,32 @@ def state_bytes_per_param(cfg: Config) -> float:
     return 2 + 4 + moments  # a 16-bit parameter, its fp32 master (the gradient in its slot at the least)
 
 
-def check_states_fit(cpu_budget: int, params: int, cfg: Config) -> None:
-    """memory.offload = "cpu" keeps every chunk in RAM: the budget must hold the model states."""
+def persistent_bytes_per_param(cfg: Config) -> float:
+    """Bytes of chunks a parameter keeps all step at the least: `state_bytes_per_param` less a gradient of its
+    own (fp32 compute, a bf16 master), which the overlapped optimizer past RAM may consume and drop during
+    backward, chunk group by chunk group, so that no step holds them all (chunkmem optim/overlap.py)."""
+    pr = cfg.precision
+    own_grad = 4 if pr.dtype == "fp32" else 2 if pr.master_weights == "bf16" else 0
+    return state_bytes_per_param(cfg) - own_grad
+
+
+def states_fit_error(cpu_budget: int, params: int, cfg: Config) -> str | None:
+    """memory.offload = "cpu" keeps every chunk in RAM: what is wrong where the budget cannot hold the model
+    states (None where it can)."""
     per = state_bytes_per_param(cfg)
     need = int(per * params)
-    if cpu_budget < need:
-        raise ConfigError(f"memory.offload = \"cpu\" keeps every chunk in RAM: memory.cpu_budget = "
-                          f"{cpu_budget} bytes is below the model states' {need} bytes ({params} parameters "
-                          f"x {per:g} bytes; use offload = \"disk\" or a larger budget)")
+    if cpu_budget >= need:
+        return None
+    return (f"memory.offload = \"cpu\" keeps every chunk in RAM: memory.cpu_budget = {cpu_budget} bytes is below "
+            f"the model states' {need} bytes ({params} parameters x {per:g} bytes; use offload = \"disk\" or a "
+            "larger budget)")
+
+
+def check_states_fit(cpu_budget: int, params: int, cfg: Config) -> None:
+    """memory.offload = "cpu" keeps every chunk in RAM: the budget must hold the model states."""
+    error = states_fit_error(cpu_budget, params, cfg)
+    if error is not None:
+        raise ConfigError(error)
 
 
 def check_world(cfg: Config, world_size: int, world_source: str, sources: Sources) -> int:

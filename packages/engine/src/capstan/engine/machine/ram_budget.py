@@ -47,12 +47,12 @@ from capstan import comm
 from capstan.comm.health.procmem import proc_kib
 from capstan.comm.job.accelerator import is_accelerator
 
-from ..config.load import ConfigError, state_bytes_per_param
+from ..config.load import ConfigError
 from ..config.schema import Config
 from ..report.metrics import human_bytes
 
 __all__ = ["RamBudget", "with_default_cpu_budget", "derive_budget", "available_ram", "cgroup_room", "ram_room",
-           "disk_room", "check_room_for_states", "HEADROOM", "ACTIVATION_SHARE"]
+           "disk_room", "HEADROOM", "ACTIVATION_SHARE"]
 
 log = comm.get_logger(__name__)
 
@@ -130,55 +130,8 @@ def ram_room() -> int:
 
 def disk_room(directory: str | Path) -> int:
     """This rank's share of the free bytes of `directory`'s file system (the ranks on this node keep their
-    disk tiers' files there side by side): what a guess's second disk slots may take (overlap.py). A
-    directory not made yet is measured at its nearest existing parent (the file system it will be on)."""
-    where = Path(directory).absolute()
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    return shutil.disk_usage(where).free // _local_ranks()
-
-
-def check_room_for_states(cfg: Config, groups: comm.Groups, params: int, device_bytes: int) -> None:
-    """Fail at start, not hours into a first step, where this rank's model states cannot fit what the machine
-    has: with offload = "disk", what memory.cpu_budget (and the device's chunk bytes) leave to the disk against
-    this rank's share of memory.disk_dir's free space; with offload = "cpu" and no cpu_budget (RAM unbounded),
-    the states against this rank's share of the RAM available plus free swap. The states are counted at
-    their least (`state_bytes_per_param`: no padding, no second slots), so a run refused here could not
-    have fitted. `params`: the parameters this rank holds chunks of (its 1/dp under ZeRO-3). Collective over
-    the world group: every rank raises the same `ConfigError` (a node's disk or RAM can be the short one)."""
-    mem = cfg.memory
-    per = state_bytes_per_param(cfg)
-    need, ranks, text = int(per * params), _local_ranks(), ""
-    if mem.offload == "disk" and mem.cpu_budget is not None:
-        room = disk_room(mem.disk_dir)
-        held = mem.cpu_budget + device_bytes
-        short = need - held - room
-        text = (f"memory.offload = \"disk\": this rank's model states do not fit RAM and disk: they need at least "
-                f"{human_bytes(need)} ({params} parameters x {per:g} bytes), memory.cpu_budget holds "
-                f"{human_bytes(mem.cpu_budget)}" + (f" and the device {human_bytes(device_bytes)}" if device_bytes
-                                                     else "")
-                + f", and memory.disk_dir ({mem.disk_dir}) has {human_bytes(room)} free for this rank (its free "
-                f"space over {ranks} rank(s) on this node): short by {human_bytes(max(short, 0))}. Free disk space, "
-                "set memory.disk_dir to a larger disk, or take fewer bytes a parameter "
-                "(precision.optimizer_states = \"int8\")")
-    elif mem.offload == "cpu" and mem.cpu_budget is None:
-        avail, source = available_ram()
-        swap = proc_kib(MEMINFO, "SwapFree") if source == "MemAvailable" else 0
-        room = (avail + swap) // ranks
-        short = need - room if avail else -1  # unreadable: unknown, never refused
-        text = (f"memory.offload = \"cpu\" keeps every chunk in RAM: this rank's model states do not fit: they "
-                f"need at least {human_bytes(need)} ({params} parameters x {per:g} bytes), and this rank has "
-                f"{human_bytes(room)} ({source}" + (" plus free swap" if swap else "") + f", over {ranks} "
-                f"rank(s) on this node): short by {human_bytes(max(short, 0))}. Use offload = \"disk\" or fewer "
-                "bytes a parameter (precision.optimizer_states = \"int8\")")
-    else:
-        short = -1
-    worst = int(comm.all_reduce(torch.tensor([short], dtype=torch.int64), op="max", group=groups.world).item())
-    if worst > 0:
-        raise ConfigError(text if short > 0 else
-                          f"memory.offload = \"{mem.offload}\": another rank's model states do not fit its "
-                          f"{'disk' if mem.offload == 'disk' else 'RAM'}: short by {human_bytes(worst)} (that "
-                          "rank's error names every number)")
+    disk tiers' files there side by side): what a guess's second disk slots may take (overlap.py)."""
+    return shutil.disk_usage(directory).free // _local_ranks()
 
 
 def _local_ranks() -> int:

@@ -21,9 +21,9 @@ from capstan.comm.health.procmem import peak_rss_bytes
 from capstan.comm.job.accelerator import device_module, is_accelerator
 
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
-from ..config.load import check_states_fit
 from ..config.schema import Config
-from ..machine.ram_budget import check_room_for_states, disk_room, ram_room
+from ..machine.ram_budget import disk_room, ram_room
+from ..machine.room import check_room_for_states, device_param_bytes, resident_param_bytes
 from ..precision import master_dtype, moment_dtype
 from ..zero.optimizer import group_order
 from .base import ModelStates, UpdateScale, overflowed
@@ -62,7 +62,7 @@ class ChunkedStates(ModelStates):
     chunked = True
 
     def __init__(self, model: nn.Module, config: Config, groups: comm.Groups, device: torch.device,
-                 pipeline: object | None, reference_model: bool,
+                 pipeline: object | None,
                  init_fn: Callable[[nn.Module], None] | None = None) -> None:
         """Model states into chunkmem; a meta-device `model` is materialized module by module into its
         chunks (by `init_fn`, else each module's reset_parameters)."""
@@ -81,9 +81,6 @@ class ChunkedStates(ModelStates):
         self.stepping = False  # between begin_step and the step's end
         self._disk_peak = 0
         mem, t = config.memory, config.train
-        if mem.offload == "cpu" and mem.cpu_budget is not None and not reference_model:
-            # (the config check sized the reference GPT; this is the model being trained)
-            check_states_fit(mem.cpu_budget, sum(p.numel() for p in model.parameters() if p.requires_grad), config)
         # On a GPU, parameter (and gradient) chunks compute there within memory.gpu_budget; masters and
         # Adam moments stay in RAM / on disk, where the native CPU Adam steps them (chunkmem/memory/device.py).
         gpu = device if is_accelerator(device) else None
@@ -93,11 +90,14 @@ class ChunkedStates(ModelStates):
 
             limit = gpu_chunk_limit(gpu)
             budget, measure = limit // GPU_WARMUP_SHARE, device_peak(gpu).moment
-        # States past the machine's RAM and disk fail here, not when the disk fills during a first step
+        # States past the machine's RAM and disk fail here, on every rank, not when the disk fills during a
+        # first step (machine/room.py; with a cpu budget: the budget against the model being trained, which
+        # the config check sized only where it is the reference GPT)
         params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        sharded = groups.replicas.size > 1 and config.parallel.compression != "onebit"
-        check_room_for_states(config, groups, -(-params // groups.replicas.size) if sharded else params,
-                              (limit or budget or 0) if gpu is not None else 0)
+        if groups.replicas.size > 1 and config.parallel.compression != "onebit":  # ZeRO-3: this rank's 1/dp
+            params = -(-params // groups.replicas.size)
+        check_room_for_states(config, groups, params, resident_param_bytes(model),
+                              device_param_bytes(config, params, limit or budget) if gpu is not None else 0)
         disk = DiskStore(mem.disk_dir, rank=groups.world.rank) if mem.offload == "disk" else None
         self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction, memory_limit=mem.ram_limit,
                                     device=gpu, device_budget=budget, device_limit=limit, device_measure=measure)

@@ -1,0 +1,158 @@
+"""Model states against the machine's room: a run that cannot fit is refused at start.
+
+    check_room_for_states(cfg, groups, params, resident, device_bytes)   # every rank, before any chunk
+
+Without it a run too large for its disk writes until the disk fills, minutes or hours into its first
+step, and a run too large for RAM without a budget meets the out-of-memory killer. Once the model exists
+(on the meta device where it is built into chunks, so nothing is allocated yet) every rank counts the
+bytes of chunks its parameters keep all step at the least (`persistent_bytes_per_param`: no padding, no
+gradient of their own, which the overlapped optimizer past RAM may drop during backward; its 1/dp under
+ZeRO-3), and the ranks compare them, summed per node, with what the node has:
+
+* ``offload = "disk"``: what each rank's memory.cpu_budget, and a GPU's parameter chunks (at most its
+  16-bit parameters' bytes, within the device's chunk limit), leave over must fit the free space of the
+  file system of memory.disk_dir, plus the chunk files a stopped run left there (a new run empties them);
+* ``offload = "cpu"`` without memory.cpu_budget (RAM unbounded): the states less the parameters already
+  in RAM (a model built before it was chunked: its tensors are freed into the chunks) must fit the RAM
+  available (MemAvailable or a memory cgroup's room) plus free swap;
+* ``offload = "cpu"`` with a budget, for a model the config check could not size (a model of one's own,
+  a pipeline stage): the budget must hold the whole states (`states_fit_error`).
+
+The figures go round the world group (one all_gather), so every rank takes the same verdict: a node whose
+disk is short fails every rank with one `ConfigError`, where a rank raising alone would leave the others
+waiting in their next collective. A lower bound refuses only what cannot fit; a run it lets through can
+still fill a disk that other files share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from capstan import comm
+from capstan.comm.health.procmem import proc_kib
+
+from ..config.load import ConfigError, persistent_bytes_per_param, states_fit_error
+from ..config.schema import Config
+from ..report.metrics import human_bytes
+from .ram_budget import MEMINFO, available_ram
+
+__all__ = ["check_room_for_states", "resident_param_bytes", "device_param_bytes"]
+
+BUDGET, DISK, RAM = 0, 1, 2  # what a rank's row checks (a budget alone, its node's disk, its node's RAM)
+
+
+def resident_param_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s trainable parameters already in RAM (none for a model built on the meta device)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.device.type == "cpu")
+
+
+def device_param_bytes(cfg: Config, params: int, limit: int) -> int:
+    """The most of a rank's persistent chunk bytes a GPU can hold in place of RAM and disk: its 16-bit (fp32
+    compute: 32-bit) parameter chunks, within the device's chunk limit; masters and moments stay on the host."""
+    return min(limit, params * (4 if cfg.precision.dtype == "fp32" else 2))
+
+
+def _existing(directory: str | Path) -> Path:
+    """`directory`, or its nearest parent that exists (the file system it will be made on)."""
+    where = Path(directory).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return where
+
+
+def _node_key(*parts: object) -> int:
+    """One int64 per node (and file system): the ranks that share a machine's RAM or a disk."""
+    digest = hashlib.blake2b(repr((socket.gethostname(), *parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _disk_free(where: Path) -> int:
+    return shutil.disk_usage(where).free
+
+
+def _disk_row(cfg: Config, params: int, device_bytes: int, rank: int) -> tuple[int, int, int, str]:
+    mem = cfg.memory
+    assert mem.cpu_budget is not None
+    where = _existing(mem.disk_dir)
+    left = Path(mem.disk_dir) / f"capstan-chunks-rank{rank}.bin"  # (chunkmem DiskStore's file, emptied at open)
+    room = _disk_free(where) + (left.stat().st_size if left.is_file() else 0)
+    per = persistent_bytes_per_param(cfg)
+    need = max(0, int(per * params) - mem.cpu_budget - device_bytes)
+    what = (f"this rank: {params} parameters x {per:g} bytes kept all step, the gradients aside, "
+            f"{human_bytes(per * params)}, less memory.cpu_budget's {human_bytes(mem.cpu_budget)}"
+            + (f" and the GPU's parameter chunks' {human_bytes(device_bytes)}" if device_bytes else ""))
+    return _node_key("disk", os.stat(where).st_dev), need, room, what
+
+
+def _ram_row(cfg: Config, params: int, resident: int) -> tuple[int, int, int, str]:
+    avail, source = available_ram()
+    if not avail and source == "MemAvailable":  # not Linux: unknown, never refused
+        return _node_key("ram"), 0, 1 << 62, ""
+    swap = proc_kib(MEMINFO, "SwapFree") if source == "MemAvailable" else 0
+    per = persistent_bytes_per_param(cfg)
+    need = max(0, int(per * params) - resident)
+    what = (f"this rank: {params} parameters x {per:g} bytes kept all step, the gradients aside, "
+            f"{human_bytes(per * params)}" + (f", less {human_bytes(resident)} in RAM already" if resident else ""))
+    source += " plus free swap" if swap else ""
+    return _node_key("ram"), need, avail + swap, what + f"; the RAM available: {source}"
+
+
+def check_room_for_states(cfg: Config, groups: comm.Groups, params: int, resident: int = 0,
+                          device_bytes: int = 0) -> None:
+    """Refuse at start (one `ConfigError`, on every rank) a run whose model states cannot fit the room its
+    nodes have (module docstring). `params`: the trainable parameters this rank keeps chunks of (its 1/dp
+    under ZeRO-3); `resident`: bytes of them already in RAM; `device_bytes`: what a GPU holds in their
+    place (`device_param_bytes`). Collective over the world group."""
+    mem, rank = cfg.memory, groups.world.rank
+    own, kind = None, BUDGET
+    if mem.offload == "disk" and mem.cpu_budget is not None:
+        (key, need, room, what), kind = _disk_row(cfg, params, device_bytes, rank), DISK
+    elif mem.offload == "cpu" and mem.cpu_budget is None:
+        (key, need, room, what), kind = _ram_row(cfg, params, resident), RAM
+    else:  # a budget to check alone (room 0, a key of its own), or nothing to check
+        own = states_fit_error(mem.cpu_budget, params, cfg) if mem.offload == "cpu" and mem.cpu_budget else None
+        key, need, room, what = rank, (1 if own else 0), 0, ""
+    mine = torch.tensor([kind, key, need, room], dtype=torch.int64)
+    rows = torch.empty(4 * groups.world.size, dtype=torch.int64)
+    comm.all_gather(rows, mine, group=groups.world)
+    nodes: dict[tuple[int, int], list[int]] = {}  # (kind, key) -> [need, room, ranks]
+    for k, key_, n, r in rows.view(-1, 4).tolist():
+        total = nodes.setdefault((k, key_), [0, r, 0])
+        total[0] += n
+        total[1] = min(total[1], r)
+        total[2] += 1
+    short = {k: n - r for k, (n, r, _) in nodes.items() if n > r}
+    if not short:
+        return
+    if own:
+        raise ConfigError(own)
+    if (kind, key) in short:
+        n, r, ranks = nodes[(kind, key)]
+        if kind == DISK:
+            where = f"memory.disk_dir ({mem.disk_dir}) has {human_bytes(r)} free"
+            fixes = ["free disk space", "set memory.disk_dir to a larger disk", "raise memory.cpu_budget"]
+        else:
+            where = f"the node has {human_bytes(r)}"
+            fixes = ["use offload = \"disk\""]
+        if cfg.precision.optimizer_states != "int8":
+            fixes.append("take fewer bytes a parameter (precision.optimizer_states = \"int8\")")
+        fixes.append("or shard the states over more data-parallel ranks (ZeRO-3)")
+        advice = ", ".join(fixes)
+        raise ConfigError(
+            f"memory.offload = \"{mem.offload}\": the model states of the {ranks} rank(s) on this node do not fit "
+            f"its {'disk' if kind == DISK else 'RAM'}: they need at least {human_bytes(n)} of it ({what}), and "
+            f"{where}: short by {human_bytes(short[(kind, key)])}. {advice[0].upper()}{advice[1:]}")
+    (k, _), worst = max(short.items(), key=lambda item: item[1])
+    if k == BUDGET:
+        raise ConfigError("memory.cpu_budget cannot hold another rank's model states (that rank's error names "
+                          "every number)")
+    raise ConfigError(f"memory.offload = \"{mem.offload}\": the model states do not fit another node's "
+                      f"{'disk' if k == DISK else 'RAM'}: short by {human_bytes(worst)} there (its ranks' error "
+                      "names every number)")
