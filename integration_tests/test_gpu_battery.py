@@ -206,6 +206,15 @@ def test_scale_search_finds_the_largest_and_says_when_it_was_cut() -> None:
     # ... and walk there from a poor one, a step of the resolution at a time
     far = bench.search_largest(lambda n: n <= 37, 4, 10_000, resolution=1.5, clock=clock, grow=1.5)
     assert far["end"] == "found" and far["fails_at"] / far["layers"] <= 1.5 and far["layers"] <= 37 < far["fails_at"]
+    # Resumed from what an earlier lease saw fit (--scale-known): the first probe is a step above it, and one
+    # failing probe ends the search; where nothing new fits in time the known size stands, cut short
+    resumed = bench.search_largest(lambda n: n <= 37, 4, 10_000, resolution=1.5, clock=clock, grow=1.5, known=30)
+    assert [p[:2] for p in resumed["probes"]] == [(45, False)], resumed
+    assert (resumed["layers"], resumed["fails_at"], resumed["end"]) == (30, 45, "found"), resumed
+    higher = bench.search_largest(lambda n: n <= 37, 4, 10_000, resolution=1.25, clock=clock, grow=1.5, known=20)
+    assert [p[:2] for p in higher["probes"]][0] == (30, True) and higher["layers"] <= 37 < higher["fails_at"]
+    unanswered = bench.search_largest(lambda n: None, 4, 10_000, resolution=1.5, clock=clock, grow=1.5, known=30)
+    assert (unanswered["layers"], unanswered["fails_at"], unanswered["end"]) == (30, None, "deadline"), unanswered
 
 
 def test_a_scale_search_split_over_two_runs_keeps_the_first_runs_systems() -> None:

@@ -256,7 +256,7 @@ def peers(args: argparse.Namespace, run: Runner, report: dict) -> None:
 
 
 def search_largest(fits, start: int, deadline: float, resolution: float = 1.25, cap: int = 1 << 16,
-                   clock=time.monotonic, grow: float = 2.0) -> dict:
+                   clock=time.monotonic, grow: float = 2.0, known: int = 0) -> dict:
     """The largest n >= 1 with fits(n) true, assuming fits is monotone: from `start`, times `grow` (or
     over it) until the answer changes, then bisecting until hi / lo <= `resolution`. From a good
     estimate, `grow` = `resolution` brackets the answer in two probes (a probe of billions of parameters
@@ -266,10 +266,16 @@ def search_largest(fits, start: int, deadline: float, resolution: float = 1.25, 
     the deadline). Returns lo ("layers": the largest that fit, 0 if none), hi ("fails_at": the smallest
     that failed, None if none), the probes (n, fit (None: cut), seconds), and how the search ended
     ("end": "found", "none fits", "cap" (lo is the cap: at least this) or "deadline" (cut short: lo is a
-    lower bound))."""
+    lower bound)). `known`: a size that an earlier run saw fit (an earlier lease's probe): lo starts there and
+    the first probe is one `grow` above it (or `start`, if larger), so a search resumed across leases does
+    not spend a probe again on what it found; lo stays `known` until a larger size fits."""
     probes: list[tuple[int, bool | None, float]] = []
-    lo, hi = 0, None
+    lo, hi = min(max(0, known), cap), None
     n, last = max(1, min(start, cap)), 0.0
+    if lo:
+        n = min(cap, max(n, lo + 1, math.ceil(lo * grow)))
+        if lo >= cap:
+            return {"layers": lo, "fails_at": None, "end": "cap", "probes": probes}
     while True:
         if clock() + last > deadline:
             end = "deadline"
@@ -302,6 +308,11 @@ def search_largest(fits, start: int, deadline: float, resolution: float = 1.25, 
     return {"layers": lo, "fails_at": hi, "end": end, "probes": probes}
 
 
+# The scale searches' systems by their short names (--scale-systems, --scale-known)
+SCALE_NAMES = {"plain": "plain PyTorch", "cpu": "capstan offload cpu", "disk": "capstan offload disk",
+               "fsdp": "FSDP2 CPUOffloadPolicy", "deepspeed": "DeepSpeed ZeRO-Offload"}
+
+
 def _meminfo_available() -> int:
     from capstan.comm.health.procmem import mem_available_bytes
 
@@ -331,8 +342,7 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
     systems = {"plain PyTorch": ("run_plain", {}, starts["plain"]),
                "capstan offload cpu": ("run_capstan", {"offload": "cpu"}, starts["cpu"]),
                "capstan offload disk": ("run_capstan", on_disk, starts["disk"])}
-    short = {"plain": "plain PyTorch", "cpu": "capstan offload cpu", "disk": "capstan offload disk",
-             "fsdp": "FSDP2 CPUOffloadPolicy", "deepspeed": "DeepSpeed ZeRO-Offload"}
+    short = SCALE_NAMES
     skips = peer_skips(args.device) if args.scale_peers else {}
     if args.scale_peers:
         for name, kind in (("FSDP2 CPUOffloadPolicy", "run_fsdp"), ("DeepSpeed ZeRO-Offload", "run_deepspeed")):
@@ -372,8 +382,11 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
             # out of time (not started, or stopped at the deadline) is no answer; anything else is a failure
             return None if _cut(why[layers]) else False
 
+        known = args.known.get(name, 0)
         found = search_largest(fits, max(1, int(start)), until, args.scale_resolution, args.scale_max_layers,
-                               grow=args.scale_resolution)
+                               grow=args.scale_resolution, known=known)
+        if known:
+            found["known"] = known  # (fitted in an earlier lease: --scale-known)
         # A failure other than running out of memory (or time) is a defect, not a size limit: named apart
         found["failures"] = {str(n): e for n, e in why.items()}
         found["not_memory"] = sorted(n for n, e in why.items()
@@ -382,8 +395,9 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
         out["systems"][name] = found
         bound = {"found": "", "none fits": "", "cap": " (the search's cap: at least this)",
                  "deadline": " (search cut short by the deadline: at least this)"}[found["end"]]
+        seed = f"; {known} layers known to fit from an earlier lease" if known else ""
         print(f"  {name:24s} {found['layers']} layers of d {d}: {found['params'] / 1e9:.3f}B parameters{bound}, "
-              f"fails at {found['fails_at']}; probes {found['probes']}")
+              f"fails at {found['fails_at']}; probes {found['probes']}{seed}")
         report["ratios"] = {**{k: v for k, v in report["ratios"].items() if not k.startswith("scale:")},
                             **_scale_ratios(out["systems"])}
         _write(args, report)
@@ -451,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-peers", action="store_true", help="FSDP2 and DeepSpeed in the scale search too")
     ap.add_argument("--scale-systems", default="",
                     help="comma-separated, of plain, cpu, disk (and fsdp, deepspeed with --scale-peers); default all")
+    ap.add_argument("--scale-known", default="",
+                    help="sizes an earlier lease saw fit, as plain:140,cpu:133,disk:187 (layers): each search starts "
+                         "above its own instead of probing it again (docs/gpu.md, \"A lease's plan\")")
     ap.add_argument("--scale-earlier", help="an earlier run's JSON report: its scale results for the systems "
                     "this run does not search are kept (a search split over calls)")
     ap.add_argument("--disk", help="the scale section's directory for offload disk (default: under $TMPDIR)")
@@ -463,6 +480,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(args.scale_systems.split(",")) - {"", "plain", "cpu", "disk", "fsdp", "deepspeed"}
     if bad:
         ap.error(f"--scale-systems: unknown {sorted(bad)}; choose from plain, cpu, disk, fsdp, deepspeed")
+    names = SCALE_NAMES
+    args.known = {}
+    for item in filter(None, args.scale_known.split(",")):
+        system, _, layers = item.partition(":")
+        if system not in names or not layers.isdigit():
+            ap.error(f"--scale-known: {item!r} is not system:layers with a system of {', '.join(names)}")
+        args.known[names[system]] = int(layers)
     peers = set(args.scale_systems.split(",")) & {"fsdp", "deepspeed"}
     if peers and not args.scale_peers:
         ap.error(f"--scale-systems {','.join(sorted(peers))} needs --scale-peers")

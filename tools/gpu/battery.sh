@@ -188,13 +188,15 @@ part2() {
     --timeout 150 --deadline @LEFT@ --json "$OUT/peers.json"
   step profile-peers 90 - -- "$PY" tools/gpu/profile_step.py --device "$DEVICE" --offload cpu "${PROFILE_PEERS[@]}"
   # CAPSTAN_SCALE_SYSTEMS (plain,cpu,disk): some of the searches only, where a lease's calls split them; the
-  # last run's results in this $OUT are kept for the systems not searched now (scale.earlier.json)
+  # last run's results in this $OUT are kept for the systems not searched now (scale.earlier.json).
+  # CAPSTAN_SCALE_KNOWN (plain:140,cpu:133,disk:187): layers an earlier lease saw fit; each search starts above
   if [[ -n ${CAPSTAN_SCALE_SYSTEMS:-} && -f $OUT/scale.json && ( -z $ONLY || ",$ONLY," == *",scale,"* ) ]] \
       && (( ! DRY )); then
     mv "$OUT/scale.json" "$OUT/scale.earlier.json"
   fi
   step scale 600 "$OUT/scale.json" -- "$PY" tools/bench_gpu.py --device "$DEVICE" --sections scale "${SCALE[@]}" \
-    --scale-systems "${CAPSTAN_SCALE_SYSTEMS:-}" --scale-earlier "$OUT/scale.earlier.json" --disk "$DISK" \
+    --scale-systems "${CAPSTAN_SCALE_SYSTEMS:-}" --scale-known "${CAPSTAN_SCALE_KNOWN:-}" \
+    --scale-earlier "$OUT/scale.earlier.json" --disk "$DISK" \
     --deadline @LEFT@ --json "$OUT/scale.json"
   (( DRY )) || rm -rf "$DISK"
 }

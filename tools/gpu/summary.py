@@ -115,7 +115,8 @@ def _result(name: str, result: dict) -> list[str]:
                   "| system | layers | parameters | search ended | fails at | non-memory failures |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for system, r in sc["systems"].items():
-            end = r["end"] + (" (an earlier call)" if r.get("earlier") else "")
+            end = r["end"] + (" (an earlier call)" if r.get("earlier") else "") + (
+                f" (from {r['known']} layers known to fit in an earlier lease)" if r.get("known") else "")
             lines.append(f"| {system} | {r['layers']} | {r['params'] / 1e9:.3f}B | {end} | "
                          f"{_fmt(r['fails_at'])} | {r.get('not_memory') or ''} |")
         lines.append("")
