@@ -171,6 +171,9 @@ def test_a_failed_measurement_is_named_by_its_error_not_cudas_advice(capsys) -> 
     early = ["warning: a probe ran out of memory and was retried smaller", *(f"step {i}" for i in range(20)),
              "ValueError: bad config"]
     assert bench._why(1, early).startswith("exit 1:") and "ValueError: bad config" in bench._why(1, early)
+    refused = ['capstan: error: memory.offload = "cpu": the model states of the 1 rank(s) on this node do not fit '
+               "its RAM: they need at least 144.0 GiB of it (...)"]
+    assert bench._why(2, refused) == "out of memory"  # capstan's room check at start: a size limit
     bench._echo("speed", b"line one\nline two\n")
     assert "speed failed; its last 2 lines:\n  line one\n  line two" in capsys.readouterr().err
 
@@ -209,10 +212,13 @@ def test_scale_search_finds_the_largest_and_says_when_it_was_cut() -> None:
     # Resumed from what an earlier lease saw fit (--scale-known): the first probe is a step above it, and one
     # failing probe ends the search; where nothing new fits in time the known size stands, cut short
     resumed = bench.search_largest(lambda n: n <= 37, 4, 10_000, resolution=1.5, clock=clock, grow=1.5, known=30)
-    assert [p[:2] for p in resumed["probes"]] == [(45, False)], resumed
+    assert [p[:2] for p in resumed["probes"]] == [(45, False)], resumed  # (30 itself: the earlier lease's)
     assert (resumed["layers"], resumed["fails_at"], resumed["end"]) == (30, 45, "found"), resumed
     higher = bench.search_largest(lambda n: n <= 37, 4, 10_000, resolution=1.25, clock=clock, grow=1.5, known=20)
     assert [p[:2] for p in higher["probes"]][0] == (30, True) and higher["layers"] <= 37 < higher["fails_at"]
+    ratios = bench._scale_ratios({"plain PyTorch": {"layers": 140, "params": 7, "end": "found", "from_earlier": True},
+                                  "capstan offload disk": {"layers": 187, "params": 9, "end": "found"}})
+    assert list(ratios) == ["scale: capstan / plain PyTorch (target >= 3.0) (a size an earlier lease measured)"]
     unanswered = bench.search_largest(lambda n: None, 4, 10_000, resolution=1.5, clock=clock, grow=1.5, known=30)
     assert (unanswered["layers"], unanswered["fails_at"], unanswered["end"]) == (30, None, "deadline"), unanswered
 

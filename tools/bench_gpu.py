@@ -125,7 +125,7 @@ def _echo(kind: str, text: str | bytes | None) -> None:
 
 
 OOM_TEXTS = ("out of memory", "outofmemory", "can't allocate memory", "cannot allocate memory",
-             "states do not fit",
+             "states do not fit", "do not fit its disk", "do not fit its ram",  # (capstan's room check at start)
              "no space left on device")
 
 
@@ -387,6 +387,8 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
                                grow=args.scale_resolution, known=known)
         if known:
             found["known"] = known  # (fitted in an earlier lease: --scale-known)
+            # ... and where nothing larger fitted here, the size reported is that lease's, not this run's
+            found["from_earlier"] = found["layers"] == known
         # A failure other than running out of memory (or time) is a defect, not a size limit: named apart
         found["failures"] = {str(n): e for n, e in why.items()}
         found["not_memory"] = sorted(n for n, e in why.items()
@@ -428,6 +430,7 @@ def _scale_ratios(systems: dict) -> dict[str, float]:
             bound = (" (at least: capstan's search ended at its " + best["end"] + ")"
                      if best["end"] in ("cap", "deadline") else "")
             bound += " (at most: the peer's search ended at its deadline)" if r["end"] == "deadline" else ""
+            bound += " (a size an earlier lease measured)" if best.get("from_earlier") or r.get("from_earlier") else ""
             key = f"scale: capstan / {peer}" + (f" (target >= {target})" if target else "") + bound
             out[key] = best["params"] / r["params"]
     return out

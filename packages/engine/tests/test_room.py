@@ -57,8 +57,8 @@ def test_a_model_built_in_ram_counts_the_parameters_it_holds_already(monkeypatch
 
 def test_a_chunk_file_a_stopped_run_left_counts_as_room(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """offload disk: the chunk file a killed run left in memory.disk_dir is emptied when the new run opens it,
-    so its bytes count as free: with no other free space the states fit beside such a file and not
-    without it."""
+    so the blocks it holds count as free: with no other free space the states fit in those of such a file,
+    and not beside a sparse one that holds none."""
     cfg = {**SMALL_GPT, "model": {**SMALL_GPT["model"], "n_layers": 3},
            "memory": {"offload": "disk", "chunk_size": 65536, "cpu_budget": 16 * 65536 * 4,
                       "disk_dir": str(tmp_path / "chunks")}}
@@ -67,5 +67,8 @@ def test_a_chunk_file_a_stopped_run_left_counts_as_room(monkeypatch: pytest.Monk
         initialize(config=cfg)
     (tmp_path / "chunks").mkdir()
     with open(tmp_path / "chunks" / "capstan-chunks-rank0.bin", "wb") as f:
-        f.truncate(64 << 20)  # (sparse: its size is what counts)
+        f.truncate(64 << 20)  # sparse: it holds no blocks, so it frees none
+    with pytest.raises(ConfigError, match="has 0 B free: short by"):
+        initialize(config=cfg)
+    (tmp_path / "chunks" / "capstan-chunks-rank0.bin").write_bytes(bytes(8 << 20))  # what a killed run wrote
     initialize(config=cfg).close()

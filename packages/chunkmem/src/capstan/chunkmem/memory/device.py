@@ -43,7 +43,6 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator
-from itertools import chain, islice
 from typing import TYPE_CHECKING
 
 import torch
@@ -378,10 +377,11 @@ class DeviceTier:
         seen: set[int] = set()
         trace = self.m.trace
         assert trace is not None
-        for m in chain((positions[first],), islice(runs, bisect_right(runs, positions[first]), None)):
+        # From the run the first computing moment ahead is in (its chunk is that run's), indexed, not sliced
+        for k in range(bisect_right(runs, positions[first]) - 1, len(runs)):
             if len(seen) >= limit:
                 return
-            cid = trace[m]
+            cid = trace[runs[k]]
             if cid not in seen:
                 seen.add(cid)
                 yield cid

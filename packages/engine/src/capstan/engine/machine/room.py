@@ -11,7 +11,8 @@ ZeRO-3), and the ranks compare them, summed per node, with what the node has:
 
 * ``offload = "disk"``: what each rank's memory.cpu_budget, and a GPU's parameter chunks (at most its
   16-bit parameters' bytes, within the device's chunk limit), leave over must fit the free space of the
-  file system of memory.disk_dir, plus the chunk files a stopped run left there (a new run empties them);
+  file system of memory.disk_dir (for root, the reserved blocks too), plus the blocks of the chunk files
+  the node's ranks' last run left there (a new run empties them);
 * ``offload = "cpu"`` without memory.cpu_budget (RAM unbounded): the states less the parameters already
   in RAM (a model built before it was chunked: its tensors are freed into the chunks) must fit the RAM
   available (MemAvailable or a memory cgroup's room) plus free swap;
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import socket
 from pathlib import Path
 
@@ -74,34 +74,37 @@ def _node_key(*parts: object) -> int:
 
 
 def _disk_free(where: Path) -> int:
-    return shutil.disk_usage(where).free
+    """Bytes this process may still write on `where`'s file system (root may write the blocks reserved for
+    it too)."""
+    st = os.statvfs(where)
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
 
 
-def _disk_row(cfg: Config, params: int, device_bytes: int, rank: int) -> tuple[int, int, int, str]:
+def _disk_row(cfg: Config, params: int, device_bytes: int, rank: int) -> tuple[int, int, int, int, str]:
     mem = cfg.memory
     assert mem.cpu_budget is not None
     where = _existing(mem.disk_dir)
     left = Path(mem.disk_dir) / f"capstan-chunks-rank{rank}.bin"  # (chunkmem DiskStore's file, emptied at open)
-    room = _disk_free(where) + (left.stat().st_size if left.is_file() else 0)
+    held = left.stat().st_blocks * 512 if left.is_file() else 0  # (the blocks it holds: a file may be sparse)
     per = persistent_bytes_per_param(cfg)
     need = max(0, int(per * params) - mem.cpu_budget - device_bytes)
     what = (f"this rank: {params} parameters x {per:g} bytes kept all step, the gradients aside, "
             f"{human_bytes(per * params)}, less memory.cpu_budget's {human_bytes(mem.cpu_budget)}"
             + (f" and the GPU's parameter chunks' {human_bytes(device_bytes)}" if device_bytes else ""))
-    return _node_key("disk", os.stat(where).st_dev), need, room, what
+    return _node_key("disk", os.stat(where).st_dev), need, _disk_free(where), held, what
 
 
-def _ram_row(cfg: Config, params: int, resident: int) -> tuple[int, int, int, str]:
+def _ram_row(cfg: Config, params: int, resident: int) -> tuple[int, int, int, int, str]:
     avail, source = available_ram()
     if not avail and source == "MemAvailable":  # not Linux: unknown, never refused
-        return _node_key("ram"), 0, 1 << 62, ""
+        return _node_key("ram"), 0, 1 << 62, 0, ""
     swap = proc_kib(MEMINFO, "SwapFree") if source == "MemAvailable" else 0
     per = persistent_bytes_per_param(cfg)
     need = max(0, int(per * params) - resident)
     what = (f"this rank: {params} parameters x {per:g} bytes kept all step, the gradients aside, "
             f"{human_bytes(per * params)}" + (f", less {human_bytes(resident)} in RAM already" if resident else ""))
     source += " plus free swap" if swap else ""
-    return _node_key("ram"), need, avail + swap, what + f"; the RAM available: {source}"
+    return _node_key("ram"), need, avail + swap, 0, what + f"; the RAM available: {source}"
 
 
 def check_room_for_states(cfg: Config, groups: comm.Groups, params: int, resident: int = 0,
@@ -109,50 +112,60 @@ def check_room_for_states(cfg: Config, groups: comm.Groups, params: int, residen
     """Refuse at start (one `ConfigError`, on every rank) a run whose model states cannot fit the room its
     nodes have (module docstring). `params`: the trainable parameters this rank keeps chunks of (its 1/dp
     under ZeRO-3); `resident`: bytes of them already in RAM; `device_bytes`: what a GPU holds in their
-    place (`device_param_bytes`). Collective over the world group."""
+    place (`device_param_bytes`). Collective over the world group: a rank that cannot read its disk or RAM
+    says so in its row, so that every rank still meets the others there and raises."""
     mem, rank = cfg.memory, groups.world.rank
-    own, kind = None, BUDGET
-    if mem.offload == "disk" and mem.cpu_budget is not None:
-        (key, need, room, what), kind = _disk_row(cfg, params, device_bytes, rank), DISK
-    elif mem.offload == "cpu" and mem.cpu_budget is None:
-        (key, need, room, what), kind = _ram_row(cfg, params, resident), RAM
-    else:  # a budget to check alone (room 0, a key of its own), or nothing to check
-        own = states_fit_error(mem.cpu_budget, params, cfg) if mem.offload == "cpu" and mem.cpu_budget else None
-        key, need, room, what = rank, (1 if own else 0), 0, ""
-    mine = torch.tensor([kind, key, need, room], dtype=torch.int64)
-    rows = torch.empty(4 * groups.world.size, dtype=torch.int64)
+    own, kind, what, freed = None, BUDGET, "", 0
+    try:
+        if mem.offload == "disk" and mem.cpu_budget is not None:
+            (key, need, room, freed, what), kind = _disk_row(cfg, params, device_bytes, rank), DISK
+        elif mem.offload == "cpu" and mem.cpu_budget is None:
+            (key, need, room, freed, what), kind = _ram_row(cfg, params, resident), RAM
+        else:  # a budget to check alone (room 0, a key of its own), or nothing to check
+            own = states_fit_error(mem.cpu_budget, params, cfg) if mem.offload == "cpu" and mem.cpu_budget else None
+            key, need, room = rank, (1 if own else 0), 0
+    except OSError as e:  # (an unreadable disk_dir, say)
+        own = f"memory.disk_dir ({mem.disk_dir}): cannot measure the room for the model states: {e}"
+        kind, key, need, room = BUDGET, rank, 1, 0
+    mine = torch.tensor([kind, key, need, room, freed], dtype=torch.int64)
+    rows = torch.empty(5 * groups.world.size, dtype=torch.int64)
     comm.all_gather(rows, mine, group=groups.world)
-    nodes: dict[tuple[int, int], list[int]] = {}  # (kind, key) -> [need, room, ranks]
-    for k, key_, n, r in rows.view(-1, 4).tolist():
-        total = nodes.setdefault((k, key_), [0, r, 0])
+    # (kind, node) -> [need, room, ranks]: the node's free space is one figure that every rank read (the
+    # least), and the chunk files its ranks' last run left add to it (each emptied at open)
+    nodes: dict[tuple[int, int], list[int]] = {}
+    for k, key_, n, r, f in rows.view(-1, 5).tolist():
+        total = nodes.setdefault((k, key_), [0, r, 0, 0])
         total[0] += n
         total[1] = min(total[1], r)
         total[2] += 1
-    short = {k: n - r for k, (n, r, _) in nodes.items() if n > r}
+        total[3] += f
+    short = {k: n - (r + f) for k, (n, r, _, f) in nodes.items() if n > r + f}
     if not short:
         return
     if own:
         raise ConfigError(own)
     if (kind, key) in short:
-        n, r, ranks = nodes[(kind, key)]
+        n, r, ranks, f = nodes[(kind, key)]
         if kind == DISK:
-            where = f"memory.disk_dir ({mem.disk_dir}) has {human_bytes(r)} free"
+            where = f"memory.disk_dir ({mem.disk_dir}) has {human_bytes(r + f)} free" + (
+                f" (with {human_bytes(f)} of chunk files a stopped run left there)" if f else "")
             fixes = ["free disk space", "set memory.disk_dir to a larger disk", "raise memory.cpu_budget"]
         else:
             where = f"the node has {human_bytes(r)}"
             fixes = ["use offload = \"disk\""]
         if cfg.precision.optimizer_states != "int8":
             fixes.append("take fewer bytes a parameter (precision.optimizer_states = \"int8\")")
-        fixes.append("or shard the states over more data-parallel ranks (ZeRO-3)")
-        advice = ", ".join(fixes)
+        if ranks > 1:
+            fixes.append("run fewer ranks on this node")
+        advice = ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
         raise ConfigError(
             f"memory.offload = \"{mem.offload}\": the model states of the {ranks} rank(s) on this node do not fit "
             f"its {'disk' if kind == DISK else 'RAM'}: they need at least {human_bytes(n)} of it ({what}), and "
             f"{where}: short by {human_bytes(short[(kind, key)])}. {advice[0].upper()}{advice[1:]}")
     (k, _), worst = max(short.items(), key=lambda item: item[1])
     if k == BUDGET:
-        raise ConfigError("memory.cpu_budget cannot hold another rank's model states (that rank's error names "
-                          "every number)")
+        raise ConfigError("memory.cpu_budget cannot hold another rank's model states, or that rank could not "
+                          "measure its room (that rank's error says which)")
     raise ConfigError(f"memory.offload = \"{mem.offload}\": the model states do not fit another node's "
                       f"{'disk' if k == DISK else 'RAM'}: short by {human_bytes(worst)} there (its ranks' error "
                       "names every number)")
