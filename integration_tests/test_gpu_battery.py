@@ -70,7 +70,8 @@ def test_the_battery_parity_part_on_the_standin(tmp_path: Path) -> None:
                     reason="no stand-in device here (it needs torch's C++ headers and a C++ compiler)")
 def test_the_battery_profiles_a_step_in_both_parts(tmp_path: Path) -> None:
     """`--only profile,profile-peers,cpu-kernels`: each part profiles capstan's step on the device (offload
-    none and cpu in part 1, beside plain PyTorch's step on the same model; cpu in part 2) and its log names
+    none, cpu, and cpu with a clip that never fires in part 1, beside plain PyTorch's step on the same model;
+    cpu in part 2) and its log names
     the phases that take the time. The first lease's profile, run beside the battery, died on `import
     capstan`: now it is a step of its own. Part 1 also tests and times the host's CPU Adam kernels (the
     offload steps' optimizer) on every ISA the CPU has: a GPU host's AVX-512 paths run nowhere else."""
@@ -94,7 +95,8 @@ def test_the_battery_profiles_a_step_in_both_parts(tmp_path: Path) -> None:
     assert "=== plain PyTorch on standin:0" in first and "plain PyTorch" not in second, first[-2000:]
     for phase in ("plain::forward", "plain::backward", "plain::step"):
         assert phase in first, first[-3000:]
-    assert first.count("kernel launches a step") == 3, first[-3000:]
+    assert first.count("kernel launches a step") == 4, first[-3000:]
+    assert "=== offload cpu-noclip on standin:0" in first, first[-3000:]  # the update guessed beside backward
     kernels = (out / "cpu-kernels.log").read_text()
     assert parts["1"]["steps"]["cpu-kernels"]["status"] == "ok", kernels[-3000:]
     for module in ("test_adam_q8.py", "test_adam_bf16_master.py"):

@@ -172,7 +172,7 @@ part1() {
     --timeout 150 --deadline @LEFT@ --json "$OUT/speed.json"
   # why the speed point is what it is: host and device time by operator and by phase, plain PyTorch's step
   # beside capstan's (log only)
-  step profile 90 - -- "$PY" tools/gpu/profile_step.py --device "$DEVICE" --offload plain,none,cpu ${PROFILE[@]+"${PROFILE[@]}"}
+  step profile 90 - -- "$PY" tools/gpu/profile_step.py --device "$DEVICE" --offload plain,none,cpu,cpu-noclip ${PROFILE[@]+"${PROFILE[@]}"}
   # The offload steps' CPU Adam on the GPU host's own CPU (likely AVX-512, which this project's 2-core
   # machines may lack): the kernels bit for bit against the scalar path on every ISA the CPU has, then
   # fp32, bf16 and 8-bit moments timed against copies of the bytes each touches (log only)

@@ -41,8 +41,13 @@ def _config(args: argparse.Namespace, offload: str) -> dict:
     ns = argparse.Namespace(d_model=args.d_model, layers=args.layers, seq=args.seq, micro=args.micro,
                             steps=args.warmup + args.steps, vocab=args.vocab, dtype="bf16", device=args.device)
     cfg = _gpt_config(ns)
+    # "cpu-noclip": offload cpu with a clip no gradient reaches (bench_gpu's NOCLIP row): the update guessed
+    # beside backward, against "cpu", where every step clips and the update follows backward
+    offload, _, noclip = offload.partition("-")
     if offload != "none":
         cfg["memory"] = {"offload": offload}
+    if noclip == "noclip":
+        cfg["train"]["grad_clip"] = 1e6
     return cfg
 
 
@@ -146,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "standin"))
     ap.add_argument("--offload", default="plain,none,cpu",
-                    help="comma-separated memory.offload values for capstan, and `plain` for the plain PyTorch loop")
+                    help="comma-separated memory.offload values for capstan (cpu-noclip: offload cpu with a clip "
+                         "that never fires), and `plain` for the plain PyTorch loop")
     ap.add_argument("--tiny", action="store_true", help="stand-in sizes")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
