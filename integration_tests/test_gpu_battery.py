@@ -218,6 +218,9 @@ def test_scale_search_finds_the_largest_and_says_when_it_was_cut() -> None:
     assert (resumed["layers"], resumed["fails_at"], resumed["end"]) == (30, 45, "found"), resumed
     higher = bench.search_largest(lambda n: n <= 37, 4, 10_000, resolution=1.25, clock=clock, grow=1.5, known=20)
     assert [p[:2] for p in higher["probes"]][0] == (30, True) and higher["layers"] <= 37 < higher["fails_at"]
+    # (a step of the resolution from a size that does not divide evenly: 133 x 1.5 = 199.5, probed at 200)
+    odd = bench.search_largest(lambda n: n <= 133, 4, 10_000, resolution=1.5, clock=clock, grow=1.5, known=133)
+    assert [p[:2] for p in odd["probes"]] == [(200, False)] and odd["end"] == "found", odd
     ratios = bench._scale_ratios({"plain PyTorch": {"layers": 140, "params": 7, "end": "found", "from_earlier": True},
                                   "capstan offload disk": {"layers": 187, "params": 9, "end": "found"}})
     assert list(ratios) == ["scale: capstan / plain PyTorch (target >= 3.0) (a size an earlier lease measured)"]

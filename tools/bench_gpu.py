@@ -300,7 +300,7 @@ def search_largest(fits, start: int, deadline: float, resolution: float = 1.25, 
                 end = "none fits"
                 break
             n = max(1, min(n - 1, int(n / grow)))
-        elif hi - lo <= 1 or hi / lo <= resolution:
+        elif hi - lo <= 1 or hi <= math.ceil(lo * resolution):  # (a step of `resolution` rounds up)
             end = "found"
             break
         else:
@@ -388,7 +388,7 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
         if known:
             found["known"] = known  # (fitted in an earlier lease: --scale-known)
             # ... and where nothing larger fitted here, the size reported is that lease's, not this run's
-            found["from_earlier"] = found["layers"] == known
+            found["from_earlier"] = found["layers"] == min(known, args.scale_max_layers)
         # A failure other than running out of memory (or time) is a defect, not a size limit: named apart
         found["failures"] = {str(n): e for n, e in why.items()}
         found["not_memory"] = sorted(n for n, e in why.items()

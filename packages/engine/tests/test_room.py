@@ -4,6 +4,7 @@ the meta device) and test_training.py (two ranks, one node and two, in the layou
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -70,5 +71,19 @@ def test_a_chunk_file_a_stopped_run_left_counts_as_room(monkeypatch: pytest.Monk
         f.truncate(64 << 20)  # sparse: it holds no blocks, so it frees none
     with pytest.raises(ConfigError, match="has 0 B free: short by"):
         initialize(config=cfg)
-    (tmp_path / "chunks" / "capstan-chunks-rank0.bin").write_bytes(bytes(8 << 20))  # what a killed run wrote
+    (tmp_path / "chunks" / "capstan-chunks-rank0.bin").write_bytes(os.urandom(8 << 20))  # what a killed run wrote
     initialize(config=cfg).close()
+
+
+def test_a_disk_that_cannot_be_measured_is_one_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An OSError while measuring the room (an unreadable disk_dir) is that rank's error row, not an exception
+    before the collective that the other ranks would wait in: every rank raises (here the one)."""
+    def unreadable(where: Path) -> int:
+        raise PermissionError(13, "Permission denied", str(where))
+
+    monkeypatch.setattr(room, "_disk_free", unreadable)
+    cfg = {**SMALL_GPT, "memory": {"offload": "disk", "chunk_size": 65536, "cpu_budget": 16 * 65536 * 4,
+                                   "disk_dir": str(tmp_path / "chunks")}}
+    with pytest.raises(ConfigError, match=r"cannot measure the room for the model states in memory.disk_dir "
+                                          r"\(.*chunks\): \[Errno 13\] Permission denied"):
+        initialize(config=cfg)

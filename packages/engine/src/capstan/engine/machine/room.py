@@ -125,7 +125,8 @@ def check_room_for_states(cfg: Config, groups: comm.Groups, params: int, residen
             own = states_fit_error(mem.cpu_budget, params, cfg) if mem.offload == "cpu" and mem.cpu_budget else None
             key, need, room = rank, (1 if own else 0), 0
     except OSError as e:  # (an unreadable disk_dir, say)
-        own = f"memory.disk_dir ({mem.disk_dir}): cannot measure the room for the model states: {e}"
+        what = f"memory.disk_dir ({mem.disk_dir})" if mem.offload == "disk" else "RAM"
+        own = f"cannot measure the room for the model states in {what}: {e}"
         kind, key, need, room = BUDGET, rank, 1, 0
     mine = torch.tensor([kind, key, need, room, freed], dtype=torch.int64)
     rows = torch.empty(5 * groups.world.size, dtype=torch.int64)
@@ -155,8 +156,6 @@ def check_room_for_states(cfg: Config, groups: comm.Groups, params: int, residen
             fixes = ["use offload = \"disk\""]
         if cfg.precision.optimizer_states != "int8":
             fixes.append("take fewer bytes a parameter (precision.optimizer_states = \"int8\")")
-        if ranks > 1:
-            fixes.append("run fewer ranks on this node")
         advice = ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
         raise ConfigError(
             f"memory.offload = \"{mem.offload}\": the model states of the {ranks} rank(s) on this node do not fit "
