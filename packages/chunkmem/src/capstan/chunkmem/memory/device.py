@@ -187,8 +187,8 @@ class DeviceTier:
         self.trace_compute: list[bool] | None = None
         self.m.counters.update(device_prefetches=0, device_prefetch_hits=0, landing_waits=0, device_writes_through=0,
                                device_clean_drops=0)
-        self._computes: tuple[tuple[int, int], frozenset[int]] | None = None  # (the trace's ids, what it computes)
-        self._ahead: tuple[tuple[int, int], list[int], list[int]] | None = None  # (`_compute_runs`)
+        # (the trace's ids, its computing moments, the runs among them, the chunks they compute with: `_trace_index`)
+        self._ahead: tuple[tuple[int, int], list[int], list[int], frozenset[int]] | None = None
 
     def keeps_host(self, entry: _Entry) -> bool:
         return self.m.cpu.capacity is None and entry.chunk.kind in DEVICE_KINDS
@@ -367,10 +367,10 @@ class DeviceTier:
 
     def chunks_ahead(self, limit: int = 8 * DEVICE_PREFETCH) -> Iterator[int]:
         """The chunks the trace computes with on the device from the current moment on, each once, in the
-        order of their next use, at most `limit`. Walks the runs of `_compute_runs`: scanning every moment
+        order of their next use, at most `limit`. Walks the runs of `_trace_index`: scanning every moment
         ahead (the optimizer's, a chunk's repeats) cost O(trace) at each access, 14% of a stand-in step's
         host time."""
-        positions, runs = self._compute_runs()
+        _, positions, runs, _ = self._trace_index()
         first = bisect_left(positions, self.m.moment)
         if first == len(positions):
             return
@@ -386,19 +386,20 @@ class DeviceTier:
                 seen.add(cid)
                 yield cid
 
-    def _compute_runs(self) -> tuple[list[int], list[int]]:
-        """The trace's moments that compute on the device, and those of them that start a run (a chunk other
-        than the previous computing moment's), made once per trace: `prefetch` walks the runs from the
-        first computing moment at or after the current one, which visits every chunk that the moments
-        ahead compute with in the same order as walking them all."""
+    def _trace_index(self) -> tuple[tuple[int, int], list[int], list[int], frozenset[int]]:
+        """Made once per trace: its moments that compute on the device, those of them that start a run (a
+        chunk other than the previous computing moment's), and the chunks they compute with. `prefetch`
+        walks the runs from the first computing moment at or after the current one, which visits every
+        chunk that the moments ahead compute with in the same order as walking them all; `write_through`
+        copies up only chunks the trace computes with."""
         assert self.m.trace is not None and self.trace_compute is not None
         key = (id(self.m.trace), id(self.trace_compute))  # (both kept alive by the manager's traces)
         if self._ahead is None or self._ahead[0] != key:
             trace = self.m.trace
             positions = [m for m, compute in enumerate(self.trace_compute) if compute]
             runs = [m for k, m in enumerate(positions) if k == 0 or trace[m] != trace[positions[k - 1]]]
-            self._ahead = (key, positions, runs)
-        return self._ahead[1], self._ahead[2]
+            self._ahead = (key, positions, runs, frozenset(trace[m] for m in runs))
+        return self._ahead
 
     def write_through(self, chunk_id: int) -> bool:
         """A chunk the optimizer has just updated in RAM, which the trace computes with on the device: copied
@@ -410,12 +411,8 @@ class DeviceTier:
         up to make room for activations. Returns whether it copied."""
         if self.dev is None or self.m.trace is None or self.trace_compute is None:
             return False
-        key = (id(self.m.trace), id(self.trace_compute))  # (both kept alive by the manager's traces)
-        if self._computes is None or self._computes[0] != key:
-            self._computes = (key, frozenset(
-                cid for cid, compute in zip(self.m.trace, self.trace_compute, strict=True) if compute))
         e = self.m.entries[chunk_id]
-        if chunk_id not in self._computes[1] or not self._idle_in_ram(e):
+        if chunk_id not in self._trace_index()[3] or not self._idle_in_ram(e):
             return False
         rooms = [r for r in (self.dev.capacity, None if self.device_limit is None else
                              self.device_limit - max(self.nonmodel_device, default=0)) if r is not None]

@@ -33,7 +33,7 @@ import torch
 
 from capstan.native import aio
 
-__all__ = ["DiskStore", "DiskTierError"]
+__all__ = ["DiskStore", "DiskTierError", "chunk_file"]
 
 ALIGN = aio.ALIGNMENT
 
@@ -73,6 +73,11 @@ class _Pending:
             raise self.failed from None
 
 
+def chunk_file(directory: str | os.PathLike[str], rank: int) -> Path:
+    """The file of rank `rank`'s disk tier in `directory` (a new DiskStore there empties it)."""
+    return Path(directory) / f"capstan-chunks-rank{rank}.bin"
+
+
 class DiskStore:
     """Chunk payloads in one file (`<dir>/capstan-chunks-rank<R>.bin`), slot by chunk id."""
 
@@ -80,7 +85,7 @@ class DiskStore:
         self.dir = Path(directory)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self.path = self.dir / f"capstan-chunks-rank{rank}.bin"
+            self.path = chunk_file(self.dir, rank)
             # Fail now, not at the first eviction, if the directory cannot hold the file.
             self.path.touch()
         except OSError as exc:

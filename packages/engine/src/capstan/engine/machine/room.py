@@ -81,10 +81,12 @@ def _disk_free(where: Path) -> int:
 
 
 def _disk_row(cfg: Config, params: int, device_bytes: int, rank: int) -> tuple[int, int, int, int, str]:
+    from capstan.chunkmem.memory.disk import chunk_file  # (chunkmem is imported where chunks are made)
+
     mem = cfg.memory
     assert mem.cpu_budget is not None
     where = _existing(mem.disk_dir)
-    left = Path(mem.disk_dir) / f"capstan-chunks-rank{rank}.bin"  # (chunkmem DiskStore's file, emptied at open)
+    left = chunk_file(mem.disk_dir, rank)  # (emptied when the run's DiskStore opens it)
     held = left.stat().st_blocks * 512 if left.is_file() else 0  # (the blocks it holds: a file may be sparse)
     per = persistent_bytes_per_param(cfg)
     need = max(0, int(per * params) - mem.cpu_budget - device_bytes)
