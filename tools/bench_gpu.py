@@ -218,9 +218,9 @@ def speed(args: argparse.Namespace, run: Runner, report: dict) -> None:
     report["matmul_tflops"] = peak
     rows = {"plain PyTorch": run("run_plain", cfg), "capstan": run("run_capstan", cfg),
             "capstan offload cpu": run("run_capstan", {**cfg, "memory": {"offload": "cpu"}}),
-            # Every step of the bench clips (fresh weights, clip 1.0), so the offloaded update follows backward;
-            # where clipping rarely fires (most steps of a long run) the step guesses it will not and updates
-            # beside backward (chunkmem optim/overlap.py): that case, with a clip no gradient reaches
+            # The bench clips at 1.0 from fresh weights, and a step that clips (or follows one that did) updates
+            # after backward; where clipping rarely fires (most steps of a long run) the step guesses it will not
+            # and updates beside backward (chunkmem optim/overlap.py): that case, with a clip no gradient reaches
             NOCLIP: run("run_capstan", {**cfg, "memory": {"offload": "cpu"},
                                         "train": {**cfg["train"], "grad_clip": 1e6}})}
     _throughput(rows, args.micro * args.seq, peak)
@@ -342,7 +342,6 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
     systems = {"plain PyTorch": ("run_plain", {}, starts["plain"]),
                "capstan offload cpu": ("run_capstan", {"offload": "cpu"}, starts["cpu"]),
                "capstan offload disk": ("run_capstan", on_disk, starts["disk"])}
-    short = SCALE_NAMES
     skips = peer_skips(args.device) if args.scale_peers else {}
     if args.scale_peers:
         for name, kind in (("FSDP2 CPUOffloadPolicy", "run_fsdp"), ("DeepSpeed ZeRO-Offload", "run_deepspeed")):
@@ -351,7 +350,7 @@ def scale(args: argparse.Namespace, run: Runner, report: dict) -> None:
             else:
                 systems[name] = (kind, {}, starts["cpu"])
     if args.scale_systems:
-        keep = {short[k] for k in args.scale_systems.split(",") if k}
+        keep = {SCALE_NAMES[k] for k in args.scale_systems.split(",") if k}
         systems = {n: v for n, v in systems.items() if n in keep}
     out = report["scale"] = {"d_model": d, "device": info, "ram_available": ram, "disk_free": disk, "systems": {}}
     # A lease splits the searches over its calls (CAPSTAN_SCALE_SYSTEMS) on the same warm machine: what an
@@ -480,16 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=0, help="seconds for the whole run (0: none)")
     ap.add_argument("--json", help="write the report here (rewritten after every section)")
     args = ap.parse_args(argv)
-    bad = set(args.scale_systems.split(",")) - {"", "plain", "cpu", "disk", "fsdp", "deepspeed"}
+    bad = set(args.scale_systems.split(",")) - {"", *SCALE_NAMES}
     if bad:
         ap.error(f"--scale-systems: unknown {sorted(bad)}; choose from plain, cpu, disk, fsdp, deepspeed")
-    names = SCALE_NAMES
     args.known = {}
     for item in filter(None, args.scale_known.split(",")):
         system, _, layers = item.partition(":")
-        if system not in names or not layers.isdigit():
-            ap.error(f"--scale-known: {item!r} is not system:layers with a system of {', '.join(names)}")
-        args.known[names[system]] = int(layers)
+        if system not in SCALE_NAMES or not layers.isdigit():
+            ap.error(f"--scale-known: {item!r} is not system:layers with a system of {', '.join(SCALE_NAMES)}")
+        args.known[SCALE_NAMES[system]] = int(layers)
     peers = set(args.scale_systems.split(",")) & {"fsdp", "deepspeed"}
     if peers and not args.scale_peers:
         ap.error(f"--scale-systems {','.join(sorted(peers))} needs --scale-peers")

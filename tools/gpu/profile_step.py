@@ -42,7 +42,7 @@ def _config(args: argparse.Namespace, offload: str) -> dict:
                             steps=args.warmup + args.steps, vocab=args.vocab, dtype="bf16", device=args.device)
     cfg = _gpt_config(ns)
     # "cpu-noclip": offload cpu with a clip no gradient reaches (bench_gpu's NOCLIP row): the update guessed
-    # beside backward, against "cpu", where every step clips and the update follows backward
+    # beside backward, against "cpu", clipped at 1.0 from fresh weights: the update after backward
     offload, _, noclip = offload.partition("-")
     if offload != "none":
         cfg["memory"] = {"offload": offload}
