@@ -46,13 +46,14 @@ def _two_rank_layouts() -> dict:
     out["dp2-zero3-disk"] = _trajectory(_cfg(train={"grad_accum_steps": 1}, parallel={"dp": 2, "zero_stage": 3},
                                              memory={"offload": "disk", "chunk_size": 8192, "cpu_budget": 16 * 8192 * 4,
                                                      "disk_dir": tempfile.mkdtemp(prefix="capstan-z3-")}))
-    return {"layouts": out, "disk short on rank 1": _disk_short_on_rank_1()}
+    return {"layouts": out, "refused at start": _refused_at_start()}
 
 
-def _disk_short_on_rank_1() -> dict:
+def _refused_at_start() -> dict:
     """ZeRO-3 on disk where rank 1's disk has no room: every rank fails at start with the same verdict, before
     any chunk file. Both ranks on one node (the node's room is its least), then rank 1 alone on a node of
-    its own (rank 0's node fits, and rank 0 names the other node's shortfall)."""
+    its own (rank 0's node fits, and rank 0 names the other node's shortfall). Then ZeRO-3 in RAM under a
+    budget below each rank's share."""
     import shutil
 
     from capstan import comm
@@ -78,6 +79,30 @@ def _disk_short_on_rank_1() -> dict:
         finally:
             room._disk_free, room._node_key = real_free, real_key
             shutil.rmtree(disk_dir.parent, ignore_errors=True)
+    # offload cpu: a budget below each rank's share (half the model under ZeRO-3), which the config check
+    # leaves to the engine where each rank holds a share
+    try:
+        initialize(config=_cfg(train={"grad_accum_steps": 1}, parallel={"dp": 2, "zero_stage": 3},
+                               memory={"offload": "cpu", "chunk_size": 8192, "cpu_budget": 8192 * 4}))
+        out["budget"] = "no error"
+    except ConfigError as e:
+        out["budget"] = str(e)
+    # a rank that cannot overlap the optimizer as asked (a pipeline stage with tied weights, here rank 1 alone):
+    # its error in the same collective, so rank 0 raises too instead of waiting in its next collective
+    from capstan.engine.states.chunked import ChunkedStates
+
+    real_overlap = ChunkedStates._overlap_optimizer
+    if comm.world().rank == 1:
+        def tied(self: ChunkedStates) -> bool:
+            raise ConfigError("memory.overlap_optimizer = true cannot overlap the step here: (rank 1's test)")
+        ChunkedStates._overlap_optimizer = tied
+    try:
+        initialize(config=_cfg(train={"grad_accum_steps": 1}, memory={"offload": "cpu", "chunk_size": 8192}))
+        out["overlap"] = "no error"
+    except ConfigError as e:
+        out["overlap"] = str(e)
+    finally:
+        ChunkedStates._overlap_optimizer = real_overlap
     return out
 
 
@@ -92,7 +117,7 @@ def test_dp_zero_stages_and_tp_equal_one_process() -> None:
     layouts = [r["layouts"] for r in results]
     assert layouts[0] == layouts[1] or all(layouts[0][k]["loss"] == layouts[1][k]["loss"] for k in layouts[0])
     # (the same launch) states that cannot fit one rank's disk: one error on every rank, before any chunk file
-    one, two = ([r["disk short on rank 1"][case] for r in results] for case in ("one node", "two nodes"))
+    one, two = ([r["refused at start"][case] for r in results] for case in ("one node", "two nodes"))
     node = 'memory.offload = "disk": the model states of the {} rank(s) on this node do not fit its disk'
     for error in one:
         assert error.startswith(node.format(2)) and "has 0 B free: short by" in error, one
@@ -100,6 +125,11 @@ def test_dp_zero_stages_and_tp_equal_one_process() -> None:
     assert two[0].startswith('memory.offload = "disk": the model states do not fit another node\'s disk: short by'), two
     assert two[1].startswith(node.format(1)) and "has 0 B free: short by" in two[1], two
     assert all("a chunk file was made" not in e for e in two), two
+    for r in results:  # each rank its own share's figures
+        assert r["refused at start"]["budget"].startswith(
+            'memory.offload = "cpu" keeps every chunk in RAM: memory.cpu_budget = 32768 bytes is below'), r
+    overlap = [r["refused at start"]["overlap"] for r in results]
+    assert overlap[0].startswith("another rank cannot start:") and "(rank 1's test)" in overlap[1], overlap
 
 
 def test_offload_cpu_and_disk_equal_no_offload(tmp_path: Path) -> None:
@@ -140,7 +170,7 @@ def test_overlapped_optimizer_measures_instead_of_guessing_where_ram_cannot_hold
     roomy = _trajectory(cfg, steps=4)
     monkeypatch.setattr(ram_budget, "available_ram", lambda: (64 << 10, "test"))
     # (the states' own room at start is another check, which 64 KiB would refuse: left out here)
-    monkeypatch.setattr("capstan.engine.machine.room.available_ram", lambda: (1 << 40, "test"))
+    monkeypatch.setattr("capstan.engine.machine.room.available_ram", lambda all_cache=False: (1 << 40, "test"))
     assert ram_budget.ram_room() == 64 << 10
     assert _trajectory(cfg, steps=4) == roomy
     engine = initialize(config=cfg)

@@ -404,7 +404,7 @@ def _check_pipeline(cfg: Config, sources: Sources, reference_model: bool = True)
 
 
 def _check_chunk_path(cfg: Config, sources: Sources, reference_model: bool = True) -> None:
-    mem = cfg.memory
+    mem, p = cfg.memory, cfg.parallel
     # Unset, the chunk size is chosen per model (at least 1024 elements) once the model exists.
     chunk = (f"memory.chunk_size = {mem.chunk_size} fp32 elements" if mem.chunk_size is not None
              else "the smallest chunk (1024 fp32 elements; memory.chunk_size unset)")
@@ -413,35 +413,62 @@ def _check_chunk_path(cfg: Config, sources: Sources, reference_model: bool = Tru
     if mem.cpu_budget is not None and mem.cpu_budget < chunk_bytes:
         raise ConfigError(f"memory.cpu_budget = {mem.cpu_budget} bytes cannot hold one chunk of "
                           f"{chunk} ({chunk_bytes} bytes)")
-    if mem.offload == "cpu" and mem.cpu_budget is not None and reference_model:
-        check_states_fit(mem.cpu_budget, reference_param_count(cfg), cfg)  # a model of one's own: by the engine
+    # One rank holds the whole model: checked here, before anything is built. Under dp, tp, pp or cp each rank
+    # holds its share, which the engine counts once the model exists (machine/room.py), as for a model of
+    # one's own (the whole reference GPT against one rank's budget refused layouts that fit).
+    single = p.dp == 1 and p.tp == 1 and p.pp == 1 and p.cp == 1
+    if mem.offload == "cpu" and mem.cpu_budget is not None and reference_model and single:
+        check_states_fit(mem.cpu_budget, reference_param_count(cfg), cfg)
 
 
-def state_bytes_per_param(cfg: Config) -> float:
-    """Bytes of chunks a parameter takes at the least (padding aside): its parameter and master, its
-    gradient, and both moments in `precision` (docs/chunkmem.md, "Mixed precision" and "A bf16 master")."""
+def gradient_bytes_per_param(cfg: Config, sharded: bool = False) -> float:
+    """Bytes of chunks a parameter's gradient takes of its own: fp32 beside fp32 compute, bf16 beside a bf16
+    master, fp32 under ZeRO-3 (`sharded`: reduce-scattered into the owners' fp32 chunks) and beside a 16-bit
+    parameter under gradient accumulation (several backwards add up); 0 where a 16-bit gradient takes its
+    parameter's slot once backward is done with it (chunkmem's ChunkedModel.grad_chunks)."""
     pr = cfg.precision
-    moments = 2 * MOMENT_BYTES[pr.optimizer_states]
-    if pr.dtype == "fp32":
-        return 4 + 4 + moments  # the parameter is the master; its gradient beside it
+    if sharded or pr.dtype == "fp32":
+        return 4
     if pr.master_weights == "bf16":
-        return 2 + 2 + moments  # the bf16 parameter is the master; a bf16 gradient beside it
-    return 2 + 4 + moments  # a 16-bit parameter, its fp32 master (the gradient in its slot at the least)
+        return 2
+    return 4 if cfg.train.grad_accum_steps > 1 else 0
 
 
-def persistent_bytes_per_param(cfg: Config) -> float:
-    """Bytes of chunks a parameter keeps all step at the least: `state_bytes_per_param` less a gradient of its
-    own (fp32 compute, a bf16 master), which the overlapped optimizer past RAM may consume and drop during
-    backward, chunk group by chunk group, so that no step holds them all (chunkmem optim/overlap.py)."""
+def state_bytes_per_param(cfg: Config, sharded: bool = False) -> float:
+    """Bytes of chunks a parameter takes at the least (padding aside): its parameter and master, its
+    gradient (`gradient_bytes_per_param`), and both moments in `precision` (docs/chunkmem.md, "Mixed
+    precision" and "A bf16 master")."""
     pr = cfg.precision
-    own_grad = 4 if pr.dtype == "fp32" else 2 if pr.master_weights == "bf16" else 0
-    return state_bytes_per_param(cfg) - own_grad
+    held = 2 * MOMENT_BYTES[pr.optimizer_states] + gradient_bytes_per_param(cfg, sharded)
+    if pr.dtype == "fp32":
+        return 4 + held  # the parameter is the master
+    if pr.master_weights == "bf16":
+        return 2 + held  # the bf16 parameter is the master
+    return 2 + 4 + held  # a 16-bit parameter and its fp32 master
 
 
-def states_fit_error(cpu_budget: int, params: int, cfg: Config) -> str | None:
+def drops_gradients(cfg: Config, overlap: bool, sharded: bool = False) -> bool:
+    """Whether the overlapped optimizer consumes each chunk group's gradient during backward and drops it, so
+    that no moment of the step holds them all (chunkmem optim/overlap.py, "Past RAM"): where the step streams
+    (a cpu budget or the disk tier) with neither clipping nor fp16's loss scaling (no step can be redone),
+    one backward a step (accumulation keeps every gradient chunk across the micro-batches) and no sharding."""
+    mem, t = cfg.memory, cfg.train
+    streams = mem.cpu_budget is not None or mem.offload == "disk"
+    return (overlap and streams and not sharded and not t.grad_clip and cfg.precision.dtype != "fp16"
+            and t.grad_accum_steps == 1)
+
+
+def persistent_bytes_per_param(cfg: Config, sharded: bool = False, drops_grads: bool = False) -> float:
+    """Bytes of chunks a parameter keeps all step at the least: `state_bytes_per_param`, less its gradient where
+    the overlapped optimizer drops it during backward (`drops_gradients`)."""
+    per = state_bytes_per_param(cfg, sharded)
+    return per - gradient_bytes_per_param(cfg, sharded) if drops_grads else per
+
+
+def states_fit_error(cpu_budget: int, params: int, cfg: Config, sharded: bool = False) -> str | None:
     """memory.offload = "cpu" keeps every chunk in RAM: what is wrong where the budget cannot hold the model
-    states (None where it can)."""
-    per = state_bytes_per_param(cfg)
+    states of `params` parameters (None where it can)."""
+    per = state_bytes_per_param(cfg, sharded)
     need = int(per * params)
     if cpu_budget >= need:
         return None

@@ -108,13 +108,14 @@ class RamBudget:
                 "Set memory.cpu_budget to choose it")
 
 
-def available_ram() -> tuple[int, str]:
+def available_ram(all_cache: bool = False) -> tuple[int, str]:
     """Bytes of RAM this process can still have, and where the figure comes from: MemAvailable, or a
-    memory cgroup's room where that is less (0 where neither can be read: not Linux)."""
+    memory cgroup's room where that is less (0 where neither can be read: not Linux). `all_cache`: the
+    cgroup's active page cache counts as room too (`cgroup_room`)."""
     avail, source = proc_kib(MEMINFO, "MemAvailable"), "MemAvailable"
-    room = cgroup_room()
+    room = cgroup_room(all_cache)
     if room is not None and (not avail or room < avail):
-        return room, "the memory cgroup's limit less its working set"
+        return room, "the memory cgroup's limit less its " + ("usage but page cache" if all_cache else "working set")
     return avail, source
 
 
@@ -138,20 +139,22 @@ def _local_ranks() -> int:
     return max(1, comm.launch().local_world_size if comm.is_initialized() else 1)
 
 
-def cgroup_room() -> int | None:
+def cgroup_room(all_cache: bool = False) -> int | None:
     """The bytes the memory cgroups of this process (and their ancestors) still allow: the tightest limit
     minus its cgroup's working set (usage less inactive page cache); None without a limit. Reads cgroup v2
-    (memory.max) and v1 (memory.limit_in_bytes)."""
+    (memory.max) and v1 (memory.limit_in_bytes). `all_cache`: less all its page cache, active too, which the
+    kernel reclaims before it kills (what a refusal must credit: machine/room.py); the working set is the
+    cautious figure a budget is sized from."""
     best = None
     for d in _cgroup_dirs():
-        for limit_file, usage_file, cache_key in (("memory.max", "memory.current", "inactive_file"),
-                                                  ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                                   "total_inactive_file")):
+        for limit_file, usage_file, prefix in (("memory.max", "memory.current", ""),
+                                               ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_")):
             limit = _read_int(d / limit_file)
             if limit is None or limit >= _UNLIMITED:
                 continue
             usage = _read_int(d / usage_file) or 0
-            cache = _stat(d / "memory.stat", cache_key)
+            cache = sum(_stat(d / "memory.stat", prefix + key)
+                        for key in (("inactive_file", "active_file") if all_cache else ("inactive_file",)))
             room = max(0, limit - max(0, usage - cache))
             best = room if best is None else min(best, room)
     return best

@@ -21,6 +21,7 @@ from capstan.comm.health.procmem import peak_rss_bytes
 from capstan.comm.job.accelerator import device_module, is_accelerator
 
 from ..checkpoint.state import LocalParam, StateView, canonical_name, describe_param, param_owners, tied_alias
+from ..config.load import ConfigError
 from ..config.schema import Config
 from ..machine.ram_budget import disk_room, ram_room
 from ..machine.room import check_room_for_states, device_param_bytes, resident_param_bytes
@@ -91,13 +92,20 @@ class ChunkedStates(ModelStates):
             limit = gpu_chunk_limit(gpu)
             budget, measure = limit // GPU_WARMUP_SHARE, device_peak(gpu).moment
         # States past the machine's RAM and disk fail here, on every rank, not when the disk fills during a
-        # first step (machine/room.py; with a cpu budget: the budget against the model being trained, which
-        # the config check sized only where it is the reference GPT)
+        # first step (machine/room.py; with a cpu budget: the budget against this rank's share of the model
+        # being trained, which the config check sized only where one rank holds the whole reference GPT)
         params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        if groups.replicas.size > 1 and config.parallel.compression != "onebit":  # ZeRO-3: this rank's 1/dp
+        sharded = groups.replicas.size > 1 and config.parallel.compression != "onebit"
+        if sharded:  # ZeRO-3: this rank's 1/dp
             params = -(-params // groups.replicas.size)
+        overlap, overlap_error = False, None
+        try:  # (a rank that cannot overlap as asked says so in the same collective: a tied pipeline stage)
+            overlap = self._overlap_optimizer()
+        except ConfigError as e:
+            overlap_error = str(e)
         check_room_for_states(config, groups, params, resident_param_bytes(model),
-                              device_param_bytes(config, params, limit or budget) if gpu is not None else 0)
+                              device_param_bytes(config, params, limit or budget) if gpu is not None else 0,
+                              sharded=sharded, overlap=overlap, pinned=gpu is not None, overlap_error=overlap_error)
         disk = DiskStore(mem.disk_dir, rank=groups.world.rank) if mem.offload == "disk" else None
         self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction, memory_limit=mem.ram_limit,
                                     device=gpu, device_budget=budget, device_limit=limit, device_measure=measure)
@@ -127,7 +135,6 @@ class ChunkedStates(ModelStates):
             tokens = config.model.seq_len // groups.cp.size  # this rank's tokens under cp
             dummy = torch.zeros(t.micro_batch_size, tokens, dtype=torch.long)
             kwargs.update(order="trace", example_inputs=(dummy,))
-        overlap = self._overlap_optimizer()
         p, replicas = config.parallel, groups.replicas
         if replicas.size > 1 and p.compression == "onebit":  # every rank the whole momentum: replicated chunks
             self.module = ReplicatedChunkedModel(model, self.manager, mem.chunk_size, group=replicas, onebit=True,
@@ -149,8 +156,6 @@ class ChunkedStates(ModelStates):
         """memory.overlap_optimizer: on where asked (and possible); by default where chunks compute on a GPU,
         and past RAM (a cpu budget or the disk tier), where the step streams (chunkmem's overlap.py): the
         1.81B disk step took 0.74x the time without clipping, 0.90x with it (docs/benchmarks.md)."""
-        from ..config import ConfigError
-
         mem, replicas = self.config.memory, self.groups.replicas
         why = None
         if replicas.size > 1 and self.config.parallel.compression == "onebit":
