@@ -55,10 +55,21 @@ def _config(args: argparse.Namespace, offload: str) -> dict:
 # so a table says how much of a step is forward, backward, the optimizer and its parts, and transfers.
 PHASES = {
     "capstan.engine.engine:Engine": ("forward", "backward", "step"),
-    "capstan.chunkmem.optim.adam:ChunkAdam": ("_plain_step", "_update", "grad_norm", "_drop_grads"),
-    "capstan.chunkmem.optim.overlap:Speculation": ("_work", "finish", "_roll_back", "_settle"),
+    "capstan.chunkmem.optim.adam:ChunkAdam": ("_plain_step", "_clipped_update", "_update", "grad_norm", "_drop_grads"),
+    # _join: the step's wait for the worker (the fourth lease's offload step spent 46 ms in finish outside any
+    # label)
+    "capstan.chunkmem.optim.overlap:Speculation": ("_join", "finish", "_roll_back", "_settle", "_write_through"),
     "capstan.chunkmem.memory.transfer:Transfers": ("to_device", "to_host"),
+    "capstan.chunkmem.memory.device:DeviceTier": ("write_through", "prefetch", "land"),
 }
+
+
+# The optimizer's worker thread: started before the profiler, so torch's profiler records nothing of it (only
+# threads it starts, and autograd's); its functions are timed by hand, wall time per step: `_measure` (a
+# measuring step's norm term of a chunk), `_work` (a guess's update of a chunk group), and, inside both,
+# `_landed` (the wait for the chunk's copy off the device).
+WORKER = {"capstan.chunkmem.optim.overlap:Speculation": ("_work", "_measure", "_landed")}
+WORKER_TIME: dict[str, list[float]] = {}  # label -> [seconds, calls]
 
 
 def label_phases() -> None:
@@ -82,6 +93,25 @@ def label_phases() -> None:
             if owner.__dict__.get("__call__") is fn:  # an alias (Engine.__call__ = forward): label it too
                 owner.__call__ = functools.wraps(fn)(wrapped)
             setattr(owner, name, functools.wraps(fn)(wrapped))
+    for where, names in WORKER.items():
+        module, cls = where.split(":")
+        owner = getattr(importlib.import_module(module), cls)
+        for name in names:
+            raw = owner.__dict__[name]
+            static = isinstance(raw, staticmethod)
+            fn = raw.__func__ if static else raw
+
+            def timed(*a, __fn=fn, __label=f"capstan::{cls}.{name}", **k):
+                t0 = time.perf_counter()
+                try:
+                    return __fn(*a, **k)
+                finally:
+                    spent = WORKER_TIME.setdefault(__label, [0.0, 0])
+                    spent[0] += time.perf_counter() - t0
+                    spent[1] += 1
+
+            timed = functools.wraps(fn)(timed)
+            setattr(owner, name, staticmethod(timed) if static else timed)
 
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -125,8 +155,10 @@ def profile(args: argparse.Namespace, offload: str) -> None:
         step(b)
     plain = sorted(step(b) for b in batches[args.warmup:args.warmup + args.steps])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    WORKER_TIME.clear()
     with torch_profile(activities=activities) as prof:
         profiled = sorted(step(b) for b in batches[args.warmup + args.steps:])
+    worker = {k: (v[0], v[1]) for k, v in WORKER_TIME.items()}
     what = "plain PyTorch" if engine is None else f"offload {offload}"
     chunked = "" if engine is None else f", chunked {engine.chunked}"
     if engine is not None:
@@ -142,6 +174,10 @@ def profile(args: argparse.Namespace, offload: str) -> None:
     for ev in sorted(table, key=lambda e: -e.cpu_time_total):
         if ev.key.startswith(prefix) and ev.cpu_time_total > 0:  # (not the device-side twin rows)
             print(f"  {ev.key:48s} {ev.cpu_time_total / 1e3 / args.steps:9.1f} ms  x{ev.count / args.steps:g}")
+    if worker:
+        print("the optimizer's worker thread (wall time, ms per step; not in the profiler's tables):")
+        for key, (spent, calls) in sorted(worker.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {key:48s} {spent * 1e3 / args.steps:9.1f} ms  x{calls / args.steps:g}")
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     if device.type == "cuda":
         print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))

@@ -451,8 +451,7 @@ class Speculation:
 
     def _work(self, job: _Job, views: list[torch.Tensor], args: dict, mixed: bool) -> None:
         """On the worker thread: the chunk's norm term and overflow check, the copies, the update."""
-        for event in job.landing:
-            event.synchronize()  # type: ignore[attr-defined]
+        self._landed(job)
         master, grad, m, v = views[:4]
         job.sumsq = kernels.sumsq(grad)
         job.nonfinite = self.check_overflow and kernels.has_nonfinite(grad)
@@ -468,10 +467,15 @@ class Speculation:
 
     def _measure(self, job: _Job, grad: torch.Tensor) -> None:
         """On the worker thread, for a step that does not guess: the chunk's norm term and overflow check."""
-        for event in job.landing:
-            event.synchronize()  # type: ignore[attr-defined]
+        self._landed(job)
         job.sumsq = kernels.sumsq(grad)
         job.nonfinite = self.check_overflow and kernels.has_nonfinite(grad)
+
+    @staticmethod
+    def _landed(job: _Job) -> None:
+        """On the worker thread: wait for the copies off the device into the job's chunks."""
+        for event in job.landing:
+            event.synchronize()  # type: ignore[attr-defined]
 
     def _may_roll_back(self) -> bool:
         return self.grad_clip is not None or self.check_overflow
@@ -484,8 +488,7 @@ class Speculation:
             raise RuntimeError("finish() without arm()")
         self.armed = False
         self.opt.model.grad_listener = None
-        for job in self.jobs.values():
-            job.future.result()  # type: ignore[union-attr]  # re-raises a kernel's error here
+        self._join()
         self.stepped_early += sum(j.stepped for j in self.jobs.values())
         opt, model = self.opt, self.opt.model
         known = {k: j.sumsq for k, j in self.jobs.items()}
@@ -520,6 +523,11 @@ class Speculation:
         self._write_through(done)
         opt._drop_grads()
         return norm, False
+
+    def _join(self) -> None:
+        """Wait for the worker's jobs (a method of its own, so a profile shows the wait: tools/gpu/profile_step.py)."""
+        for job in self.jobs.values():
+            job.future.result()  # type: ignore[union-attr]  # re-raises a kernel's error here
 
     def _write_through(self, done: set[tuple[int, int]]) -> None:
         """The parameter chunks stepped during backward, kept now: copied up to the device as `_update` copies
