@@ -243,6 +243,41 @@ def test_log_lines_carry_rank_and_coordinates() -> None:
     ]
 
 
+def _groups_built_again() -> dict:
+    import os
+    from pathlib import Path
+
+    from capstan import comm
+    from capstan.comm.log import rank_prefix
+
+    def loops() -> int:  # gloo's transport threads: each wakes every 10 ms, idle or not
+        return sum(Path(f"/proc/self/task/{t}/comm").read_text().strip() == "gloo_tcp_loop"
+                   for t in os.listdir("/proc/self/task"))
+
+    first = comm.build_groups(comm.Topology(dp=2, tp=2))
+    before = loops()
+    again = comm.build_groups(comm.Topology(dp=2, tp=2))
+    other = comm.build_groups(comm.Topology(dp=4))
+    coords_other = rank_prefix()
+    third = comm.build_groups(comm.Topology(dp=2, tp=2))
+    t = torch.ones(1)
+    comm.all_reduce(t, group=third.tp)  # the reused groups work
+    return {"same": again is first and third is first, "other": other is not first and other.dp.size == 4,
+            "loops added by the same topology": loops() - before - (1 if other.dp.pg is not None else 0),
+            "coords": (coords_other, rank_prefix()), "sum": float(t)}
+
+
+def test_the_same_topology_gets_the_same_groups_again() -> None:
+    """torch keeps every process group until the world goes, each gloo one with a thread that wakes every 10 ms:
+    an engine built again with the same layout (37 layouts in one launch held 73 of them a process, a third of
+    the CPU) reuses the topology's groups, and log lines follow the topology built last."""
+    for rank, got in enumerate(run_ranks(_groups_built_again, 4)):
+        assert got["same"] and got["other"] and got["sum"] == 2.0, got
+        assert got["loops added by the same topology"] == 0, got
+        coords_other, coords_third = got["coords"]
+        assert coords_other == f"rank {rank} {rank}/0/0" and coords_third == f"rank {rank} {rank // 2}/0/{rank % 2}", got
+
+
 def _debug_lines() -> list[str]:
     import io
     import logging

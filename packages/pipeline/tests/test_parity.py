@@ -57,11 +57,13 @@ def _pipelined(pp: int, m: int) -> list:
 
     groups = comm.build_groups(comm.Topology(pp=pp))
     out = []
+    headers = set()
     for name, chunks, tied, ckpt in CONFIGS:
         plan = partition(_specs(tied), pp * chunks, "parameters")
         ex = PipelineExecutor(
             plan, make_schedule(name, pp, m, chunks), groups, gpt_loss, seed=7, checkpoint=ckpt
         )
+        headers.add(id(ex.header_group))
         steps = []
         for seq, seed in STEPS:
             xs, ys = _data(m, seq, seed)
@@ -73,6 +75,9 @@ def _pipelined(pp: int, m: int) -> list:
             }
             steps.append((loss, grads))
         out.append(steps)
+    # every executor of these groups shares one header group (transport.subgroups): torch keeps each group
+    # it makes to the world's end, a gloo one with a thread that wakes every 10 ms
+    out.append(len(headers) == 1)
     out.append(_most_sends_held(groups, pp))
     out.append(_trajectory(groups, pp, m))
     return out
@@ -199,6 +204,7 @@ def _check(pp: int, m: int, over_mpi: bool = False) -> None:
         results = run_ranks(_pipelined, pp, pp, m, timeout=240)
     _check_trajectory(results, pp, m)
     _check_sends_held(results, pp, over_mpi)
+    assert all(r[len(CONFIGS)] for r in results), "a header group per executor, not one for all"
     for ci, (name, chunks, tied, ckpt) in enumerate(CONFIGS):
         for si, (seq, seed) in enumerate(STEPS):
             tag = f"pp={pp} {name} chunks={chunks} tied={tied} checkpoint={ckpt} step={si}"

@@ -31,7 +31,7 @@ from .backends import mpi_backend
 from .health.errors import DirLiveness, Liveness, StoreLiveness
 from .job import state
 from .job.accelerator import device_identity, device_module, is_accelerator, pick_device, transport
-from .job.groups import Group, release_at_exit, warm_up
+from .job.groups import Group, forget_built, release_at_exit, warm_up
 from .job.launch_env import LaunchError, LaunchInfo, detect_launch
 from .log import get_logger, set_rank_context
 
@@ -269,6 +269,7 @@ def shutdown() -> None:
         if left:
             log.warning("shutdown: %d non-blocking MPI operation(s) did not complete within %.0f s; their buffers "
                         "are kept until the process exits", left, min(state.timeout_s(), DRAIN_LIMIT_S))
+    forget_built()
     if dist.is_initialized():
         dist.destroy_process_group()
     state.clear()

@@ -68,6 +68,12 @@ def shape_key(tensors: Sequence[torch.Tensor] | None) -> int:
     return zlib.crc32(text.encode()) | (len(tensors or ()) << 32)
 
 
+# The groups `subgroups` made, by topology, tag and stages, with the world they belong to: an executor built
+# again for the same layout reuses them, as comm.build_groups reuses a topology's groups (torch keeps every
+# process group until the world goes, each gloo one with threads that wake every few milliseconds).
+_MADE: dict[tuple, tuple[object, dict[str, comm.Group]]] = {}
+
+
 def subgroups(
     groups: comm.Groups, stages_by_name: dict[str, list[int]], tag: str
 ) -> dict[str, comm.Group]:
@@ -76,8 +82,13 @@ def subgroups(
     Collective over the world: every rank creates the groups of every pipeline
     group in the same order (torch's rule), then keeps the ones it belongs to.
     Returned groups use stage order; ranks outside a name's stages get none.
+    The same request under the same world gets the same groups again (`_MADE`).
     """
     pp, world = groups.pp, groups.world
+    key = (groups.topology, pp.ranks, tag, tuple(sorted((n, tuple(sorted(set(s)))) for n, s in stages_by_name.items())))
+    made = _MADE.get(key)
+    if made is not None and made[0] is world:
+        return dict(made[1])
     out: dict[str, comm.Group] = {}
     for name in sorted(stages_by_name):
         stages = sorted(set(stages_by_name[name]))
@@ -90,4 +101,5 @@ def subgroups(
                 out[name] = comm.Group(
                     name=f"{tag}:{name}", ranks=tuple(members), rank=stages.index(pp.rank), pg=pg
                 )
+    _MADE[key] = (world, dict(out))
     return out
