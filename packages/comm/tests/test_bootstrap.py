@@ -275,7 +275,8 @@ def test_the_same_topology_gets_the_same_groups_again() -> None:
         assert got["same"] and got["other"] and got["sum"] == 2.0, got
         assert got["loops added by the same topology"] == 0, got
         coords_other, coords_third = got["coords"]
-        assert coords_other == f"rank {rank} {rank}/0/0" and coords_third == f"rank {rank} {rank // 2}/0/{rank % 2}", got
+        assert coords_other == f"rank {rank} {rank}/0/0", got
+        assert coords_third == f"rank {rank} {rank // 2}/0/{rank % 2}", got
 
 
 def _debug_lines() -> list[str]:
