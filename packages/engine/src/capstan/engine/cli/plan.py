@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mach.add_argument("--disk-dir", default="runs/calibrate", help="with --calibrate: where to measure the disk")
     mach.add_argument("--quick", action="store_true",
                       help="with --calibrate: a rougher calibration (collectives of 2 ranks only, 32 MiB of disk, "
-                           "a bf16 block of one sequence)")
+                           "a bf16 block of one sequence timed 3 times)")
     lay = p.add_argument_group("layout (docs/config.md names)")
     for name in ("dp", "tp", "pp", "cp", "zero-stage", "micro", "accum", "virtual-stages"):
         lay.add_argument(f"--{name}", type=int)
@@ -253,7 +253,7 @@ def _calibrate(args: argparse.Namespace, shape: object, layout: object) -> int:
         for tp in sorted({layout.tp, 1, 2}):
             if shape.heads % tp == 0:
                 shapes.append((shape, replace(layout, tp=tp, dp=0)))
-    quick = {"ranks": (2,), "disk_bytes": 32 << 20, "bf16_micro": 1} if args.quick else {}
+    quick = {"ranks": (2,), "disk_bytes": 32 << 20, "bf16_micro": 1, "bf16_pairs": 3} if args.quick else {}
     machine = calibrate(args.disk_dir, shapes=shapes, log=lambda s: print(s, flush=True), **quick)
     out = args.out or str(default_machine_path())
     save_machine(machine, out)

@@ -261,12 +261,12 @@ def _profile_key(shape: ModelShape, layout: Layout) -> tuple:
 
 def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple[ModelShape, Layout]] = (),
               log=print, ranks: tuple[int, ...] = (2, 4), disk_bytes: int = DISK_BYTES,  # noqa: ANN001
-              bf16_micro: int = 8) -> Machine:
+              bf16_micro: int = 8, bf16_pairs: int = 7) -> Machine:
     """Measure this machine (module docstring); `shapes`: (model, layout) pairs whose layers to profile;
     `ranks`: the launches whose collectives are measured (2 always; every core's for the busy profiles);
-    `bf16_micro`: sequences of the bf16 reference block (`--quick` times 1: where the CPU has no bf16
-    arithmetic a bf16 block runs at a few GFLOP/s and 8 sequences took 90 s of a 2-core machine's
-    calibration)."""
+    `bf16_micro`, `bf16_pairs`: sequences of the bf16 reference block and timed pairs of it (`--quick`
+    times one sequence 3 times: where the CPU has no bf16 arithmetic a bf16 block runs at a few GFLOP/s,
+    8 sequences took 90 s of a 2-core machine's calibration, and one sequence timed 7 times 12 s)."""
     cores = len(os.sched_getaffinity(0))
     layouts = list(shapes)
     profiles = {}  # one profile per distinct (shape, tp slice, micro-batch, precision, sp, dropout)
@@ -290,7 +290,7 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
         contention = probes[2].get("block_together", alone) / alone
         ref = ModelShape(layers=1, hidden=512, heads=8, vocab=256, seq=128)
         fp32 = 3 * block_flops(ref, 1, 8) / alone
-        bf16 = _bf16_block_rate(ref, threads, bf16_micro)
+        bf16 = _bf16_block_rate(ref, threads, bf16_micro, bf16_pairs)
         cpu = _cpu_rates(threads)
         compression = _compression_rates()
         per_access = _per_access()
@@ -325,8 +325,8 @@ def calibrate(disk_dir: str | os.PathLike = "runs/calibrate", shapes: list[tuple
                    disk_read=read, disk_write=write, source=rates.source, rates=rates)
 
 
-def _bf16_block_rate(shape: ModelShape, threads: int, micro: int = 8) -> float:
+def _bf16_block_rate(shape: ModelShape, threads: int, micro: int = 8, pairs: int = 7) -> float:
     from .costs import measure_layers
 
-    cost = measure_layers(shape, Layout(micro=micro, precision="bf16"), threads)["block"]
+    cost = measure_layers(shape, Layout(micro=micro, precision="bf16"), threads, least=pairs)["block"]
     return 3 * block_flops(shape, 1, micro) / (cost.forward + cost.backward)

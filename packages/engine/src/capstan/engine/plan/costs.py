@@ -197,8 +197,9 @@ def _paired(forward, both, budget: float = 1.0, least: int = 7, most: int = 60) 
     return statistics.median(fs), statistics.median(bs)
 
 
-def measure_layers(shape: ModelShape, layout: Layout, threads: int = 1) -> dict[str, LayerCost]:
-    """Profile the reference GPT's layers at one tensor-parallel rank's shapes (module docstring)."""
+def measure_layers(shape: ModelShape, layout: Layout, threads: int = 1, least: int = 7) -> dict[str, LayerCost]:
+    """Profile the reference GPT's layers at one tensor-parallel rank's shapes (module docstring); `least`:
+    timed pairs of each layer at the least (`_paired`)."""
     from capstan.comm.job.groups import Group
     from capstan.tensorpar import GPTConfig
     from capstan.tensorpar.context import ContextParallel
@@ -246,7 +247,7 @@ def measure_layers(shape: ModelShape, layout: Layout, threads: int = 1) -> dict[
                     y = forward()
                     (y if y.dim() == 0 else y.float().sum()).backward()
 
-                f, b = _paired(forward, both)
+                f, b = _paired(forward, both, least=least)
                 n = share.get(kind, 1)
                 out[kind] = LayerCost(forward=f / n, backward=b / n)
             return out
