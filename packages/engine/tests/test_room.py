@@ -116,16 +116,24 @@ def test_a_disk_that_cannot_be_measured_is_one_error(monkeypatch: pytest.MonkeyP
     # 8-bit moments: a code and a quarter of a scale's 4 B per 256 values each
     ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0},
               "precision": {"optimizer_states": "int8"}}, False, True, 4 + 2 * (1 + 4 / 256)),
+    # 1-bit Adam over 2 replicas: fp32 gradient chunks, and the worker's and the server's residuals (4 + 4/2)
+    ("bf16", {"memory": {"offload": "cpu"}}, 2, False, 2 + 4 + 4 + 8 + 4 + 2),
+    ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0}}, 2, False,
+     4 + 4 + 8 + 4 + 2),
 ])
-def test_the_room_counts_gradients_wherever_the_step_keeps_them(dtype: str, sections: dict, sharded: bool,
+def test_the_room_counts_gradients_wherever_the_step_keeps_them(dtype: str, sections: dict, sharded: bool | int,
                                                                 overlap: bool, per: float) -> None:
     """The bytes a parameter keeps all step: its gradient too, but where the overlapped optimizer past RAM
     consumes and drops it in backward (neither clipping nor loss scaling, one backward a step, no ZeRO-3).
-    Counting it nowhere let through runs that fill the disk, or RAM, in their first step."""
+    Counting it nowhere let through runs that fill the disk, or RAM, in their first step. (An int for
+    `sharded`: 1-bit Adam's replicated chunks over that many replicas.)"""
     overrides = [f"precision.dtype=\"{dtype}\""] + [
         f"{name}.{key}={value!r}".replace("'", '"') for name, body in sections.items() for key, value in body.items()]
     cfg = load_config(overrides=overrides)
-    assert persistent_bytes_per_param(cfg, sharded, drops_gradients(cfg, overlap, sharded)) == pytest.approx(per)
+    onebit = sharded if type(sharded) is int else 0
+    sharded = sharded is True
+    got = persistent_bytes_per_param(cfg, sharded, drops_gradients(cfg, overlap, sharded), onebit)
+    assert got == pytest.approx(per)
 
 
 def test_one_ranks_budget_is_checked_against_its_share_not_the_whole_model() -> None:
@@ -138,9 +146,10 @@ def test_one_ranks_budget_is_checked_against_its_share_not_the_whole_model() -> 
     from capstan.engine.config.load import reference_param_count, state_bytes_per_param
 
     budget = int(0.7 * state_bytes_per_param(whole) * reference_param_count(whole))
-    with pytest.raises(ConfigError, match="keeps every chunk in RAM: memory.cpu_budget"):
-        load_config(overrides=base + [f"memory.cpu_budget={budget}", "parallel.dp=1"])
-    for axis in ("parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.dp=0"):  # (0: the world's size)
+    for one in ("parallel.dp=1", "parallel.dp=0"):  # (0: the world's size, 1 in this process)
+        with pytest.raises(ConfigError, match="keeps every chunk in RAM: memory.cpu_budget"):
+            load_config(overrides=base + [f"memory.cpu_budget={budget}", one])
+    for axis in ("parallel.dp=2", "parallel.tp=2", "parallel.pp=2"):
         load_config(overrides=base + [f"memory.cpu_budget={budget}", axis])
 
 

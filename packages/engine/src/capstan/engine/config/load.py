@@ -416,30 +416,45 @@ def _check_chunk_path(cfg: Config, sources: Sources, reference_model: bool = Tru
     # One rank holds the whole model: checked here, before anything is built. Under dp, tp, pp or cp each rank
     # holds its share, which the engine counts once the model exists (machine/room.py), as for a model of
     # one's own (the whole reference GPT against one rank's budget refused layouts that fit).
-    single = p.dp == 1 and p.tp == 1 and p.pp == 1 and p.cp == 1
+    single = p.tp == 1 and p.pp == 1 and p.cp == 1 and (p.dp == 1 or p.dp == 0 and _launch_world() == 1)
     if mem.offload == "cpu" and mem.cpu_budget is not None and reference_model and single:
         check_states_fit(mem.cpu_budget, reference_param_count(cfg), cfg)
 
 
-def gradient_bytes_per_param(cfg: Config, sharded: bool = False) -> float:
+def gradient_bytes_per_param(cfg: Config, sharded: bool = False, onebit_replicas: int = 0) -> float:
     """Bytes of chunks a parameter's gradient takes of its own: fp32 beside fp32 compute, bf16 beside a bf16
-    master, fp32 under ZeRO-3 (`sharded`: reduce-scattered into the owners' fp32 chunks) and beside a 16-bit
-    parameter under gradient accumulation (several backwards add up); 0 where a 16-bit gradient takes its
-    parameter's slot once backward is done with it (chunkmem's ChunkedModel.grad_chunks)."""
+    master, fp32 under ZeRO-3 (`sharded`: reduce-scattered into the owners' fp32 chunks) and 1-bit Adam's
+    replicated chunks (`onebit_replicas` > 0: averaged over them in fp32), and beside a 16-bit parameter
+    under gradient accumulation (several backwards add up); 0 where a 16-bit gradient takes its parameter's
+    slot once backward is done with it (chunkmem's ChunkedModel.grad_chunks)."""
     pr = cfg.precision
-    if sharded or pr.dtype == "fp32":
+    if sharded or onebit_replicas or pr.dtype == "fp32":
         return 4
     if pr.master_weights == "bf16":
         return 2
     return 4 if cfg.train.grad_accum_steps > 1 else 0
 
 
-def state_bytes_per_param(cfg: Config, sharded: bool = False) -> float:
+def _launch_world() -> int | None:
+    """The world size the launch environment names (None where it cannot be read): parallel.dp = 0 is then
+    known before any process group exists."""
+    from capstan.comm import LaunchError, detect_launch
+
+    try:
+        return detect_launch().world_size
+    except LaunchError:
+        return None
+
+
+def state_bytes_per_param(cfg: Config, sharded: bool = False, onebit_replicas: int = 0) -> float:
     """Bytes of chunks a parameter takes at the least (padding aside): its parameter and master, its
-    gradient (`gradient_bytes_per_param`), and both moments in `precision` (docs/chunkmem.md, "Mixed
-    precision" and "A bf16 master")."""
+    gradient (`gradient_bytes_per_param`), both moments in `precision` (docs/chunkmem.md, "Mixed
+    precision" and "A bf16 master"), and with 1-bit Adam over `onebit_replicas` replicas its two fp32
+    residuals (the whole and one replica's part: chunkmem's ReplicatedChunkedModel)."""
     pr = cfg.precision
-    held = 2 * MOMENT_BYTES[pr.optimizer_states] + gradient_bytes_per_param(cfg, sharded)
+    held = 2 * MOMENT_BYTES[pr.optimizer_states] + gradient_bytes_per_param(cfg, sharded, onebit_replicas)
+    if onebit_replicas:
+        held += 4 + 4 / onebit_replicas
     if pr.dtype == "fp32":
         return 4 + held  # the parameter is the master
     if pr.master_weights == "bf16":
@@ -447,7 +462,7 @@ def state_bytes_per_param(cfg: Config, sharded: bool = False) -> float:
     return 2 + 4 + held  # a 16-bit parameter and its fp32 master
 
 
-def drops_gradients(cfg: Config, overlap: bool, sharded: bool = False) -> bool:
+def drops_gradients(cfg: Config, overlap: bool, sharded: bool = False) -> bool:  # (1-bit Adam: never overlaps)
     """Whether the overlapped optimizer consumes each chunk group's gradient during backward and drops it, so
     that no moment of the step holds them all (chunkmem optim/overlap.py, "Past RAM"): where the step streams
     (a cpu budget or the disk tier) with neither clipping nor fp16's loss scaling (no step can be redone),
@@ -458,17 +473,19 @@ def drops_gradients(cfg: Config, overlap: bool, sharded: bool = False) -> bool:
             and t.grad_accum_steps == 1)
 
 
-def persistent_bytes_per_param(cfg: Config, sharded: bool = False, drops_grads: bool = False) -> float:
+def persistent_bytes_per_param(cfg: Config, sharded: bool = False, drops_grads: bool = False,
+                               onebit_replicas: int = 0) -> float:
     """Bytes of chunks a parameter keeps all step at the least: `state_bytes_per_param`, less its gradient where
     the overlapped optimizer drops it during backward (`drops_gradients`)."""
-    per = state_bytes_per_param(cfg, sharded)
+    per = state_bytes_per_param(cfg, sharded, onebit_replicas)
     return per - gradient_bytes_per_param(cfg, sharded) if drops_grads else per
 
 
-def states_fit_error(cpu_budget: int, params: int, cfg: Config, sharded: bool = False) -> str | None:
+def states_fit_error(cpu_budget: int, params: int, cfg: Config, sharded: bool = False,
+                     onebit_replicas: int = 0) -> str | None:
     """memory.offload = "cpu" keeps every chunk in RAM: what is wrong where the budget cannot hold the model
     states of `params` parameters (None where it can)."""
-    per = state_bytes_per_param(cfg, sharded)
+    per = state_bytes_per_param(cfg, sharded, onebit_replicas)
     need = int(per * params)
     if cpu_budget >= need:
         return None

@@ -16,7 +16,8 @@ ZeRO-3), and the ranks compare them, summed per node, with what the node has:
 * ``offload = "cpu"`` without memory.cpu_budget (RAM unbounded): the states less the parameters already
   in RAM (a model built before it was chunked: its tensors are freed into the chunks) must fit the RAM
   available (MemAvailable, or a memory cgroup's limit less its usage but its page cache) plus free swap
-  (none from a GPU, whose host buffers are pinned);
+  (on a GPU the parameter and gradient chunks' host buffers are pinned and cannot swap, but the masters
+  and moments, most of the bytes, can: swap counts, as a lower bound must);
 * ``offload = "cpu"`` with a budget: the budget must hold this rank's whole states (`states_fit_error`;
   the config check did so already where one rank holds the whole reference GPT).
 
@@ -112,11 +113,11 @@ def _disk_row(cfg: Config, params: int, device_bytes: int, rank: int, per: float
     return _node_key("disk", os.stat(where).st_dev), need, _disk_free(where), held, what
 
 
-def _ram_row(params: int, resident: int, per: float, pinned: bool) -> tuple[int, int, int, int, str]:
+def _ram_row(params: int, resident: int, per: float) -> tuple[int, int, int, int, str]:
     avail, source = available_ram(all_cache=True)
     if not avail and source == "MemAvailable":  # not Linux: unknown, never refused
         return _node_key("ram"), 0, 1 << 62, 0, ""
-    swap = proc_kib(MEMINFO, "SwapFree") if source == "MemAvailable" and not pinned else 0
+    swap = proc_kib(MEMINFO, "SwapFree") if source == "MemAvailable" else 0
     need = max(0, int(per * params) - resident)
     what = (f"this rank: {params} parameters x {per:g} bytes kept all step, {human_bytes(per * params)}"
             + (f", less {human_bytes(resident)} in RAM already" if resident else ""))
@@ -125,29 +126,31 @@ def _ram_row(params: int, resident: int, per: float, pinned: bool) -> tuple[int,
 
 
 def check_room_for_states(cfg: Config, groups: comm.Groups, params: int, resident: int = 0,
-                          device_bytes: int = 0, *, sharded: bool = False, overlap: bool = False,
-                          pinned: bool = False, overlap_error: str | None = None) -> None:
+                          device_bytes: int = 0, *, sharded: bool = False, onebit_replicas: int = 0,
+                          overlap: bool = False, overlap_error: str | None = None) -> None:
     """Refuse at start (one `ConfigError`, on every rank) a run whose model states cannot fit the room its
     nodes have (module docstring). `params`: the trainable parameters this rank keeps chunks of (its 1/dp
-    under ZeRO-3: `sharded`); `resident`: bytes of them already in RAM; `device_bytes`: what a GPU holds in
-    their place (`device_param_bytes`); `overlap`: the optimizer overlaps backward (then past RAM it may drop
-    the gradients: `drops_gradients`); `pinned`: the chunks' host buffers are page-locked (a GPU's), so swap
-    is no room; `overlap_error`: this rank cannot overlap as asked. Collective over the world group: a rank
-    that cannot read its disk or RAM says so in its row, so that every rank still meets the others there
-    and raises."""
+    under ZeRO-3: `sharded`; 1-bit Adam's replicated chunks over `onebit_replicas` ranks hold residuals
+    too); `resident`: bytes of them already in RAM; `device_bytes`: what a GPU holds in their place
+    (`device_param_bytes`); `overlap`: the optimizer overlaps backward (then past RAM it may drop the
+    gradients: `drops_gradients`); `overlap_error`: this rank cannot overlap as asked. Collective over the
+    world group: a rank that cannot read its disk or RAM says so in its row, so that every rank still meets
+    the others there and raises."""
     mem, rank = cfg.memory, groups.world.rank
     own, kind, what, freed = overlap_error, BUDGET, "", 0
-    per = persistent_bytes_per_param(cfg, sharded, drops_gradients(cfg, overlap, sharded))
+    per = persistent_bytes_per_param(cfg, sharded, drops_gradients(cfg, overlap and not onebit_replicas, sharded),
+                                     onebit_replicas)
     try:
         if own:
             key, need, room = rank, 1, 0
         elif mem.offload == "disk" and mem.cpu_budget is not None:
             (key, need, room, freed, what), kind = _disk_row(cfg, params, device_bytes, rank, per), DISK
         elif mem.offload == "cpu" and mem.cpu_budget is None:
-            (key, need, room, freed, what), kind = _ram_row(params, resident, per, pinned), RAM
+            (key, need, room, freed, what), kind = _ram_row(params, resident, per), RAM
         else:  # a budget to check alone (room 0, a key of its own), or nothing to check
             budget = mem.cpu_budget
-            own = states_fit_error(budget, params, cfg, sharded) if mem.offload == "cpu" and budget else None
+            own = (states_fit_error(budget, params, cfg, sharded, onebit_replicas)
+                   if mem.offload == "cpu" and budget else None)
             key, need, room = rank, (1 if own else 0), 0
     except OSError as e:  # (an unreadable disk_dir, say)
         what = f"memory.disk_dir ({mem.disk_dir})" if mem.offload == "disk" else "RAM"

@@ -95,7 +95,9 @@ class ChunkedStates(ModelStates):
         # first step (machine/room.py; with a cpu budget: the budget against this rank's share of the model
         # being trained, which the config check sized only where one rank holds the whole reference GPT)
         params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        sharded = groups.replicas.size > 1 and config.parallel.compression != "onebit"
+        replicas = groups.replicas.size
+        sharded = replicas > 1 and config.parallel.compression != "onebit"
+        onebit_replicas = replicas if replicas > 1 and config.parallel.compression == "onebit" else 0
         if sharded:  # ZeRO-3: this rank's 1/dp
             params = -(-params // groups.replicas.size)
         overlap, overlap_error = False, None
@@ -105,7 +107,8 @@ class ChunkedStates(ModelStates):
             overlap_error = str(e)
         check_room_for_states(config, groups, params, resident_param_bytes(model),
                               device_param_bytes(config, params, limit or budget) if gpu is not None else 0,
-                              sharded=sharded, overlap=overlap, pinned=gpu is not None, overlap_error=overlap_error)
+                              sharded=sharded, onebit_replicas=onebit_replicas, overlap=overlap,
+                              overlap_error=overlap_error)
         disk = DiskStore(mem.disk_dir, rank=groups.world.rank) if mem.offload == "disk" else None
         self.manager = ChunkManager(mem.cpu_budget, disk, eviction=mem.eviction, memory_limit=mem.ram_limit,
                                     device=gpu, device_budget=budget, device_limit=limit, device_measure=measure)

@@ -17,6 +17,7 @@ collective over the whole world.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Sequence
 
@@ -68,10 +69,10 @@ def shape_key(tensors: Sequence[torch.Tensor] | None) -> int:
     return zlib.crc32(text.encode()) | (len(tensors or ()) << 32)
 
 
-# The groups `subgroups` made, by topology, tag and stages, with the world they belong to: an executor built
-# again for the same layout reuses them, as comm.build_groups reuses a topology's groups (torch keeps every
-# process group until the world goes, each gloo one with threads that wake every few milliseconds).
-_MADE: dict[tuple, tuple[object, dict[str, comm.Group]]] = {}
+# The groups `subgroups` made, per world (gone with it), by topology, tag and stages: an executor built again
+# for the same layout reuses them, as comm.build_groups reuses a topology's groups (torch keeps every process
+# group until the world goes, each gloo one with threads that wake every few milliseconds).
+_MADE: weakref.WeakKeyDictionary[comm.Group, dict[tuple, dict[str, comm.Group]]] = weakref.WeakKeyDictionary()
 
 
 def subgroups(
@@ -86,9 +87,9 @@ def subgroups(
     """
     pp, world = groups.pp, groups.world
     key = (groups.topology, pp.ranks, tag, tuple(sorted((n, tuple(sorted(set(s)))) for n, s in stages_by_name.items())))
-    made = _MADE.get(key)
-    if made is not None and made[0] is world:
-        return dict(made[1])
+    made = _MADE.setdefault(world, {})
+    if key in made:
+        return dict(made[key])
     out: dict[str, comm.Group] = {}
     for name in sorted(stages_by_name):
         stages = sorted(set(stages_by_name[name]))
@@ -101,5 +102,5 @@ def subgroups(
                 out[name] = comm.Group(
                     name=f"{tag}:{name}", ranks=tuple(members), rank=stages.index(pp.rank), pg=pg
                 )
-    _MADE[key] = (world, dict(out))
+    made[key] = dict(out)
     return out
