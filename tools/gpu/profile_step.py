@@ -175,7 +175,8 @@ def profile(args: argparse.Namespace, offload: str) -> None:
         if ev.key.startswith(prefix) and ev.cpu_time_total > 0:  # (not the device-side twin rows)
             print(f"  {ev.key:48s} {ev.cpu_time_total / 1e3 / args.steps:9.1f} ms  x{ev.count / args.steps:g}")
     if worker:
-        print("the optimizer's worker thread (wall time, ms per step; not in the profiler's tables):")
+        print("the optimizer's chunk jobs, timed by hand (wall time, ms per step; on the worker thread, which the "
+              "profiler's tables leave out; past RAM they run in the hooks' thread instead):")
         for key, (spent, calls) in sorted(worker.items(), key=lambda kv: -kv[1][0]):
             print(f"  {key:48s} {spent * 1e3 / args.steps:9.1f} ms  x{calls / args.steps:g}")
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
