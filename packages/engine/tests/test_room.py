@@ -95,43 +95,41 @@ def test_a_disk_that_cannot_be_measured_is_one_error(monkeypatch: pytest.MonkeyP
         initialize(config=cfg)
 
 
-@pytest.mark.parametrize(("dtype", "sections", "sharded", "overlap", "per"), [
+@pytest.mark.parametrize(("dtype", "sections", "sharded", "overlap", "per", "onebit"), [
     # fp32 compute: parameter (the master) 4, gradient 4, moments 4 + 4
-    ("fp32", {"memory": {"offload": "cpu"}}, False, True, 16),  # in RAM nothing streams: gradients kept
-    ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0}}, False, True, 12),
-    ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0}}, False, False, 16),
-    ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}}, False, True, 16),  # clipping: kept to the end
+    ("fp32", {"memory": {"offload": "cpu"}}, False, True, 16, 0),  # in RAM nothing streams: gradients kept
+    ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0}}, False, True, 12, 0),
+    ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0}}, False, False, 16, 0),
+    ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}}, False, True, 16, 0),  # clipping: kept to the end
     ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0, "grad_accum_steps": 2}},
-     False, True, 16),  # accumulation: every gradient chunk lives across the micro-batches
-    ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0}}, True, False, 16),
+     False, True, 16, 0),  # accumulation: every gradient chunk lives across the micro-batches
+    ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0}}, True, False, 16, 0),
     # bf16 compute, fp32 master: 2 + 4 + moments 8, the gradient in the 16-bit slot, or fp32 chunks of its own
-    ("bf16", {"memory": {"offload": "cpu"}}, False, True, 14),
-    ("bf16", {"memory": {"offload": "cpu"}, "train": {"grad_accum_steps": 2}}, False, True, 18),
-    ("bf16", {"memory": {"offload": "cpu"}}, True, False, 18),  # ZeRO-3 reduces into fp32 gradient chunks
+    ("bf16", {"memory": {"offload": "cpu"}}, False, True, 14, 0),
+    ("bf16", {"memory": {"offload": "cpu"}, "train": {"grad_accum_steps": 2}}, False, True, 18, 0),
+    ("bf16", {"memory": {"offload": "cpu"}}, True, False, 18, 0),  # ZeRO-3 reduces into fp32 gradient chunks
     # a bf16 master: 2 + a bf16 gradient 2 + moments 8 (fp32 under ZeRO-3)
-    ("bf16", {"memory": {"offload": "cpu"}, "precision": {"master_weights": "bf16"}}, False, True, 12),
+    ("bf16", {"memory": {"offload": "cpu"}, "precision": {"master_weights": "bf16"}}, False, True, 12, 0),
     ("bf16", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0},
-              "precision": {"master_weights": "bf16"}}, False, True, 10),
-    ("bf16", {"memory": {"offload": "cpu"}, "precision": {"master_weights": "bf16"}}, True, False, 14),
+              "precision": {"master_weights": "bf16"}}, False, True, 10, 0),
+    ("bf16", {"memory": {"offload": "cpu"}, "precision": {"master_weights": "bf16"}}, True, False, 14, 0),
     # 8-bit moments: a code and a quarter of a scale's 4 B per 256 values each
     ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0},
-              "precision": {"optimizer_states": "int8"}}, False, True, 4 + 2 * (1 + 4 / 256)),
+              "precision": {"optimizer_states": "int8"}}, False, True, 4 + 2 * (1 + 4 / 256), 0),
     # 1-bit Adam over 2 replicas: fp32 gradient chunks, and the worker's and the server's residuals (4 + 4/2)
-    ("bf16", {"memory": {"offload": "cpu"}}, 2, False, 2 + 4 + 4 + 8 + 4 + 2),
-    ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0}}, 2, False,
-     4 + 4 + 8 + 4 + 2),
+    ("bf16", {"memory": {"offload": "cpu"}}, False, False, 2 + 4 + 4 + 8 + 4 + 2, 2),
+    ("fp32", {"memory": {"offload": "disk", "cpu_budget": 1 << 30}, "train": {"grad_clip": 0.0}}, False, False,
+     4 + 4 + 8 + 4 + 2, 2),
 ])
-def test_the_room_counts_gradients_wherever_the_step_keeps_them(dtype: str, sections: dict, sharded: bool | int,
-                                                                overlap: bool, per: float) -> None:
+def test_the_room_counts_gradients_wherever_the_step_keeps_them(dtype: str, sections: dict, sharded: bool,
+                                                                overlap: bool, per: float, onebit: int) -> None:
     """The bytes a parameter keeps all step: its gradient too, but where the overlapped optimizer past RAM
     consumes and drops it in backward (neither clipping nor loss scaling, one backward a step, no ZeRO-3).
-    Counting it nowhere let through runs that fill the disk, or RAM, in their first step. (An int for
-    `sharded`: 1-bit Adam's replicated chunks over that many replicas.)"""
+    Counting it nowhere let through runs that fill the disk, or RAM, in their first step. (`onebit`: 1-bit
+    Adam's replicated chunks over that many replicas.)"""
     overrides = [f"precision.dtype=\"{dtype}\""] + [
         f"{name}.{key}={value!r}".replace("'", '"') for name, body in sections.items() for key, value in body.items()]
     cfg = load_config(overrides=overrides)
-    onebit = sharded if type(sharded) is int else 0
-    sharded = sharded is True
     got = persistent_bytes_per_param(cfg, sharded, drops_gradients(cfg, overlap, sharded), onebit)
     assert got == pytest.approx(per)
 

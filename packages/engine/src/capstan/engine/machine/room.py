@@ -138,8 +138,7 @@ def check_room_for_states(cfg: Config, groups: comm.Groups, params: int, residen
     the others there and raises."""
     mem, rank = cfg.memory, groups.world.rank
     own, kind, what, freed = overlap_error, BUDGET, "", 0
-    per = persistent_bytes_per_param(cfg, sharded, drops_gradients(cfg, overlap and not onebit_replicas, sharded),
-                                     onebit_replicas)
+    per = persistent_bytes_per_param(cfg, sharded, drops_gradients(cfg, overlap, sharded), onebit_replicas)
     try:
         if own:
             key, need, room = rank, 1, 0
